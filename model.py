@@ -1,0 +1,306 @@
+"""A single-file Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, SmolLM2).
+
+GPT-Fast in spirit: static shapes, one small compiled decode step, no framework. The model talks
+to its KV cache only through the `KVCache` interface of `cache.py`:
+
+    prefill:  exact causal attention over the prompt's own keys, then `cache.prefill(...)` stores
+              (or compresses) them;
+    decode:   `cache.update(...)` inserts the step's keys/values and returns what to attend over
+              plus each slot's token position (-1 = empty); the mask is derived from positions.
+              Caches with `needs_attention` get the attention probabilities via `cache.observe`.
+
+q/k layout: rotate-half (the Hugging Face convention). HF checkpoints load unchanged; GGUF files,
+whose q/k rows are permuted for interleaved RoPE, are un-permuted at conversion (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache import KVCache
+
+
+class ConfigError(ValueError):
+    """A checkpoint or model configuration that kvlab cannot use."""
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    dim: int
+    intermediate_size: int
+    n_local_heads: int = -1  # KV heads (GQA); -1 means n_head
+    head_dim: int = 0  # 0 means dim // n_head
+    rope_base: float = 10000.0
+    rope_scaling: dict | None = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    norm_eps: float = 1e-5
+    block_size: int = 2048  # maximum context length
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+
+    def __post_init__(self) -> None:
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_head
+        if self.n_head % self.n_local_heads:
+            raise ConfigError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") != "llama3":
+            raise ConfigError(f"unsupported rope scaling {self.rope_scaling!r}; supported: llama3")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Build from a Hugging Face `config.json` (transformers 4.x and 5.x field names)."""
+        family = cfg.get("model_type")
+        if family not in HF_FAMILIES:
+            raise ConfigError(f"unknown model family {family!r}; supported: {', '.join(HF_FAMILIES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
+        if cfg.get("mlp_bias"):
+            raise ConfigError("MLP biases (mlp_bias=true) are not supported")
+        if cfg.get("sliding_window") and (family == "mistral" or cfg.get("use_sliding_window")):
+            raise ConfigError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported; kvlab attends over the whole context")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        n_head = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=n_head,
+            dim=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            n_local_heads=cfg.get("num_key_value_heads") or n_head,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+            rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            block_size=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+        )
+
+
+HF_FAMILIES = ("llama", "mistral", "qwen2")
+
+_LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
+
+# Known architectures, for documentation, `scripts/download.py` and tests. A checkpoint's own
+# config file decides its shape; these tables never do.
+# fmt: off
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M": dict(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, rope_base=100000.0, block_size=8192, tie_embeddings=True),
+    "SmolLM2-360M": dict(vocab_size=49152, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, rope_base=100000.0, block_size=8192, tie_embeddings=True),
+    "SmolLM2-1.7B": dict(vocab_size=49152, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, rope_base=130000.0, block_size=8192, tie_embeddings=True),
+    "Llama-2-7B": dict(vocab_size=32000, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096),
+    "Llama-2-13B": dict(vocab_size=32000, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096),
+    "Llama-2-70B": dict(vocab_size=32000, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, block_size=4096),
+    "Llama-3-8B": dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=8192),
+    "Llama-3-70B": dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=8192),
+    "Llama-3.1-8B": dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING),
+    "Llama-3.1-70B": dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING),
+    "Llama-3.2-1B": dict(vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, head_dim=64, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True),
+    "Llama-3.2-3B": dict(vocab_size=128256, n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, head_dim=128, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True),
+    "Mistral-7B-v0.3": dict(vocab_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=1000000.0, block_size=32768),
+    "Qwen2-0.5B": dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
+    "Qwen2-1.5B": dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
+    "Qwen2-7B": dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True),
+    "Qwen2.5-0.5B": dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-1.5B": dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-3B": dict(vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-7B": dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True),
+}
+# fmt: on
+
+
+def known_model_name(args: ModelArgs) -> str | None:
+    """The KNOWN_MODELS entry with this architecture (context length aside), if any."""
+    for name, spec in KNOWN_MODELS.items():
+        known = ModelArgs(**spec)
+        if dict(known.to_dict(), block_size=0) == dict(args.to_dict(), block_size=0):
+            return name
+    return None
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def setup_caches(self, caches: list[KVCache]) -> None:
+        """Attach one cache per layer (see `cache.make_caches`)."""
+        for layer, kv_cache in zip(self.layers, caches, strict=True):
+            layer.attention.kv_cache = kv_cache
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None) -> Tensor:
+        """tokens, input_pos: [B, T]. input_pos is each token's position in its own sequence, -1 for
+        padding. `prefill=True` means a fresh prompt starting at position 0 (right-padded): attention is
+        exact causal attention over the prompt itself. `logits_at` [B, K] picks which columns get logits
+        (e.g. each row's last prompt token), so a long prefill need not build [B, T, vocab] logits."""
+        positions = input_pos.clamp(min=0)
+        cos = self.rope_cos[positions].unsqueeze(1).to(self.tok_embeddings.weight.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(self.tok_embeddings.weight.dtype)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, input_pos, cos, sin, prefill)
+        if logits_at is not None:
+            x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return self.output(self.norm(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, prefill)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
+        B, T, _ = x.shape
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
+        if self.kv_cache is None:
+            raise RuntimeError("call model.setup_caches(...) before running the model")
+        if prefill:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            self.kv_cache.prefill(input_pos, k, v, q)
+        else:
+            keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q)
+            mask = attention_mask(key_pos, input_pos)
+            y, probs = grouped_attention(q, keys, values, mask, self.kv_cache.needs_attention)
+            if probs is not None:
+                self.kv_cache.observe(probs)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+def attention_mask(key_pos: Tensor, query_pos: Tensor) -> Tensor:
+    """Causality from positions: a query sees filled slots (pos >= 0) no later than itself.
+    key_pos: [B, S] (shared by heads) or [B, H_kv, S]; query_pos: [B, T] -> [B, 1 or H_kv, T, S]."""
+    if key_pos.dim() == 2:
+        key_pos = key_pos.unsqueeze(1)
+    key_pos = key_pos.unsqueeze(2)
+    return (key_pos >= 0) & (key_pos <= query_pos[:, None, :, None])
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
+    """GQA attention without repeating K/V: the query heads sharing a KV head are folded into the
+    query-length axis. q: [B, H, T, D]; k, v: [B, H_kv, S, D]; mask: [B, 1 or H_kv, T, S].
+    Returns y [B, H, T, D] and, if asked, probabilities [B, H_kv, group, T, S] in float32."""
+    B, H, T, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    group = H // n_kv
+    q = q.reshape(B, n_kv, group * T, D)
+    mask = mask.unsqueeze(2).expand(B, mask.shape[1], group, T, S).reshape(B, mask.shape[1], group * T, S)
+    if not return_probs:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.view(B, H, T, D), None
+    scores = (q @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(D))
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    y = probs.to(v.dtype) @ v
+    return y.view(B, H, T, D), probs.view(B, n_kv, group, T, S)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+def rope_frequencies(config: ModelArgs) -> Tensor:
+    """Inverse frequencies, with Llama-3.1 "llama3" scaling of the low-frequency bands when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / s["low_freq_factor"], old_len / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelArgs) -> tuple[Tensor, Tensor]:
+    """cos/sin for every position up to the context length, [block_size, head_dim], float32."""
+    inv_freq = rope_frequencies(config).float()
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: x [B, H, T, D]; cos/sin [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

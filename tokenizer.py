@@ -1,0 +1,557 @@
+"""Tokenizers for Llama-family checkpoints: byte-level BPE, SentencePiece and tiktoken behind one interface.
+
+Three kinds, chosen by the "tokenizer" section of a checkpoint's config.json:
+
+    bpe            a Hugging Face tokenizer.json with a byte-level BPE model (SmolLM2, Qwen2, Llama-3 via HF),
+                   encoded with a tiktoken `Encoding` built from its vocab and merges (fast, no extra deps);
+    sentencepiece  a SentencePiece tokenizer.model (Llama-2, Mistral);
+    tiktoken       Meta's original Llama-3 tokenizer.model (lines "base64token rank").
+
+Special tokens are handled here, not by the backends: `encode(text)` treats "<|im_start|>" in a corpus as
+ordinary text, `encode(text, allow_special=True)` turns it into its id. Chat templates are rendered from a
+few exact formats (chatml, llama3, llama2, mistral) instead of running Jinja.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+import shutil
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import sentencepiece as spm
+import tiktoken
+
+KINDS = ("bpe", "sentencepiece", "tiktoken")
+CHAT_TEMPLATES = ("chatml", "llama3", "llama2", "mistral")
+ROLES = ("system", "user", "assistant")
+
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Digits(individual_digits=True) followed by GPT-2's ByteLevel regex, as one regex: digits stand alone and a
+# whitespace run before a digit is not split (the lookahead only backs off before letters and punctuation).
+SMOLLM_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+GGUF_PRE_PATTERNS = {
+    "smollm": SMOLLM_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+    "gpt-2": GPT2_PATTERN,
+    "default": GPT2_PATTERN,
+}
+
+# Meta's Llama-3.1 tokenizer.model carries no special tokens; they follow the ranks in this order.
+LLAMA3_SPECIAL_NAMES = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+] + [f"<|reserved_special_token_{i}|>" for i in range(2, 247)]
+
+# Tokens that end generation, per chat family, when the vocabulary has them (eos always does).
+CHAT_STOP_TOKENS = {"chatml": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"]}
+# bos/eos for a tokenizer.json whose config does not name them.
+FALLBACK_BOS = ("<|begin_of_text|>", "<s>")
+FALLBACK_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>")
+
+_CHATML_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}<]+?)<\|im_end\|>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE token strings."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+class Tokenizer:
+    """One interface over the three kinds: special tokens, BOS, stop ids and chat templates live here;
+    subclasses supply `encode_ordinary` (plain text, no specials) and `decode`."""
+
+    add_bos: bool = False  # set by load_tokenizer from the checkpoint config
+
+    def __init__(
+        self,
+        kind: str,
+        vocab_size: int,
+        specials: dict[str, int],
+        bos_id: int | None,
+        eos_id: int,
+        chat_template: str | None,
+        default_system_prompt: str | None,
+    ) -> None:
+        if chat_template is not None and chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"unknown chat_template {chat_template!r}; choose one of {CHAT_TEMPLATES} or None")
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.specials = specials
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = eos_id  # padded positions are masked, so any valid id works
+        self.chat_template = chat_template
+        self.default_system_prompt = default_system_prompt
+        stops = [specials[t] for t in CHAT_STOP_TOKENS.get(chat_template, []) if t in specials] + [eos_id]
+        self.stop_ids = list(dict.fromkeys(stops))
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if specials else None
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def encode(self, text: str, allow_special: bool = False, bos: bool = False) -> list[int]:
+        """Token ids of `text`. Only with allow_special=True do special-token strings become their ids
+        (chat prompts); corpora may contain them literally."""
+        ids = [self._bos()] if bos else []
+        if not allow_special or self._special_re is None:
+            return ids + self.encode_ordinary(text)
+        for i, piece in enumerate(self._special_re.split(text)):
+            if i % 2:
+                ids.append(self.specials[piece])
+            elif piece:
+                ids += self.encode_ordinary(piece)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the family's chat format. Message contents are encoded as plain text,
+        so a user cannot inject special tokens."""
+        if self.chat_template is None:
+            raise ValueError(f"this tokenizer has no chat template; set chat_template to one of {CHAT_TEMPLATES} in the config")
+        for m in messages:
+            if m["role"] not in ROLES:
+                raise ValueError(f"unknown message role {m['role']!r}; choose one of {ROLES}")
+        if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
+        if self.chat_template == "chatml":
+            parts = self._chatml(messages, add_generation_prompt)
+        elif self.chat_template == "llama3":
+            parts = self._llama3(messages, add_generation_prompt)
+        else:
+            parts = self._inst(messages, mistral=self.chat_template == "mistral")
+        ids = []
+        for is_text, group in itertools.groupby(parts, key=lambda p: isinstance(p, str)):
+            run = list(group)
+            ids += self.encode_ordinary("".join(run)) if is_text else run
+        return ids
+
+    def _chatml(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[str | int]:
+        start, end = self._special("<|im_start|>"), self._special("<|im_end|>")
+        parts: list[str | int] = []
+        for m in messages:
+            parts += [start, f"{m['role']}\n{m['content']}", end, "\n"]
+        if add_generation_prompt:
+            parts += [start, "assistant\n"]
+        return parts
+
+    def _llama3(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[str | int]:
+        start, end, eot = self._special("<|start_header_id|>"), self._special("<|end_header_id|>"), self._special("<|eot_id|>")
+        parts: list[str | int] = [self._special("<|begin_of_text|>")]
+        for m in messages:
+            parts += [start, m["role"], end, "\n\n" + m["content"], eot]
+        if add_generation_prompt:
+            parts += [start, "assistant", end, "\n\n"]
+        return parts
+
+    def _inst(self, messages: list[dict[str, str]], mistral: bool) -> list[str | int]:
+        """Llama-2 / Mistral [INST] format; the model answers after the last [/INST] either way."""
+        system = None
+        if messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"], messages[1:]
+        parts: list[str | int] = []
+        for m in messages:
+            if m["role"] == "system":
+                raise ValueError(f"a {self.chat_template} conversation allows a system message only first")
+            if m["role"] == "assistant":
+                parts += [f" {m['content']} ", self.eos_id]
+                continue
+            content = m["content"]
+            if system is not None:
+                content = f"{system}\n\n{content}" if mistral else f"<<SYS>>\n{system}\n<</SYS>>\n\n{content}"
+                system = None
+            parts += [self._bos(), f"[INST] {content} [/INST]"]
+        return parts
+
+    def _bos(self) -> int:
+        if self.bos_id is None:
+            raise ValueError("this tokenizer has no BOS token; use bos=False")
+        return self.bos_id
+
+    def _special(self, name: str) -> int:
+        if name not in self.specials:
+            raise ValueError(f"chat template {self.chat_template!r} needs special token {name!r}, which this vocabulary lacks")
+        return self.specials[name]
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range; valid ids are 0..{self.vocab_size - 1}")
+
+
+class ByteLevelTokenizer(Tokenizer):
+    """Byte-level BPE on tiktoken (kinds "bpe" and "tiktoken").
+
+    tiktoken merges by the rank of the merged bytes, so `ranks` must order tokens as the merges do. When those
+    ranks are not the token ids, `rank_to_id` maps them. Characters whose UTF-8 bytes have no single-byte token
+    are stripped before encoding: tiktoken panics (a BaseException) on them. SmolLM2 lacks 0x04, 0x06, 0x13,
+    0x14, 0x16, 0x1D and the lead bytes 0xF1/0xF2 (U+40000-U+BFFFF, unassigned); Hugging Face drops the same
+    bytes silently, so ids only differ where a stripped character sat between two pieces that now merge.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        ranks: dict[bytes, int],
+        pattern: str,
+        id_to_bytes: list[bytes],
+        rank_to_id: list[int] | None,
+        specials: dict[str, int],
+        bos_id: int | None,
+        eos_id: int,
+        chat_template: str | None,
+        default_system_prompt: str | None,
+        nfc: bool = False,
+    ) -> None:
+        super().__init__(kind, len(id_to_bytes), specials, bos_id, eos_id, chat_template, default_system_prompt)
+        self._enc = tiktoken.Encoding(f"kvlab-{kind}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+        self._id_to_bytes = id_to_bytes
+        self._rank_to_id = rank_to_id
+        self._nfc = nfc
+        self._unencodable = _unencodable_chars({r[0] for r in ranks if len(r) == 1})
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
+        if self._unencodable is not None:
+            text = self._unencodable.sub("", text)
+        ids = self._enc.encode_ordinary(text)
+        return [self._rank_to_id[r] for r in ids] if self._rank_to_id is not None else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self._check_ids(ids)
+        return b"".join(self._id_to_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; its control pieces (<s>, </s>) are the special tokens."""
+
+    def __init__(self, sp: spm.SentencePieceProcessor, chat_template: str | None, default_system_prompt: str | None) -> None:
+        specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i)}
+        if sp.eos_id() < 0:
+            raise ValueError("SentencePiece model has no eos piece; kvlab needs one to stop generation")
+        bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        super().__init__("sentencepiece", sp.get_piece_size(), specials, bos_id, sp.eos_id(), chat_template, default_system_prompt)
+        self._sp = sp
+        self._special_ids = {i: s for s, i in specials.items()}
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Runs of ordinary ids go through SentencePiece (it drops control pieces); specials become their text."""
+        self._check_ids(ids)
+        out = []
+        for is_special, group in itertools.groupby(ids, key=lambda i: i in self._special_ids):
+            run = list(group)
+            out += [self._special_ids[i] for i in run] if is_special else [self._sp.decode(run)]
+        return "".join(out)
+
+
+def _unencodable_chars(single_bytes: set[int]) -> re.Pattern | None:
+    """A regex of the characters whose UTF-8 encoding uses a byte that has no single-byte token.
+    (0xC0, 0xC1 and 0xF5-0xFF never occur in UTF-8, so their absence costs nothing.)"""
+    ranges = []
+    for b in sorted(set(range(256)) - single_bytes):
+        if b < 0x80:
+            ranges.append((b, b))
+        elif b < 0xC0:
+            raise ValueError(f"vocabulary has no token for UTF-8 continuation byte {b:#04x}; cannot encode arbitrary text")
+        elif 0xC2 <= b <= 0xDF:
+            ranges.append(((b - 0xC0) << 6, ((b - 0xC0) << 6) + 0x3F))
+        elif 0xE0 <= b <= 0xEF:
+            ranges.append((max((b - 0xE0) << 12, 0x800), ((b - 0xE0) << 12) + 0xFFF))
+        elif 0xF0 <= b <= 0xF4:
+            ranges.append((max((b - 0xF0) << 18, 0x10000), min(((b - 0xF0) << 18) + 0x3FFFF, 0x10FFFF)))
+    if not ranges:
+        return None
+    return re.compile("[" + "".join(f"{re.escape(chr(lo))}-{re.escape(chr(hi))}" for lo, hi in ranges) + "]")
+
+
+def _pattern_from_pre_tokenizer(pre: dict | None) -> str:
+    """The single regex that reproduces a tokenizer.json pre_tokenizer (only the byte-level ones in use)."""
+    steps = pre["pretokenizers"] if pre and pre.get("type") == "Sequence" else [pre]
+    types = [s.get("type") if s else None for s in steps]
+    if types in (["ByteLevel"], ["Digits", "ByteLevel"], ["Split", "ByteLevel"]) and not steps[-1].get("add_prefix_space", False):
+        first, use_regex = steps[0], steps[-1].get("use_regex", True)
+        if types == ["ByteLevel"] and use_regex:
+            return GPT2_PATTERN
+        if types == ["Digits", "ByteLevel"] and first.get("individual_digits") and use_regex:
+            return SMOLLM_PATTERN
+        if (
+            types == ["Split", "ByteLevel"]
+            and not use_regex
+            and "Regex" in first.get("pattern", {})
+            and first.get("behavior") == "Isolated"
+            and not first.get("invert", False)
+        ):
+            return first["pattern"]["Regex"]
+    raise ValueError(
+        f"unsupported pre_tokenizer {json.dumps(pre)}; supported: ByteLevel(use_regex=True), "
+        "Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)], "
+        "Sequence[Split(Regex, behavior=Isolated), ByteLevel(use_regex=False)], all with add_prefix_space=False"
+    )
+
+
+def _load_bpe(path: Path, config: dict) -> ByteLevelTokenizer:
+    """A tokenizer.json byte-level BPE as tiktoken ranks: single bytes first, then merge results in merge order."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"{path}: model type {model.get('type')!r} is not supported; kind 'bpe' needs 'BPE'")
+    normalizer = data.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        raise ValueError(f"{path}: unsupported normalizer {json.dumps(normalizer)}; supported: null, NFC")
+    pattern = _pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
+
+    specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    vocab = model["vocab"]
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    id_to_bytes = [b""] * (max([*vocab.values(), *specials.values()]) + 1)
+    for token, i in vocab.items():
+        if token in specials:
+            continue
+        try:
+            id_to_bytes[i] = bytes(byte_of[c] for c in token)
+        except KeyError:
+            raise ValueError(f"{path}: token {token!r} (id {i}) is not in byte-level form") from None
+    for token, i in specials.items():
+        id_to_bytes[i] = token.encode("utf-8")
+
+    order = sorted(i for token, i in vocab.items() if token not in specials and len(id_to_bytes[i]) == 1)
+    for merge in model["merges"]:
+        a, b = merge.split(" ") if isinstance(merge, str) else merge
+        if a + b not in vocab:
+            raise ValueError(f"{path}: merge {a!r} + {b!r} gives {a + b!r}, which is not in the vocab")
+        order.append(vocab[a + b])
+    order = list(dict.fromkeys(order))
+    if all(x < y for x, y in zip(order, order[1:], strict=False)):
+        ranks, rank_to_id = {id_to_bytes[i]: i for i in order}, None
+    else:
+        ranks, rank_to_id = {id_to_bytes[i]: r for r, i in enumerate(order)}, order
+
+    bos = config.get("bos_token") or next((t for t in FALLBACK_BOS if t in specials), None)
+    eos = config.get("eos_token") or next((t for t in FALLBACK_EOS if t in specials), None)
+    if eos is None or eos not in specials or (bos is not None and bos not in specials):
+        raise ValueError(f"{path}: bos_token {bos!r} and eos_token {eos!r} must name added tokens (eos is required); have {sorted(specials)[:20]}")
+    return ByteLevelTokenizer(
+        "bpe",
+        ranks,
+        pattern,
+        id_to_bytes,
+        rank_to_id,
+        specials,
+        specials[bos] if bos is not None else None,
+        specials[eos],
+        config.get("chat_template"),
+        config.get("default_system_prompt"),
+        nfc=normalizer is not None,
+    )
+
+
+def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    lines = path.read_text(encoding="ascii").splitlines()
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines if line)}
+
+
+def _load_tiktoken(path: Path, config: dict) -> ByteLevelTokenizer:
+    """Meta's Llama-3 tokenizer.model; the Llama-3.1 special tokens follow the ranks."""
+    ranks = _read_tiktoken_ranks(path)
+    specials = {name: len(ranks) + i for i, name in enumerate(LLAMA3_SPECIAL_NAMES)}
+    id_to_bytes = [b""] * (len(ranks) + len(specials))
+    for token, rank in ranks.items():
+        id_to_bytes[rank] = token
+    for name, i in specials.items():
+        id_to_bytes[i] = name.encode("utf-8")
+    return ByteLevelTokenizer(
+        "tiktoken",
+        ranks,
+        LLAMA3_PATTERN,
+        id_to_bytes,
+        None,
+        specials,
+        specials["<|begin_of_text|>"],
+        specials["<|end_of_text|>"],
+        config.get("chat_template"),
+        config.get("default_system_prompt"),
+    )
+
+
+def load_tokenizer(checkpoint_dir: Path, config: dict) -> Tokenizer:
+    """The tokenizer described by the "tokenizer" section of a checkpoint's config.json."""
+    kind = config.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {KINDS}")
+    path = Path(checkpoint_dir) / config.get("file", "tokenizer.json" if kind == "bpe" else "tokenizer.model")
+    if kind == "bpe":
+        tokenizer: Tokenizer = _load_bpe(path, config)
+    elif kind == "tiktoken":
+        tokenizer = _load_tiktoken(path, config)
+    else:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+        tokenizer = SentencePieceTokenizer(sp, config.get("chat_template"), config.get("default_system_prompt"))
+    # Whether plain text starts with BOS (Llama 2/3 were trained so; SmolLM2 and Qwen2 were not).
+    tokenizer.add_bos = bool(config.get("add_bos", kind != "bpe"))
+    return tokenizer
+
+
+def chat_template_family(template: str | None) -> str | None:
+    """Which of our chat formats a Jinja chat template writes (None when absent or unrecognised)."""
+    if not template:
+        return None
+    if "<|im_start|>" in template:
+        return "chatml"
+    if "<|start_header_id|>" in template:
+        return "llama3"
+    if "[INST]" in template:
+        return "llama2" if "<<SYS>>" in template else "mistral"
+    return None
+
+
+def _chat_config(template: str | None) -> dict:
+    family = chat_template_family(template)
+    match = _CHATML_DEFAULT_SYSTEM.search(template) if family == "chatml" else None
+    return {"chat_template": family, "default_system_prompt": match.group(1) if match else None}
+
+
+def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
+    """Write out_dir/tokenizer.json for a GGUF's byte-level BPE vocabulary; return the config's "tokenizer" section."""
+    fields = reader.fields
+    model = fields["tokenizer.ggml.model"].contents()
+    if model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: 'gpt2' (byte-level BPE)")
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
+    if pre not in GGUF_PRE_PATTERNS:
+        raise ValueError(f"unknown GGUF tokenizer.ggml.pre {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    special_types = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+        if ty in special_types
+    ]
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": GGUF_PRE_PATTERNS[pre]}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": fields["tokenizer.ggml.merges"].contents(),
+        },
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+
+    def token(key: str) -> str | None:
+        return tokens[fields[key].contents()] if key in fields else None
+
+    template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+    return {
+        "kind": "bpe",
+        "file": "tokenizer.json",
+        **_chat_config(template),
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False,
+    }
+
+
+def _special_token_text(value: str | dict | None) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
+    """Copy a Hugging Face model directory's tokenizer into out_dir; return the config's "tokenizer" section.
+
+    Prefers a byte-level BPE tokenizer.json; otherwise tokenizer.model, as SentencePiece or tiktoken. (Llama-2
+    directories also hold a tokenizer.json, but not a byte-level one, so their SentencePiece model is used.)
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    tok_config_path = hf_dir / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text(encoding="utf-8")) if tok_config_path.exists() else {}
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (hf_dir / "chat_template.jinja").exists():
+        template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    chat = _chat_config(template)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    json_path = hf_dir / "tokenizer.json"
+    if json_path.exists():
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+        if data["model"].get("type") == "BPE" and (data.get("decoder") or {}).get("type") == "ByteLevel":
+            _pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
+            shutil.copyfile(json_path, out_dir / "tokenizer.json")
+            bos = _special_token_text(tok_config.get("bos_token"))
+            eos = _special_token_text(tok_config.get("eos_token"))
+            # Llama-3 adds BOS through the tokenizer.json post-processor rather than add_bos_token.
+            add_bos = tok_config.get("add_bos_token", bos is not None and bos in json.dumps(data.get("post_processor")))
+            return {"kind": "bpe", "file": "tokenizer.json", **chat, "bos_token": bos, "eos_token": eos, "add_bos": bool(add_bos)}
+
+    model_path = hf_dir / "tokenizer.model"
+    if model_path.exists():
+        raw = model_path.read_bytes()
+        if re.match(rb"[A-Za-z0-9+/]+=* \d+\r?\n", raw):
+            kind = "tiktoken"
+        else:
+            try:
+                spm.SentencePieceProcessor(model_proto=raw)
+            except RuntimeError as e:
+                raise ValueError(f"{model_path} is neither a SentencePiece model nor a tiktoken file ({e})") from None
+            kind = "sentencepiece"
+        shutil.copyfile(model_path, out_dir / "tokenizer.model")
+        add_bos = bool(tok_config.get("add_bos_token", True))
+        return {"kind": kind, "file": "tokenizer.model", **chat, "bos_token": None, "eos_token": None, "add_bos": add_bos}
+
+    raise ValueError(f"no usable tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model (SentencePiece or tiktoken)")
