@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT = "The history of the printing press begins"
+STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
@@ -56,18 +57,13 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
 def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: int) -> list[KVCache]:
     """Reuse the model's caches when strategy and shape match (so a compiled decode step is not
     recompiled between calls); otherwise build new ones."""
+    cfg, weight = model.config, model.tok_embeddings.weight
     current = [layer.attention.kv_cache for layer in model.layers]
-    cfg = model.config
-    weight = model.tok_embeddings.weight
-    reusable = (
-        all(
-            type(c) is CACHE_STRATEGIES[strategy] and c.k_cache.shape[0] == batch_size and c.capacity == capacity and c.k_cache.dtype == weight.dtype
-            for c in current
-            if c is not None
-        )
-        and None not in current
-    )
-    if reusable:
+
+    def matches(c: KVCache | None) -> bool:
+        return type(c) is CACHE_STRATEGIES[strategy] and c.k_cache.shape[0] == batch_size and c.capacity == capacity and c.k_cache.dtype == weight.dtype
+
+    if all(map(matches, current)):
         for c in current:
             c.reset()
         return current
@@ -76,16 +72,24 @@ def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: i
     return caches
 
 
+def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """The ids before the first stop token, and whether one was found."""
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[:i], True
+    return ids, False
+
+
 @dataclass
 class Generation:
     tokens: list[list[int]]  # generated ids per prompt, up to (not including) a stop token
+    finished: list[bool]  # True where a stop token ended the sequence
     prompt_tokens: int
     prefill_seconds: float
     decode_steps: int
     decode_seconds: float  # all decode steps but the first
     first_step_seconds: float  # the first decode step, which includes compilation under --compile
     kv_cache_bytes: int
-    finished: list[bool] = field(default_factory=list)  # True where a stop token ended the sequence
 
 
 @torch.no_grad()
@@ -99,10 +103,14 @@ def generate(
     stop_ids: Sequence[int] = (),
     decode_step: Callable[..., Tensor] = decode_one_token,
     prefill_step: Callable[..., Tensor] = prefill,
-    on_token: Callable[[int, int], None] | None = None,
+    on_token: Callable[[list[int]], None] | None = None,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
-    `on_token(row, token_id)` is called for each generated token as it is kept (stop tokens are not)."""
+    `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
+
+    Tokens stay on the device and stop tokens are tracked there: the host syncs only every
+    `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
+    waits for Python between steps."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -126,37 +134,32 @@ def generate(
     sync(device)
     prefill_seconds = time.perf_counter() - t0
 
-    stop = set(stop_ids)
-    out: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
-
-    def record(ids: list[int]) -> None:
-        for i, t in enumerate(ids):
-            if finished[i]:
-                continue
-            if t in stop:
-                finished[i] = True
-                continue
-            out[i].append(t)
-            if on_token is not None:
-                on_token(i, t)
-
-    record(next_token.tolist())
-    steps, first_step_seconds = 0, 0.0
+    stop = torch.tensor(list(stop_ids) or [-1], device=device)
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+    out[:, 0] = next_token
+    stopped = torch.isin(next_token, stop)
+    if on_token is not None:
+        on_token(next_token.tolist())
+    check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
+    n, first_step_seconds = 1, 0.0
     t0 = time.perf_counter()
-    for step in range(max_new_tokens - 1):
-        if all(finished):
-            break
-        pos = (lens + step)[:, None]
-        next_token = decode_step(model, next_token[:, None].clone(), pos, temperature, top_k)
-        record(next_token.tolist())
-        steps += 1
-        if step == 0:
+    while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
+        next_token = decode_step(model, next_token[:, None].clone(), (lens + n - 1)[:, None], temperature, top_k)
+        out[:, n] = next_token
+        stopped |= torch.isin(next_token, stop)
+        n += 1
+        if on_token is not None:
+            on_token(next_token.tolist())
+        if n == 2:
+            sync(device)
             first_step_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
-    decode_seconds = time.perf_counter() - t0 if steps > 1 else 0.0
-    kv_bytes = sum(c.nbytes() for c in caches)
-    return Generation(out, int(lens.sum()), prefill_seconds, steps, decode_seconds, first_step_seconds, kv_bytes, finished)
+    sync(device)
+    decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
+    rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
+    return Generation(
+        [r[0] for r in rows], [r[1] for r in rows], int(lens.sum()), prefill_seconds, n - 1, decode_seconds, first_step_seconds, sum(c.nbytes() for c in caches)
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -275,11 +278,12 @@ def run(args: argparse.Namespace) -> None:
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
 
-    totals = dict(prompt=0, prefill_s=0.0, steps=0, decode_tokens=0, decode_s=0.0, first_s=0.0)
+    generate(model, [prompts[0][:8]], 1, args.cache_strategy)  # warm-up: one-time library initialisation would otherwise count as prefill time
+    totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         stream = len(batch) == 1
-        streamer = TextStreamer(tokenizer) if stream else None
+        streamer = TextStreamer(tokenizer, stop_ids) if stream else None
         result = generate(model, batch, args.max_new_tokens, args.cache_strategy, args.temperature, args.top_k, stop_ids, decode_step, prefill_step, streamer)
         if stream:
             print(flush=True)
@@ -304,17 +308,18 @@ def run(args: argparse.Namespace) -> None:
 
 
 class TextStreamer:
-    """Prints one sequence's text as tokens arrive, holding back incomplete UTF-8 characters."""
+    """Prints one sequence's text as tokens arrive, up to its first stop token, holding back
+    incomplete UTF-8 characters."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop_ids: Sequence[int]) -> None:
+        self.tokenizer, self.stop_ids = tokenizer, stop_ids
         self.ids: list[int] = []
         self.printed = 0
 
-    def __call__(self, row: int, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
+    def __call__(self, step_ids: list[int]) -> None:
+        self.ids.append(step_ids[0])
+        text = self.tokenizer.decode(cut_at_stop(self.ids, self.stop_ids)[0])
+        if len(text) > self.printed and not text.endswith("\ufffd"):
             print(text[self.printed :], end="", flush=True)
             self.printed = len(text)
 

@@ -245,7 +245,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_prob
     mask = mask.unsqueeze(2).expand(B, mask.shape[1], group, T, S).reshape(B, mask.shape[1], group * T, S)
     if not return_probs:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return y.view(B, H, T, D), None
+        return y.reshape(B, H, T, D), None
     scores = (q @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(D))
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     y = probs.to(v.dtype) @ v

@@ -1,0 +1,106 @@
+"""generate.py: compiled == eager, sampling, and the command line as a user meets it (one-line errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from generate import compile_decode_step, generate, read_prompts, sample
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager(smollm):
+    """The compiled decode step (fullgraph, static shapes) gives the same greedy tokens as eager,
+    for a batch of two prompts of different lengths, and is not recompiled for a second call."""
+    model, tokenizer, _ = smollm
+    prompts = [tokenizer.encode("The three most important inventions of the nineteenth century were"), tokenizer.encode("Water boils at")]
+    eager = generate(model, prompts, 16).tokens
+    torch._dynamo.reset()
+    compiled_step = compile_decode_step(torch.device("cpu"))
+    compiled = generate(model, prompts, 16, decode_step=compiled_step).tokens
+    assert compiled == eager
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert generate(model, prompts, 16, decode_step=compiled_step).tokens == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_before
+
+
+def test_sampling_respects_top_k_and_seed():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]]).expand(2000, 5)
+    torch.manual_seed(0)
+    drawn = sample(logits, temperature=1.0, top_k=2)
+    assert set(drawn.tolist()) == {1, 2}
+    torch.manual_seed(0)
+    assert torch.equal(sample(logits, temperature=1.0, top_k=2), drawn)
+    assert sample(logits, temperature=0.0).unique().tolist() == [1]
+    assert sample(logits, temperature=5.0, top_k=1).unique().tolist() == [1]
+
+
+def test_sampled_generation_is_reproducible_per_seed(smollm):
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode("Once upon a time")
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(generate(model, [prompt], 10, temperature=1.0, top_k=50).tokens)
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_prompt_may_be_a_text_file(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("from a file")
+    assert read_prompts(["literal", str(path)]) == ["literal", "from a file"]
+
+
+def test_cli_generates_and_reports_stats():
+    proc = run_cli("--prompt", "The capital of France is", "--max_new_tokens", "6", "--batch_size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--- [") == 2  # one prompt repeated to fill the batch
+    assert "Paris" in proc.stdout
+    for stat in ("prefill: 10 tokens", "tokens/s", "batch 2", "KV cache (full):", "peak process RSS"):
+        assert stat in proc.stderr
+
+
+BAD_INPUTS = {
+    "unknown strategy": (["--cache_strategy", "bogus"], "error: unknown --cache_strategy 'bogus'; choose from: full"),
+    "bad dtype": (["--dtype", "fp8"], "error: unknown dtype 'fp8'; choose from: auto, float32, bfloat16, float16"),
+    "bad device": (["--device", "tpu"], "error: unknown device 'tpu'; choose from: auto, cpu, cuda, cuda:N"),
+    "no cuda": (["--device", "cuda"], "error: --device cuda was given but no CUDA GPU is available"),
+    "zero tokens": (["--max_new_tokens", "0"], "error: argument --max_new_tokens: must be >= 1, got 0 (see --help)"),
+    "not a number": (["--max_new_tokens", "many"], "error: argument --max_new_tokens: invalid positive_int value: 'many' (see --help)"),
+    "unknown flag": (["--cache_size", "3"], "error: unrecognized arguments: --cache_size 3 (see --help)"),
+    "negative temperature": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
+    "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
+    "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
+    "longer than context": (["--max_new_tokens", "9000"], "error: prompt of 7 tokens + max_new_tokens=9000 exceeds the model's context length of 8192 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_error_line(case):
+    if case == "no cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    args, message = BAD_INPUTS[case]
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error") and not line.startswith(message)]
+
+
+def test_checkpoint_of_unknown_shape_is_one_error_line(tmp_path, smollm_dir):
+    config = json.loads((smollm_dir / "config.json").read_text())
+    config["model"]["n_embd"] = 576
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run_cli("--checkpoint_path", str(tmp_path))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: unknown model config keys ['n_embd']; valid keys: " + str(sorted(config["model"].keys() - {"n_embd"}))]
