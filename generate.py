@@ -104,9 +104,12 @@ def generate(
     decode_step: Callable[..., Tensor] = decode_one_token,
     prefill_step: Callable[..., Tensor] = prefill,
     on_token: Callable[[list[int]], None] | None = None,
+    max_seq_length: int | None = None,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
+    `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
+    across calls keeps every shape static, so compiled steps are reused instead of recompiled.
 
     Tokens stay on the device and stop tokens are tracked there: the host syncs only every
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
@@ -121,7 +124,10 @@ def generate(
     context = model.config.block_size
     if T + max_new_tokens > context:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
-    caches = setup_caches(model, cache_strategy, len(prompts), T + max_new_tokens)
+    max_seq_length = max_seq_length or T + max_new_tokens
+    if not T + max_new_tokens <= max_seq_length <= context:
+        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
+    caches = setup_caches(model, cache_strategy, len(prompts), max_seq_length)
 
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
@@ -278,13 +284,21 @@ def run(args: argparse.Namespace) -> None:
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
 
-    generate(model, [prompts[0][:8]], 1, args.cache_strategy)  # warm-up: one-time library initialisation would otherwise count as prefill time
+    # Warm-up (prefill only): one-time initialisation, and prefill compilation under --compile_prefill,
+    # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
+    t0 = time.perf_counter()
+    max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
+    if max_seq_length <= model.config.block_size:  # else generate() reports the error below
+        generate(model, [p[:8] for p in prompts[:batch_size]], 1, args.cache_strategy, prefill_step=prefill_step, max_seq_length=max_seq_length)
+    warm_up_seconds = time.perf_counter() - t0
     totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         stream = len(batch) == 1
         streamer = TextStreamer(tokenizer, stop_ids) if stream else None
-        result = generate(model, batch, args.max_new_tokens, args.cache_strategy, args.temperature, args.top_k, stop_ids, decode_step, prefill_step, streamer)
+        result = generate(
+            model, batch, args.max_new_tokens, args.cache_strategy, args.temperature, args.top_k, stop_ids, decode_step, prefill_step, streamer, max_seq_length
+        )
         if stream:
             print(flush=True)
         else:
@@ -299,7 +313,8 @@ def run(args: argparse.Namespace) -> None:
 
     peak, peak_kind = peak_memory_bytes(device)
     print(
-        f"\nprefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
+        f"\nwarm-up{' (compiles prefill)' if args.compile_prefill else ''}: {warm_up_seconds:.2f} s\n"
+        f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
         f"KV cache ({args.cache_strategy}): {kv_bytes / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",

@@ -102,7 +102,10 @@ def main() -> None:
         compile_run_seconds = time.perf_counter() - t0
         hf_prefill, hf_decode = time_hf(hf_model, prompt, new_tokens, args.repeats) if hf_model is not None else (float("nan"), float("nan"))
         rows.append((n, eager_prefill, hf_prefill, eager_decode, compiled_decode, hf_decode, compile_run_seconds))
-        print(f"prompt {n}: prefill {eager_prefill:.0f} tok/s (HF {hf_prefill:.0f}); decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s", flush=True)
+        print(
+            f"prompt {n}: prefill {eager_prefill:.0f} tok/s (HF {hf_prefill:.0f}); decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s",
+            flush=True,
+        )
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     lines = [

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
 
+from conftest import ROOT
 from generate import compile_decode_step, generate, read_prompts, sample
 
 
@@ -20,18 +20,20 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_compiled_decode_equals_eager(smollm):
-    """The compiled decode step (fullgraph, static shapes) gives the same greedy tokens as eager,
-    for a batch of two prompts of different lengths, and is not recompiled for a second call."""
+    """The compiled decode step (fullgraph, static shapes) gives the same greedy tokens as eager for a
+    batch of two prompts of different lengths; with a fixed max_seq_length, other prompts reuse the
+    compiled graph instead of recompiling."""
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode("The three most important inventions of the nineteenth century were"), tokenizer.encode("Water boils at")]
-    eager = generate(model, prompts, 16).tokens
+    others = [tokenizer.encode("My favourite recipe for bread needs"), tokenizer.encode("The capital of Italy is Rome, and the capital of Spain is")]
+    eager = [generate(model, p, 16, max_seq_length=40).tokens for p in (prompts, others)]
     torch._dynamo.reset()
     compiled_step = compile_decode_step(torch.device("cpu"))
-    compiled = generate(model, prompts, 16, decode_step=compiled_step).tokens
-    assert compiled == eager
-    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert generate(model, prompts, 16, decode_step=compiled_step).tokens == eager
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_before
+    assert generate(model, prompts, 16, decode_step=compiled_step, max_seq_length=40).tokens == eager[0]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    assert generate(model, others, 16, decode_step=compiled_step, max_seq_length=40).tokens == eager[1]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_sampling_respects_top_k_and_seed():

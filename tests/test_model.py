@@ -85,6 +85,7 @@ def test_batch_of_different_lengths_equals_one_by_one(smollm):
     single = [generate(model, [p], 12).tokens[0] for p in prompts]
     batched = generate(model, prompts, 12).tokens
     assert batched == single
+    assert generate(model, prompts, 12, max_seq_length=64).tokens == single  # unused slots change nothing
 
 
 def test_attention_probability_path_equals_sdpa(smollm, essay_ids):
