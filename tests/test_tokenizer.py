@@ -357,21 +357,13 @@ def write_tokenizer_config(d: Path, **fields) -> None:
 
 
 def test_hf_dir_bpe(smollm, gguf_reader, tmp_path):
-    out, _, tok = smollm
+    out, gguf_config, tok = smollm
     hf_dir = tmp_path / "hf"
     template = gguf_reader.fields["tokenizer.chat_template"].contents()
     write_tokenizer_config(hf_dir, chat_template=template, bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"})
     shutil.copyfile(out / "tokenizer.json", hf_dir / "tokenizer.json")
     config = tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt")
-    assert config == {
-        "kind": "bpe",
-        "file": "tokenizer.json",
-        "chat_template": "chatml",
-        "default_system_prompt": SYSTEM,
-        "bos_token": "<|im_start|>",
-        "eos_token": "<|im_end|>",
-        "add_bos": False,
-    }
+    assert config == gguf_config  # the same model as an HF directory describes the same tokenizer
     copied = load_tokenizer(tmp_path / "ckpt", config)
     assert copied.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == tok.encode(CHATML_PROMPT, allow_special=True)
     # Llama-3 style: BOS comes from the tokenizer.json post-processor, not from add_bos_token.
