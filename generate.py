@@ -203,7 +203,7 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", help=f"prompt text, or a path to a .txt file; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
     p.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2) and stop at its end-of-turn token"
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token"
     )
     p.add_argument("--system_prompt", default=None, help="system message for --chat (default: the model's own default, if any)")
     p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)")
