@@ -22,10 +22,12 @@ from cache import CACHE_STRATEGIES, KVCache, make_caches
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
 from model import Transformer
+from prompt_compression import PROMPT_COMPRESSORS
 from tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT = "The history of the printing press begins"
+CACHE_OPTION_FLAGS = ("global_tokens", "recent_window", "prompt_compression_strategy", "snapkv_window", "snapkv_kernel", "snapkv_pooling", "snapkv_gqa")
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
 
@@ -54,21 +56,19 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: int) -> list[KVCache]:
-    """Reuse the model's caches when strategy and shape match (so a compiled decode step is not
-    recompiled between calls); otherwise build new ones."""
+def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: int, options: dict[str, int]) -> list[KVCache]:
+    """Reuse the model's caches when they were built for the same spec (so a compiled decode step is
+    not recompiled between calls); otherwise build new ones."""
     cfg, weight = model.config, model.tok_embeddings.weight
+    spec = (strategy, batch_size, capacity, weight.dtype, sorted(options.items()))
     current = [layer.attention.kv_cache for layer in model.layers]
-
-    def matches(c: KVCache | None) -> bool:
-        return type(c) is CACHE_STRATEGIES[strategy] and c.k_cache.shape[0] == batch_size and c.capacity == capacity and c.k_cache.dtype == weight.dtype
-
-    if all(map(matches, current)):
+    if getattr(model, "cache_spec", None) == spec:
         for c in current:
             c.reset()
         return current
-    caches = make_caches(strategy, cfg.n_layer, batch_size, cfg.n_local_heads, capacity, cfg.head_dim, weight.dtype, weight.device)
+    caches = make_caches(strategy, cfg.n_layer, batch_size, cfg.n_local_heads, capacity, cfg.head_dim, weight.dtype, weight.device, **options)
     model.setup_caches(caches)
+    model.cache_spec = spec
     return caches
 
 
@@ -90,6 +90,8 @@ class Generation:
     decode_seconds: float  # all decode steps but the first
     first_step_seconds: float  # the first decode step, which includes compilation under --compile
     kv_cache_bytes: int
+    cache_slots: int  # slots per (sequence, layer, KV head)
+    sequence_length: int  # longest prompt + generated tokens: what a full cache would have held
 
 
 @torch.no_grad()
@@ -105,19 +107,26 @@ def generate(
     prefill_step: Callable[..., Tensor] = prefill,
     on_token: Callable[[list[int]], None] | None = None,
     max_seq_length: int | None = None,
+    cache_length: int | None = None,
+    cache_options: dict[str, int | str] | None = None,
+    compress_first_token: bool = False,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
     `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
     across calls keeps every shape static, so compiled steps are reused instead of recompiled.
+    `cache_length` caps the slots of a compressing strategy (default: max_seq_length, i.e. no eviction);
+    `cache_options` go to `cache.make_caches` (eviction and prompt compression settings). With
+    `compress_first_token`, the prompt's last token is decoded through the compressed cache rather than
+    prefilled, so even the first generated token sees only what compression kept.
 
     Tokens stay on the device and stop tokens are tracked there: the host syncs only every
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
     waits for Python between steps."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must have at least one token")
+    if not prompts or any(len(p) < 1 + compress_first_token for p in prompts):
+        raise ValueError(f"every prompt must have at least {1 + compress_first_token} token(s)")
     device = model.tok_embeddings.weight.device
     lens = torch.tensor([len(p) for p in prompts], device=device)
     T = int(lens.max())
@@ -127,16 +136,23 @@ def generate(
     max_seq_length = max_seq_length or T + max_new_tokens
     if not T + max_new_tokens <= max_seq_length <= context:
         raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
-    caches = setup_caches(model, cache_strategy, len(prompts), max_seq_length)
+    if cache_length is not None and cache_strategy == "full":
+        raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
+    cache_slots = min(cache_length or max_seq_length, max_seq_length)
+    caches = setup_caches(model, cache_strategy, len(prompts), cache_slots, cache_options or {})
 
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, device=device)
-    columns = torch.arange(T, device=device)
-    input_pos = torch.where(columns < lens[:, None], columns, -1)
+    prefill_lens = lens - int(compress_first_token)
+    T_prefill = int(prefill_lens.max())
+    columns = torch.arange(T_prefill, device=device)
+    input_pos = torch.where(columns < prefill_lens[:, None], columns, -1)
 
     t0 = time.perf_counter()
-    next_token = prefill_step(model, tokens, input_pos, lens - 1, temperature, top_k)
+    next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
+    if compress_first_token:
+        next_token = decode_step(model, tokens.gather(1, (lens - 1)[:, None]), (lens - 1)[:, None], temperature, top_k)
     sync(device)
     prefill_seconds = time.perf_counter() - t0
 
@@ -164,7 +180,16 @@ def generate(
     decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
     rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
     return Generation(
-        [r[0] for r in rows], [r[1] for r in rows], int(lens.sum()), prefill_seconds, n - 1, decode_seconds, first_step_seconds, sum(c.nbytes() for c in caches)
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        int(lens.sum()),
+        prefill_seconds,
+        n - 1,
+        decode_seconds,
+        first_step_seconds,
+        sum(c.nbytes() for c in caches),
+        cache_slots,
+        T + n - 1,
     )
 
 
@@ -199,11 +224,26 @@ def positive_int(value: str) -> int:
     return n
 
 
+def cache_length_arg(value: str) -> int | float:
+    """An absolute slot count (an integer >= 1) or a fraction in (0, 1] of prompt + max_new_tokens."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1], got {value!r}") from None
+    if number.is_integer() and number >= 1 and "." not in value:
+        return int(number)
+    if 0 < number <= 1:
+        return number
+    raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1], got {value!r}")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", help=f"prompt text, or a path to a .txt file; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
     p.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token"
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token",
     )
     p.add_argument("--system_prompt", default=None, help="system message for --chat (default: the model's own default, if any)")
     p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)")
@@ -218,6 +258,30 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default: 1234)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
     p.add_argument("--cache_strategy", default="full", help=f"KV cache strategy, one of: {', '.join(CACHE_STRATEGIES)} (default: full)")
+    p.add_argument(
+        "--max_cache_length",
+        type=cache_length_arg,
+        default=None,
+        help="KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of the longest "
+        "prompt + max_new_tokens (0.5) (default: 0.5 for compressing strategies)",
+    )
+    p.add_argument("--global_tokens", type=int, default=None, help="first tokens never evicted, attention sinks (default: 4; 0 for window)")
+    p.add_argument("--recent_window", type=int, default=None, help="newest tokens never evicted, the incoming one included (default: 10)")
+    p.add_argument(
+        "--prompt_compression_strategy",
+        default=None,
+        help=f"how prompt tokens are chosen when the prompt is longer than the cache, one of: {', '.join(PROMPT_COMPRESSORS)} "
+        "(default: the cache strategy's own, e.g. heavy_hitter for heavy_hitter, recent_global for window)",
+    )
+    p.add_argument("--snapkv_window", type=int, default=None, help="snapkv: observation window of last prompt queries (default: 16)")
+    p.add_argument("--snapkv_kernel", type=int, default=None, help="snapkv: odd pooling kernel size (default: 7)")
+    p.add_argument("--snapkv_pooling", default=None, help="snapkv: max or avg pooling (default: max)")
+    p.add_argument("--snapkv_gqa", default=None, help="snapkv: aggregation over the query heads of a KV head: mean, max or sum (default: mean)")
+    p.add_argument(
+        "--compress_first_token",
+        action="store_true",
+        help="decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
+    )
     p.add_argument(
         "--checkpoint_path",
         type=Path,
@@ -257,6 +321,10 @@ def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
 def run(args: argparse.Namespace) -> None:
     if args.cache_strategy not in CACHE_STRATEGIES:
         raise ValueError(f"unknown --cache_strategy {args.cache_strategy!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
+    compressing = args.cache_strategy != "full"
+    cache_options = {k: getattr(args, k) for k in CACHE_OPTION_FLAGS if getattr(args, k) is not None}
+    if not compressing and (args.max_cache_length is not None or cache_options):
+        raise ValueError(f"--max_cache_length and --{', --'.join(CACHE_OPTION_FLAGS)} need a compressing --cache_strategy; full keeps every token")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
@@ -288,16 +356,43 @@ def run(args: argparse.Namespace) -> None:
     # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
     t0 = time.perf_counter()
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
+    cache_length = args.max_cache_length if args.max_cache_length is not None else 0.5 if compressing else None
+    if isinstance(cache_length, float):
+        cache_length = round(cache_length * max_seq_length)
     if max_seq_length <= model.config.block_size:  # else generate() reports the error below
-        generate(model, [p[:8] for p in prompts[:batch_size]], 1, args.cache_strategy, prefill_step=prefill_step, max_seq_length=max_seq_length)
+        generate(
+            model,
+            [p[:8] for p in prompts[:batch_size]],
+            1,
+            args.cache_strategy,
+            prefill_step=prefill_step,
+            max_seq_length=max_seq_length,
+            cache_length=cache_length,
+            cache_options=cache_options,
+            compress_first_token=args.compress_first_token,
+        )
     warm_up_seconds = time.perf_counter() - t0
     totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
+    sequence_length = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         stream = len(batch) == 1
         streamer = TextStreamer(tokenizer, stop_ids) if stream else None
         result = generate(
-            model, batch, args.max_new_tokens, args.cache_strategy, args.temperature, args.top_k, stop_ids, decode_step, prefill_step, streamer, max_seq_length
+            model,
+            batch,
+            args.max_new_tokens,
+            args.cache_strategy,
+            args.temperature,
+            args.top_k,
+            stop_ids,
+            decode_step,
+            prefill_step,
+            streamer,
+            max_seq_length,
+            cache_length,
+            cache_options,
+            args.compress_first_token,
         )
         if stream:
             print(flush=True)
@@ -310,6 +405,7 @@ def run(args: argparse.Namespace) -> None:
         totals["decode_tokens"] += len(batch) * max(result.decode_steps - 1, 0)
         totals["decode_s"] += result.decode_seconds
         kv_bytes = result.kv_cache_bytes
+        cache_slots, sequence_length = result.cache_slots, max(sequence_length, result.sequence_length)
 
     peak, peak_kind = peak_memory_bytes(device)
     print(
@@ -317,7 +413,9 @@ def run(args: argparse.Namespace) -> None:
         f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
-        f"KV cache ({args.cache_strategy}): {kv_bytes / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",
+        f"KV cache ({args.cache_strategy}): {min(cache_slots, sequence_length)} of {sequence_length} tokens kept "
+        f"({sequence_length / min(cache_slots, sequence_length):.2f}x compression); {kv_bytes / 2**20:.1f} MiB allocated, "
+        f"a full cache of {sequence_length} tokens: {kv_bytes / cache_slots * sequence_length / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",
         file=sys.stderr,
     )
 

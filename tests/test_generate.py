@@ -72,6 +72,15 @@ def test_cli_generates_and_reports_stats():
         assert stat in proc.stderr
 
 
+@pytest.mark.parametrize("strategy", ["window", "recent_global", "random", "l2", "heavy_hitter", "tova"])
+def test_cli_runs_every_strategy_and_reports_compression(strategy):
+    prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg"
+    proc = run_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
+    assert proc.returncode == 0, proc.stderr
+    kept = [line for line in proc.stderr.splitlines() if line.startswith(f"KV cache ({strategy}): ")]
+    assert kept and "16 of 30 tokens kept (1.88x compression)" in kept[0]  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens held
+
+
 BAD_INPUTS = {
     "unknown strategy": (["--cache_strategy", "bogus"], "error: unknown --cache_strategy 'bogus'; choose from: full"),
     "bad dtype": (["--dtype", "fp8"], "error: unknown dtype 'fp8'; choose from: auto, float32, bfloat16, float16"),
@@ -83,6 +92,23 @@ BAD_INPUTS = {
     "negative temperature": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
     "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
     "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
+    "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length and --global_tokens"),
+    "bad cache length": (
+        ["--cache_strategy", "l2", "--max_cache_length", "1.5"],
+        "error: argument --max_cache_length: expected a slot count >= 1 or a fraction in (0, 1], got '1.5'",
+    ),
+    "cache too small": (
+        ["--cache_strategy", "l2", "--max_cache_length", "8"],
+        "error: L2Cache: need global_tokens >= 0, recent_window >= 1 and global_tokens + recent_window < cache length; got 4 + 10 for a cache of 8 slots",
+    ),
+    "unknown compressor": (
+        ["--cache_strategy", "l2", "--prompt_compression_strategy", "bogus"],
+        "error: unknown prompt compression strategy 'bogus'; choose from: full, recent_global",
+    ),
+    "bad snapkv option": (
+        ["--cache_strategy", "l2", "--prompt_compression_strategy", "snapkv", "--snapkv_pooling", "median"],
+        "error: snapkv: need window >= 1",
+    ),
     "longer than context": (["--max_new_tokens", "9000"], "error: prompt of 7 tokens + max_new_tokens=9000 exceeds the model's context length of 8192 tokens"),
 }
 

@@ -1,0 +1,97 @@
+"""Prompt compressors against plain reference computations, and --compress_first_token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import L2Cache, make_caches
+from generate import generate
+from prompt_compression import HeavyHitterCompressor, SnapKVCompressor, TOVACompressor, make_prompt_compressor
+
+
+def causal_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Textbook causal attention of one sequence: q [H, T, D], k [H, T, D] -> [H, T, T]."""
+    T, D = q.shape[1], q.shape[2]
+    scores = q @ k.transpose(-1, -2) / D**0.5
+    return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+
+
+@pytest.fixture
+def qk():
+    torch.manual_seed(0)
+    T, D = 40, 8
+    q, k = torch.randn(1, 6, T, D), torch.randn(1, 2, T, D)  # 6 query heads share 2 KV heads
+    return torch.arange(T)[None], q, k
+
+
+def test_heavy_hitter_scores_are_column_sums_of_causal_attention(qk):
+    input_pos, q, k = qk
+    probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]
+    expected = probs.sum(dim=1).view(2, 3, -1).sum(dim=1)
+    torch.testing.assert_close(HeavyHitterCompressor()(input_pos, k, q)[0], expected)
+
+
+def test_tova_scores_are_the_last_query_attention(qk):
+    input_pos, q, k = qk
+    probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))
+    torch.testing.assert_close(TOVACompressor()(input_pos, k, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
+
+
+@pytest.mark.parametrize("gqa,pooling", [("mean", "max"), ("max", "avg"), ("sum", "max")])
+def test_snapkv_matches_reference(qk, gqa, pooling):
+    input_pos, q, k = qk
+    window, kernel = 8, 5
+    probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))[:, -window:].sum(dim=1).view(2, 3, -1)  # [2, 3, T]
+    agg = {"mean": probs.mean(1), "max": probs.max(1).values, "sum": probs.sum(1)}[gqa]
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    expected = pool(agg[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    scores = SnapKVCompressor(window=window, kernel=kernel, pooling=pooling, gqa=gqa)(input_pos, k, q)[0]
+    torch.testing.assert_close(scores[:, :-window], expected[:, :-window])
+    assert torch.isinf(scores[:, -window:]).all()  # the observation window is always kept
+
+
+def test_snapkv_handles_padded_rows_shorter_than_the_window(qk):
+    input_pos, q, k = qk
+    short = torch.where(input_pos < 5, input_pos, -1)  # a 5-token row padded to 40, window 8
+    scores = SnapKVCompressor(window=8)(short, k, q)[0]
+    assert torch.isinf(scores[:, :5]).all() and torch.isfinite(scores[:, 5:]).all()
+
+
+def test_compressor_picks_which_prompt_tokens_a_cache_keeps():
+    keys = torch.tensor([5.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0, 6.0]).view(1, 1, 8, 1)
+    recent = L2Cache(1, 1, 5, 1, torch.float32, global_tokens=1, recent_window=2, prompt_compressor=make_prompt_compressor("recent_global"))
+    recent.prefill(torch.arange(8)[None], keys, keys, keys)
+    assert recent.pos[0, 0].tolist() == [0, 4, 5, 6, 7]
+
+
+def test_bad_pairs_and_options_are_rejected():
+    with pytest.raises(ValueError, match="'full' keeps every token"):
+        make_caches("full", 1, 1, 1, 8, 4, torch.float32, prompt_compression_strategy="snapkv")
+    with pytest.raises(ValueError, match="unknown prompt compression strategy 'bogus'; choose from: full, recent_global"):
+        make_caches("heavy_hitter", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="bogus")
+    with pytest.raises(ValueError, match="takes no options"):
+        make_caches("l2", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="l2", snapkv_window=4)
+    with pytest.raises(ValueError, match="pooling max|avg"):
+        make_prompt_compressor("snapkv", pooling="median")
+    cache = make_caches("window", 1, 1, 1, 16, 1, torch.float32, prompt_compression_strategy="full")[0]
+    with pytest.raises(ValueError, match="a prompt of 20 tokens does not fit a cache of 16 slots"):
+        cache.prefill(torch.arange(20)[None], torch.zeros(1, 1, 20, 1), torch.zeros(1, 1, 20, 1), torch.zeros(1, 1, 20, 1))
+
+
+def test_compress_first_token_decodes_the_last_prompt_token_through_the_cache(smollm):
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then the dog chases the fox into the")
+    options = dict(cache_length=12, cache_options=dict(recent_window=4))
+    exact = generate(model, [prompt], 6, "recent_global", **options).tokens[0]
+    assert exact[0] == generate(model, [prompt], 1).tokens[0][0]  # without it, the first token comes from exact prefill
+    compressed = generate(model, [prompt], 6, "recent_global", compress_first_token=True, **options).tokens[0]
+    caches = make_caches("recent_global", model.config.n_layer, 1, model.config.n_local_heads, 12, model.config.head_dim, torch.float32, recent_window=4)
+    model.setup_caches(caches)
+    model.cache_spec = None
+    with torch.no_grad():
+        model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None], prefill=True)
+        first = model(torch.tensor([[prompt[-1]]]), torch.tensor([[len(prompt) - 1]]))[0, -1].argmax().item()
+    assert compressed[0] == first
+    assert generate(model, [prompt], 6, compress_first_token=True).tokens[0] == generate(model, [prompt], 6).tokens[0]  # full: exact either way
