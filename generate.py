@@ -21,6 +21,7 @@ from torch import Tensor
 from cache import CACHE_STRATEGIES, KVCache, make_caches
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
+from diagnostics import AttentionLossProbe, attention_loss_summary
 from model import Transformer
 from prompt_compression import PROMPT_COMPRESSORS
 from tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class Generation:
     kv_cache_bytes: int
     cache_slots: int  # slots per (sequence, layer, KV head)
     sequence_length: int  # longest prompt + generated tokens: what a full cache would have held
+    attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
 
 
 @torch.no_grad()
@@ -110,6 +112,7 @@ def generate(
     cache_length: int | None = None,
     cache_options: dict[str, int | str] | None = None,
     compress_first_token: bool = False,
+    attention_loss: bool = False,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
@@ -118,7 +121,8 @@ def generate(
     `cache_length` caps the slots of a compressing strategy (default: max_seq_length, i.e. no eviction);
     `cache_options` go to `cache.make_caches` (eviction and prompt compression settings). With
     `compress_first_token`, the prompt's last token is decoded through the compressed cache rather than
-    prefilled, so even the first generated token sees only what compression kept.
+    prefilled, so even the first generated token sees only what compression kept. `attention_loss`
+    runs a full cache alongside (eager only) and returns the attention mass compression lost.
 
     Tokens stay on the device and stop tokens are tracked there: the host syncs only every
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
@@ -140,6 +144,13 @@ def generate(
         raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
     cache_slots = min(cache_length or max_seq_length, max_seq_length)
     caches = setup_caches(model, cache_strategy, len(prompts), cache_slots, cache_options or {})
+    probes = None
+    if attention_loss:
+        cfg = model.config
+        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, caches[0].k_cache.dtype, device)
+        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
+        model.setup_caches(probes)
+        model.cache_spec = None  # the probes are single-use: the next call builds fresh caches
 
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
@@ -190,6 +201,7 @@ def generate(
         sum(c.nbytes() for c in caches),
         cache_slots,
         T + n - 1,
+        attention_loss_summary(probes) if probes else None,
     )
 
 
@@ -278,6 +290,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--snapkv_pooling", default=None, help="snapkv: max or avg pooling (default: max)")
     p.add_argument("--snapkv_gqa", default=None, help="snapkv: aggregation over the query heads of a KV head: mean, max or sum (default: mean)")
     p.add_argument(
+        "--attention_loss",
+        action="store_true",
+        help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost (eager only)",
+    )
+    p.add_argument(
         "--compress_first_token",
         action="store_true",
         help="decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
@@ -327,6 +344,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--max_cache_length and --{', --'.join(CACHE_OPTION_FLAGS)} need a compressing --cache_strategy; full keeps every token")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.attention_loss and (args.compile or args.compile_prefill):
+        raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     texts = read_prompts(args.prompt or [DEFAULT_PROMPT])
     torch.manual_seed(args.seed)
@@ -393,7 +412,10 @@ def run(args: argparse.Namespace) -> None:
             cache_length,
             cache_options,
             args.compress_first_token,
+            args.attention_loss,
         )
+        if result.attention_loss:
+            print_attention_loss(result.attention_loss)
         if stream:
             print(flush=True)
         else:
@@ -416,6 +438,19 @@ def run(args: argparse.Namespace) -> None:
         f"KV cache ({args.cache_strategy}): {min(cache_slots, sequence_length)} of {sequence_length} tokens kept "
         f"({sequence_length / min(cache_slots, sequence_length):.2f}x compression); {kv_bytes / 2**20:.1f} MiB allocated, "
         f"a full cache of {sequence_length} tokens: {kv_bytes / cache_slots * sequence_length / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
+
+
+def print_attention_loss(loss: dict[str, list[float]]) -> None:
+    """Per layer, and over time at a few points of the generation."""
+    steps = loss["per_step"]
+    marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
+    print(
+        f"attention loss: mean {sum(steps) / len(steps):.4f} over {len(steps)} decode steps; by step "
+        + ", ".join(f"{i + 1}: {steps[i]:.4f}" for i in marks)
+        + "\nattention loss by layer: "
+        + " ".join(f"{x:.3f}" for x in loss["per_layer"]),
         file=sys.stderr,
     )
 

@@ -81,6 +81,15 @@ def test_cli_runs_every_strategy_and_reports_compression(strategy):
     assert kept and "16 of 30 tokens kept (1.88x compression)" in kept[0]  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens held
 
 
+def test_cli_reports_attention_loss_per_layer_and_over_time():
+    proc = run_cli("--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "12", "--attention_loss")
+    assert proc.returncode == 0, proc.stderr
+    by_step = next(line for line in proc.stderr.splitlines() if line.startswith("attention loss: mean"))
+    assert "over 11 decode steps; by step 1: " in by_step
+    by_layer = next(line for line in proc.stderr.splitlines() if line.startswith("attention loss by layer: "))
+    assert len(by_layer.split(": ")[1].split()) == 30
+
+
 BAD_INPUTS = {
     "unknown strategy": (["--cache_strategy", "bogus"], "error: unknown --cache_strategy 'bogus'; choose from: full"),
     "bad dtype": (["--dtype", "fp8"], "error: unknown dtype 'fp8'; choose from: auto, float32, bfloat16, float16"),
@@ -109,6 +118,7 @@ BAD_INPUTS = {
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "snapkv", "--snapkv_pooling", "median"],
         "error: snapkv: need window >= 1",
     ),
+    "attention loss compiled": (["--attention_loss", "--compile"], "error: --attention_loss runs eagerly (it records every step); drop --compile"),
     "longer than context": (["--max_new_tokens", "9000"], "error: prompt of 7 tokens + max_new_tokens=9000 exceeds the model's context length of 8192 tokens"),
 }
 
