@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from cache import CACHE_STRATEGIES, KVCache, make_caches
+from cache_config import CACHE_KEYS, check_cache_length, load_cache_config, per_layer, resolve_settings
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
 from diagnostics import AttentionLossProbe, attention_loss_summary
@@ -57,17 +58,21 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def setup_caches(model: Transformer, strategy: str, batch_size: int, capacity: int, options: dict[str, int]) -> list[KVCache]:
-    """Reuse the model's caches when they were built for the same spec (so a compiled decode step is
-    not recompiled between calls); otherwise build new ones."""
+def setup_caches(model: Transformer, strategies: list[str], batch_size: int, capacities: list[int], options: dict[str, int | str]) -> list[KVCache]:
+    """One cache per layer (strategies and capacities per layer; `options` apply to compressing layers).
+    Reuses the model's caches when they were built for the same spec, so a compiled decode step is not
+    recompiled between calls."""
     cfg, weight = model.config, model.tok_embeddings.weight
-    spec = (strategy, batch_size, capacity, weight.dtype, sorted(options.items()))
+    spec = (tuple(strategies), batch_size, tuple(capacities), weight.dtype, sorted(options.items()))
     current = [layer.attention.kv_cache for layer in model.layers]
     if getattr(model, "cache_spec", None) == spec:
         for c in current:
             c.reset()
         return current
-    caches = make_caches(strategy, cfg.n_layer, batch_size, cfg.n_local_heads, capacity, cfg.head_dim, weight.dtype, weight.device, **options)
+    caches = [
+        make_caches(s, 1, batch_size, cfg.n_local_heads, c, cfg.head_dim, weight.dtype, weight.device, **(options if s != "full" else {}))[0]
+        for s, c in zip(strategies, capacities, strict=True)
+    ]
     model.setup_caches(caches)
     model.cache_spec = spec
     return caches
@@ -91,7 +96,7 @@ class Generation:
     decode_seconds: float  # all decode steps but the first
     first_step_seconds: float  # the first decode step, which includes compilation under --compile
     kv_cache_bytes: int
-    cache_slots: int  # slots per (sequence, layer, KV head)
+    cache_slots: list[int]  # per layer: slots per (sequence, KV head)
     sequence_length: int  # longest prompt + generated tokens: what a full cache would have held
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
 
@@ -101,7 +106,7 @@ def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    cache_strategy: str = "full",
+    cache_strategy: str | Sequence[str] = "full",
     temperature: float = 0.0,
     top_k: int | None = None,
     stop_ids: Sequence[int] = (),
@@ -109,7 +114,7 @@ def generate(
     prefill_step: Callable[..., Tensor] = prefill,
     on_token: Callable[[list[int]], None] | None = None,
     max_seq_length: int | None = None,
-    cache_length: int | None = None,
+    cache_length: int | Sequence[int | None] | None = None,
     cache_options: dict[str, int | str] | None = None,
     compress_first_token: bool = False,
     attention_loss: bool = False,
@@ -118,7 +123,8 @@ def generate(
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
     `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
     across calls keeps every shape static, so compiled steps are reused instead of recompiled.
-    `cache_length` caps the slots of a compressing strategy (default: max_seq_length, i.e. no eviction);
+    `cache_strategy` and `cache_length` are one value or one per layer; `cache_length` caps the slots
+    of a compressing strategy (default: max_seq_length, i.e. no eviction);
     `cache_options` go to `cache.make_caches` (eviction and prompt compression settings). With
     `compress_first_token`, the prompt's last token is decoded through the compressed cache rather than
     prefilled, so even the first generated token sees only what compression kept. `attention_loss`
@@ -140,10 +146,15 @@ def generate(
     max_seq_length = max_seq_length or T + max_new_tokens
     if not T + max_new_tokens <= max_seq_length <= context:
         raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
-    if cache_length is not None and cache_strategy == "full":
+    n_layer = model.config.n_layer
+    strategies = [cache_strategy] * n_layer if isinstance(cache_strategy, str) else list(cache_strategy)
+    lengths = list(cache_length) if isinstance(cache_length, Sequence) else [cache_length] * n_layer
+    if len(strategies) != n_layer or len(lengths) != n_layer:
+        raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(strategies)} strategies and {len(lengths)} lengths")
+    if any(length is not None and s == "full" for s, length in zip(strategies, lengths, strict=True)):
         raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
-    cache_slots = min(cache_length or max_seq_length, max_seq_length)
-    caches = setup_caches(model, cache_strategy, len(prompts), cache_slots, cache_options or {})
+    cache_slots = [min(length or max_seq_length, max_seq_length) for length in lengths]
+    caches = setup_caches(model, strategies, len(prompts), cache_slots, cache_options or {})
     probes = None
     if attention_loss:
         cfg = model.config
@@ -239,14 +250,9 @@ def positive_int(value: str) -> int:
 def cache_length_arg(value: str) -> int | float:
     """An absolute slot count (an integer >= 1) or a fraction in (0, 1] of prompt + max_new_tokens."""
     try:
-        number = float(value)
+        return check_cache_length(int(value) if value.isdigit() else float(value))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1], got {value!r}") from None
-    if number.is_integer() and number >= 1 and "." not in value:
-        return int(number)
-    if 0 < number <= 1:
-        return number
-    raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1], got {value!r}")
 
 
 def build_parser() -> ArgumentParser:
@@ -269,7 +275,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--top_k", type=positive_int, default=None, help="sample only among the k most likely tokens (default: no limit)")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default: 1234)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
-    p.add_argument("--cache_strategy", default="full", help=f"KV cache strategy, one of: {', '.join(CACHE_STRATEGIES)} (default: full)")
+    p.add_argument("--cache_strategy", default=None, help=f"KV cache strategy, one of: {', '.join(CACHE_STRATEGIES)} (default: full)")
+    p.add_argument(
+        "--cache_config",
+        default=None,
+        help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); flags given on the command line override it",
+    )
     p.add_argument(
         "--max_cache_length",
         type=cache_length_arg,
@@ -297,6 +308,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--compress_first_token",
         action="store_true",
+        default=None,
         help="decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
     )
     p.add_argument(
@@ -336,12 +348,16 @@ def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.cache_strategy not in CACHE_STRATEGIES:
-        raise ValueError(f"unknown --cache_strategy {args.cache_strategy!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
-    compressing = args.cache_strategy != "full"
-    cache_options = {k: getattr(args, k) for k in CACHE_OPTION_FLAGS if getattr(args, k) is not None}
-    if not compressing and (args.max_cache_length is not None or cache_options):
+    settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
+    strategy = settings.get("cache_strategy", "full")
+    for name in strategy if isinstance(strategy, list) else [strategy]:
+        if name not in CACHE_STRATEGIES:
+            raise ValueError(f"unknown --cache_strategy {name!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
+    compressing = strategy != "full"
+    cache_options = {k: settings[k] for k in CACHE_OPTION_FLAGS if k in settings}
+    if not compressing and ("max_cache_length" in settings or cache_options):
         raise ValueError(f"--max_cache_length and --{', --'.join(CACHE_OPTION_FLAGS)} need a compressing --cache_strategy; full keeps every token")
+    compress_first_token = bool(settings.get("compress_first_token", False))
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.attention_loss and (args.compile or args.compile_prefill):
@@ -375,20 +391,21 @@ def run(args: argparse.Namespace) -> None:
     # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
     t0 = time.perf_counter()
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
-    cache_length = args.max_cache_length if args.max_cache_length is not None else 0.5 if compressing else None
-    if isinstance(cache_length, float):
-        cache_length = round(cache_length * max_seq_length)
+    n_layer = model.config.n_layer
+    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
+    lengths = per_layer(settings.get("max_cache_length", 0.5), settings.get("max_cache_length_pattern"), n_layer)
+    cache_length = [None if s == "full" else round(n * max_seq_length) if isinstance(n, float) else n for s, n in zip(strategies, lengths, strict=True)]
     if max_seq_length <= model.config.block_size:  # else generate() reports the error below
         generate(
             model,
             [p[:8] for p in prompts[:batch_size]],
             1,
-            args.cache_strategy,
+            strategies,
             prefill_step=prefill_step,
             max_seq_length=max_seq_length,
             cache_length=cache_length,
             cache_options=cache_options,
-            compress_first_token=args.compress_first_token,
+            compress_first_token=compress_first_token,
         )
     warm_up_seconds = time.perf_counter() - t0
     totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
@@ -401,7 +418,7 @@ def run(args: argparse.Namespace) -> None:
             model,
             batch,
             args.max_new_tokens,
-            args.cache_strategy,
+            strategies,
             args.temperature,
             args.top_k,
             stop_ids,
@@ -411,7 +428,7 @@ def run(args: argparse.Namespace) -> None:
             max_seq_length,
             cache_length,
             cache_options,
-            args.compress_first_token,
+            compress_first_token,
             args.attention_loss,
         )
         if result.attention_loss:
@@ -435,10 +452,21 @@ def run(args: argparse.Namespace) -> None:
         f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
-        f"KV cache ({args.cache_strategy}): {min(cache_slots, sequence_length)} of {sequence_length} tokens kept "
-        f"({sequence_length / min(cache_slots, sequence_length):.2f}x compression); {kv_bytes / 2**20:.1f} MiB allocated, "
-        f"a full cache of {sequence_length} tokens: {kv_bytes / cache_slots * sequence_length / 2**20:.1f} MiB; peak {peak_kind}: {peak / 2**30:.2f} GiB",
+        f"{cache_report(args.cache_config or strategy, cache_slots, sequence_length, kv_bytes)}; peak {peak_kind}: {peak / 2**30:.2f} GiB",
         file=sys.stderr,
+    )
+
+
+def cache_report(label: str | list[str], slots: list[int], sequence_length: int, kv_bytes: int) -> str:
+    """Tokens kept against tokens held, compression, and real bytes against a full cache's."""
+    kept = [min(n, sequence_length) for n in slots]
+    full_bytes = kv_bytes / sum(slots) * sequence_length * len(slots)
+    name = "mixed: " + ", ".join(dict.fromkeys(label)) if isinstance(label, list) else label
+    per_layer = "" if len(set(kept)) == 1 else f"\nper-layer slots: {' '.join(map(str, kept))}"
+    return (
+        f"KV cache ({name}): {sum(kept) / len(kept):.0f} of {sequence_length} tokens kept per layer on average "
+        f"({sequence_length * len(kept) / sum(kept):.2f}x compression); {kv_bytes / 2**20:.1f} MiB allocated, "
+        f"a full cache of {sequence_length} tokens: {full_bytes / 2**20:.1f} MiB{per_layer}"
     )
 
 

@@ -78,7 +78,7 @@ def test_cli_runs_every_strategy_and_reports_compression(strategy):
     proc = run_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
     assert proc.returncode == 0, proc.stderr
     kept = [line for line in proc.stderr.splitlines() if line.startswith(f"KV cache ({strategy}): ")]
-    assert kept and "16 of 30 tokens kept (1.88x compression)" in kept[0]  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens held
+    assert kept and "16 of 30 tokens kept per layer on average (1.88x compression)" in kept[0]  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens held
 
 
 def test_cli_reports_attention_loss_per_layer_and_over_time():

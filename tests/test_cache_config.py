@@ -1,0 +1,71 @@
+"""YAML cache configs: validation, per-layer patterns, precedence, and every shipped config runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_generate import run_cli
+
+from cache_config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
+from conftest import ROOT
+
+SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def test_per_layer_patterns():
+    assert per_layer("l2", None, 3) == ["l2", "l2", "l2"]
+    assert per_layer(["full", "recent_global"], "tile", 5) == ["full", "recent_global", "full", "recent_global", "full"]
+    assert per_layer([0.9, 0.5, 0.1], "repeat", 6) == [0.9, 0.9, 0.5, 0.5, 0.1, 0.1]
+    assert per_layer([1, 2, 3], None, 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="a list of 2 values for 5 layers needs a pattern: tile, repeat"):
+        per_layer([1, 2], None, 5)
+
+
+def test_command_line_overrides_config_which_overrides_defaults():
+    config = {"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "recent_window": 10}
+    cli = {"cache_strategy": None, "max_cache_length": 64, "recent_window": None, "global_tokens": None}
+    assert resolve_settings(cli, config) == {"cache_strategy": "heavy_hitter", "max_cache_length": 64, "recent_window": 10}
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("cache_strategy: l2\ncache_lenght: 5\n", "unknown key 'cache_lenght'; valid keys: cache_strategy, max_cache_length"),
+        ("max_cache_length: 1.5\n", "max_cache_length: expected a slot count >= 1 or a fraction in (0, 1], got 1.5"),
+        ("global_tokens: four\n", "global_tokens must be an integer >= 0, got 'four'"),
+        ("compress_first_token: 1\n", "compress_first_token must be true or false, got 1"),
+        ("max_cache_length: [0.5, 2.5]\nmax_cache_length_pattern: tile\n", "got 2.5"),
+        ("cache_strategy: [full, l2]\ncache_strategy_pattern: zigzag\n", "cache_strategy_pattern must be one of tile, repeat, got 'zigzag'"),
+        ("- a list\n", "expected a mapping of settings, got list"),
+    ],
+)
+def test_bad_configs_are_rejected_with_the_key_and_valid_values(tmp_path: Path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_cache_config(str(path))
+    assert message in str(e.value)
+
+
+def test_unknown_config_name_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match="cache config 'nope' not found; give a .yaml path or one of: full, funnel, heavy_hitter"):
+        load_cache_config("nope")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_runs(name):
+    prompt = " ".join(["The history of the printing press begins in the fifteenth century, in Mainz."] * 10)  # 160 tokens: 10% = 17 slots
+    proc = run_cli("--cache_config", name, "--max_new_tokens", "8", "--prompt", prompt)
+    assert proc.returncode == 0, proc.stderr
+    report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
+    assert report.startswith(f"KV cache ({name}): ")
+    if name in ("pyramid", "funnel"):
+        assert "per-layer slots: " in proc.stderr
+
+
+def test_flags_override_a_shipped_config():
+    proc = run_cli("--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "KV cache (heavy_hitter): 14 of 14 tokens kept per layer on average (1.00x compression)" in proc.stderr
+    assert (ROOT / "configs" / "heavy_hitter.yaml").exists()
