@@ -45,7 +45,10 @@ def load_cache_config(name_or_path: str) -> dict[str, Any]:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
         raise ValueError(f"cache config {name_or_path!r} not found; give a .yaml path or one of: {known}")
-    config = yaml.safe_load(path.read_text()) or {}
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a mapping of settings, got {type(config).__name__}")
     valid = [*CACHE_KEYS, *(f"{k}_pattern" for k in PER_LAYER_KEYS)]

@@ -387,14 +387,15 @@ def run(args: argparse.Namespace) -> None:
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
 
-    # Warm-up (prefill only): one-time initialisation, and prefill compilation under --compile_prefill,
-    # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
-    t0 = time.perf_counter()
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
     n_layer = model.config.n_layer
     strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
     lengths = per_layer(settings.get("max_cache_length", 0.5), settings.get("max_cache_length_pattern"), n_layer)
     cache_length = [None if s == "full" else round(n * max_seq_length) if isinstance(n, float) else n for s, n in zip(strategies, lengths, strict=True)]
+
+    # Warm-up (prefill only): one-time initialisation, and prefill compilation under --compile_prefill,
+    # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
+    t0 = time.perf_counter()
     if max_seq_length <= model.config.block_size:  # else generate() reports the error below
         generate(
             model,

@@ -38,6 +38,7 @@ def test_command_line_overrides_config_which_overrides_defaults():
         ("max_cache_length: [0.5, 2.5]\nmax_cache_length_pattern: tile\n", "got 2.5"),
         ("cache_strategy: [full, l2]\ncache_strategy_pattern: zigzag\n", "cache_strategy_pattern must be one of tile, repeat, got 'zigzag'"),
         ("- a list\n", "expected a mapping of settings, got list"),
+        ("cache_strategy: [l2\n", "not valid YAML"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_key_and_valid_values(tmp_path: Path, text, message):
