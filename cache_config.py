@@ -7,34 +7,128 @@ layers by `<key>_pattern`: `tile` (a b a b ...) or `repeat` (a a ... b b ..., eq
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cache import CACHE_STRATEGIES
+from prompt_compression import PROMPT_COMPRESSORS
+from storage import KEY_QUANT_AXES, QUANT_BITS
+
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 PER_LAYER_KEYS = ("cache_strategy", "max_cache_length")
 PATTERNS = ("tile", "repeat")
-# key: (accepted types, description of valid values)
-CACHE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "cache_strategy": ((str,), "a strategy name"),
-    "max_cache_length": ((int, float), "a slot count >= 1 or a fraction in (0, 1]"),
-    "global_tokens": ((int,), "an integer >= 0"),
-    "recent_window": ((int,), "an integer >= 1"),
-    "prompt_compression_strategy": ((str,), "a prompt compressor name"),
-    "snapkv_window": ((int,), "an integer >= 1"),
-    "snapkv_kernel": ((int,), "an odd integer >= 1"),
-    "snapkv_pooling": ((str,), "max or avg"),
-    "snapkv_gqa": ((str,), "mean, max or sum"),
-    "compress_first_token": ((bool,), "true or false"),
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """One cache setting: a YAML key and the generate.py flag of the same name."""
+
+    types: tuple[type, ...]
+    valid: str  # the valid values, in words, for error messages
+    help: str
+    check: Callable[[Any], bool] = lambda value: True
+
+
+def _is_cache_length(value: Any) -> bool:
+    return isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value <= 1
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda value: value in choices
+
+
+CACHE_KEYS: dict[str, CacheKey] = {
+    "cache_strategy": CacheKey((str,), f"one of {', '.join(CACHE_STRATEGIES)}", "KV cache strategy (default: full)", _one_of(*CACHE_STRATEGIES)),
+    "max_cache_length": CacheKey(
+        (int, float),
+        "a slot count >= 1 or a fraction in (0, 1]",
+        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own "
+        "prompt + max_new_tokens (0.5) (default: 0.5 for compressing strategies)",
+        _is_cache_length,
+    ),
+    "global_tokens": CacheKey((int,), "an integer >= 0", "first tokens never evicted, attention sinks (default: 4; 0 for window)", lambda v: v >= 0),
+    "recent_window": CacheKey(
+        (int,), "an integer >= 1", "newest tokens never evicted, the incoming one included (default: 10; 1 for hybrid)", lambda v: v >= 1
+    ),
+    "prompt_compression_strategy": CacheKey(
+        (str,),
+        f"one of {', '.join(PROMPT_COMPRESSORS)}",
+        "how prompt tokens are chosen when the prompt is longer than the cache (default: the cache strategy's own, e.g. heavy_hitter "
+        "for heavy_hitter, recent_global for window)",
+        _one_of(*PROMPT_COMPRESSORS),
+    ),
+    "snapkv_window": CacheKey((int,), "an integer >= 1", "snapkv: observation window of last prompt queries (default: 16)", lambda v: v >= 1),
+    "snapkv_kernel": CacheKey((int,), "an odd integer >= 1", "snapkv: odd pooling kernel size (default: 7)", lambda v: v >= 1 and v % 2 == 1),
+    "snapkv_pooling": CacheKey((str,), "max or avg", "snapkv: max or avg pooling (default: max)", _one_of("max", "avg")),
+    "snapkv_gqa": CacheKey(
+        (str,),
+        "mean, max, sum or query",
+        "snapkv: aggregation over the query heads of a KV head (mean, max, sum), or query: select per query head as the reference "
+        "code does, repeating KVs per query head (group-size x memory) (default: mean)",
+        _one_of("mean", "max", "sum", "query"),
+    ),
+    "history_window": CacheKey(
+        (int,), "an integer >= 1", "heavy_hitter (Scissorhands): count attention over the last N decode steps only (default: all steps)", lambda v: v >= 1
+    ),
+    "count_threshold": CacheKey(
+        (int, float),
+        "a number > 0",
+        "heavy_hitter (Scissorhands): count the steps where a token's attention reaches this multiple of uniform attention, "
+        "instead of summing it (default: sum)",
+        lambda v: v > 0,
+    ),
+    "min_recovery_frac": CacheKey(
+        (int, float), "a fraction in (0, 1]", "hybrid (FastGen): attention a head's policy must recover at prefill (default: 0.9)", lambda v: 0 < v <= 1
+    ),
+    "heavy_hitter_frac": CacheKey(
+        (int, float), "a fraction in (0, 1]", "hybrid: share of the sequence a heavy-hitter policy keeps (default: 0.3)", lambda v: 0 < v <= 1
+    ),
+    "window_frac": CacheKey((int, float), "a fraction in (0, 1]", "hybrid: share of the sequence a window policy keeps (default: 0.3)", lambda v: 0 < v <= 1),
+    "cache_bits": CacheKey(
+        (int,),
+        f"one of {', '.join(map(str, QUANT_BITS))}",
+        "store keys and values as packed 8, 4 or 2-bit integers, with any strategy (default: the model's dtype)",
+        _one_of(*QUANT_BITS),
+    ),
+    "key_quant_axis": CacheKey(
+        (str,),
+        f"one of {', '.join(KEY_QUANT_AXES)}",
+        "with --cache_bits: key scales per token or per channel (KIVI) (default: token at 8 bits, channel below)",
+        _one_of(*KEY_QUANT_AXES),
+    ),
+    "compress_first_token": CacheKey(
+        (bool,),
+        "true or false",
+        "decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
+    ),
 }
+CACHE_OPTIONS = tuple(k for k in CACHE_KEYS if k not in (*PER_LAYER_KEYS, "compress_first_token"))  # settings passed to make_caches
 
 
-def check_cache_length(value: Any) -> int | float:
-    """An absolute slot count (an integer >= 1) or a fraction in (0, 1] of prompt + max_new_tokens."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (isinstance(value, int) and value >= 1 or 0 < value <= 1):
-        raise ValueError(f"max_cache_length: expected a slot count >= 1 or a fraction in (0, 1], got {value!r}")
+def check_value(key: str, value: Any) -> Any:
+    """`value` if it is valid for `key`, else a ValueError naming the key and its valid values."""
+    spec = CACHE_KEYS[key]
+    if not isinstance(value, spec.types) or (isinstance(value, bool) and bool not in spec.types) or not spec.check(value):
+        raise ValueError(f"{key} must be {spec.valid}, got {value!r}")
     return value
+
+
+def parse_flag(key: str, text: str) -> Any:
+    """A command-line value for `key`: a number where the key takes numbers, checked like a YAML value."""
+    types = CACHE_KEYS[key].types
+    value: Any = text
+    try:
+        if int in types and text.lstrip("-").isdigit():
+            value = int(text)
+        elif float in types:
+            value = float(text)
+    except ValueError:
+        pass
+    return check_value(key, value)
 
 
 def load_cache_config(name_or_path: str) -> dict[str, Any]:
@@ -59,13 +153,11 @@ def load_cache_config(name_or_path: str) -> dict[str, Any]:
             if value not in PATTERNS:
                 raise ValueError(f"{path}: {key} must be one of {', '.join(PATTERNS)}, got {value!r}")
             continue
-        values = value if isinstance(value, list) and key in PER_LAYER_KEYS else [value]
-        types, description = CACHE_KEYS[key]
-        for v in values:
-            if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-                raise ValueError(f"{path}: {key} must be {description}{' (or a list of them)' if key in PER_LAYER_KEYS else ''}, got {v!r}")
-            if key == "max_cache_length":
-                check_cache_length(v)
+        for v in value if isinstance(value, list) and key in PER_LAYER_KEYS else [value]:
+            try:
+                check_value(key, v)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
     return config
 
 

@@ -25,30 +25,40 @@ class AttentionLossProbe(nn.Module):
     def __init__(self, inner: KVCache, full: FullCache) -> None:
         super().__init__()
         self.inner, self.full = inner, full
-        self.needs_attention = inner.needs_attention
+        self.needs_attention, self.needs_tokens = inner.needs_attention, inner.needs_tokens
         self.capacity = inner.capacity
         self.losses: list[Tensor] = []
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        self.inner.prefill(input_pos, k, v, q)
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> None:
+        self.inner.prefill(input_pos, k, v, q, **token_ids)
         self.full.prefill(input_pos, k, v, q)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        keys, values, key_pos = self.inner.update(input_pos, k, v, q)
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        keys, values, key_pos = self.inner.update(input_pos, k, v, q, **token_ids)
         full_keys, _, full_pos = self.full.update(input_pos, k, v, q)
         B, H, T, D = q.shape
         n_kv = full_keys.shape[1]
-        scores = (q.reshape(B, n_kv, H // n_kv * T, D) @ full_keys.transpose(-1, -2)).float() / math.sqrt(D)
+        scores = (q.reshape(B, n_kv, H // n_kv, T, D) @ full_keys[:, :, None].transpose(-1, -2)).float() / math.sqrt(D)
         visible = (full_pos >= 0) & (full_pos <= input_pos[:, -1:])  # [B, S]
-        probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(dim=-1)  # [B, H_kv, group*T, S]
-        inner_pos = key_pos if key_pos.dim() == 3 else key_pos[:, None, :].expand(B, n_kv, -1)
-        kept = (inner_pos[:, :, :, None] == full_pos[:, None, None, :]).any(dim=2) & visible[:, None, :]  # [B, H_kv, S]
-        retained = (probs * kept[:, :, None, :]).sum(dim=-1)
-        self.losses.append(1 - retained.mean(dim=(1, 2)))
+        probs = scores.masked_fill(~visible[:, None, None, None, :], float("-inf")).softmax(dim=-1)  # [B, H_kv, group, T, S]
+        inner_pos = key_pos if key_pos.dim() == 3 else key_pos[:, None, :]  # [B, 1, H_kv or H, S']
+        kept = (inner_pos[..., None] == full_pos[:, None, None, :]).any(dim=2) & visible[:, None, :]  # [B, 1 or H_kv or H, S]
+        kept = kept.view(B, -1, kept.shape[1] // n_kv if kept.shape[1] > n_kv else 1, 1, kept.shape[-1])  # per KV head, or per query head
+        retained = (probs * kept).sum(dim=-1)
+        self.losses.append(1 - retained.mean(dim=(1, 2, 3)))
         return keys, values, key_pos
 
     def observe(self, probs: Tensor) -> None:
         self.inner.observe(probs)
+
+    def limit_rows(self, capacities: Tensor) -> None:
+        self.inner.limit_rows(capacities)
+
+    def tokens_held(self) -> Tensor:
+        return self.inner.tokens_held()
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
 
     def reset(self) -> None:
         self.inner.reset()

@@ -11,25 +11,25 @@ import argparse
 import resource
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from cache import CACHE_STRATEGIES, KVCache, make_caches
-from cache_config import CACHE_KEYS, check_cache_length, load_cache_config, per_layer, resolve_settings
+from cache_config import CACHE_KEYS, CACHE_OPTIONS, check_value, load_cache_config, parse_flag, per_layer, resolve_settings
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
 from diagnostics import AttentionLossProbe, attention_loss_summary
 from model import Transformer
-from prompt_compression import PROMPT_COMPRESSORS
 from tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT = "The history of the printing press begins"
-CACHE_OPTION_FLAGS = ("global_tokens", "recent_window", "prompt_compression_strategy", "snapkv_window", "snapkv_kernel", "snapkv_pooling", "snapkv_gqa")
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
 
@@ -58,8 +58,9 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def setup_caches(model: Transformer, strategies: list[str], batch_size: int, capacities: list[int], options: dict[str, int | str]) -> list[KVCache]:
-    """One cache per layer (strategies and capacities per layer; `options` apply to compressing layers).
+def setup_caches(model: Transformer, strategies: list[str], batch_size: int, capacities: list[int], options: dict[str, Any]) -> list[KVCache]:
+    """One cache per layer (strategies and capacities per layer; storage options apply to every layer,
+    eviction options to compressing layers).
     Reuses the model's caches when they were built for the same spec, so a compiled decode step is not
     recompiled between calls."""
     cfg, weight = model.config, model.tok_embeddings.weight
@@ -70,12 +71,84 @@ def setup_caches(model: Transformer, strategies: list[str], batch_size: int, cap
             c.reset()
         return current
     caches = [
-        make_caches(s, 1, batch_size, cfg.n_local_heads, c, cfg.head_dim, weight.dtype, weight.device, **(options if s != "full" else {}))[0]
+        make_caches(s, 1, batch_size, cfg.n_local_heads, c, cfg.head_dim, weight.dtype, weight.device, cfg.n_head, **layer_options(s, options))[0]
         for s, c in zip(strategies, capacities, strict=True)
     ]
     model.setup_caches(caches)
     model.cache_spec = spec
     return caches
+
+
+@dataclass
+class CacheSpec:
+    """Everything that decides the caches, per layer: what `generate` needs from a YAML config + flags."""
+
+    strategies: list[str]
+    lengths: list[int | float | None]  # per layer: slots, a fraction of each sequence, or None (every token)
+    options: dict[str, Any]
+    compress_first_token: bool = False
+
+
+def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
+    """Validate resolved cache settings (`cache_config.resolve_settings`) and spread them over the layers."""
+    strategy = settings.get("cache_strategy", "full")
+    names = strategy if isinstance(strategy, list) else [strategy]
+    options = {k: settings[k] for k in CACHE_OPTIONS if k in settings}
+    if names == ["full"] and "max_cache_length" in settings:
+        raise ValueError("--max_cache_length needs a compressing --cache_strategy; full keeps every token")
+    for option in options:
+        if not any(option in CACHE_STRATEGIES[name].options for name in names):
+            takers = [name for name, cls in CACHE_STRATEGIES.items() if option in cls.options]
+            raise ValueError(f"--{option} does not apply to --cache_strategy {', '.join(dict.fromkeys(names))}; it applies to: {', '.join(takers)}")
+    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
+    if "max_cache_length" in settings:
+        lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer)
+    else:  # hybrid sizes itself by its policies (min_recovery_frac); other strategies keep half
+        lengths = [1.0 if s == "hybrid" else 0.5 for s in strategies]
+    if "hybrid" in strategies:
+        options |= dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
+    lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
+    return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)))
+
+
+def prepare_caches(
+    model: Transformer,
+    lengths: Sequence[int],
+    max_new_tokens: int,
+    max_seq_length: int,
+    cache_strategy: str | Sequence[str],
+    cache_length: int | float | Sequence[int | float | None] | None,
+    cache_options: dict[str, Any],
+) -> list[KVCache]:
+    """Caches for sequences of these prompt lengths: per-layer strategies and lengths, buffers sized by
+    max_seq_length, and each sequence limited to its own fraction of prompt + max_new_tokens."""
+    n_layer = model.config.n_layer
+    strategies = [cache_strategy] * n_layer if isinstance(cache_strategy, str) else list(cache_strategy)
+    per_layer_lengths = list(cache_length) if isinstance(cache_length, Sequence) else [cache_length] * n_layer
+    if len(strategies) != n_layer or len(per_layer_lengths) != n_layer:
+        raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(strategies)} strategies and {len(per_layer_lengths)} lengths")
+    if any(length is not None and s == "full" for s, length in zip(strategies, per_layer_lengths, strict=True)):
+        raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
+    for length in per_layer_lengths:
+        if length is not None:
+            check_value("max_cache_length", length)
+    caches = setup_caches(model, strategies, len(lengths), [cache_slots(n, max_seq_length) for n in per_layer_lengths], cache_options)
+    for cache, length in zip(caches, per_layer_lengths, strict=True):
+        own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else cache.capacity for n in lengths]
+        cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
+    return caches
+
+
+def layer_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a layer of this strategy takes (a mixed config's options may be meant for its other layers)."""
+    return {k: v for k, v in options.items() if k in CACHE_STRATEGIES[strategy].options}
+
+
+def cache_slots(length: int | float | None, max_seq_length: int) -> int:
+    """Slots for a cache length: a count, a fraction of max_seq_length, or None (every token)."""
+    if length is None:
+        return max_seq_length
+    return min(round(length * max_seq_length) if isinstance(length, float) else length, max_seq_length)
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -95,9 +168,11 @@ class Generation:
     decode_steps: int
     decode_seconds: float  # all decode steps but the first
     first_step_seconds: float  # the first decode step, which includes compilation under --compile
-    kv_cache_bytes: int
-    cache_slots: list[int]  # per layer: slots per (sequence, KV head)
-    sequence_length: int  # longest prompt + generated tokens: what a full cache would have held
+    kv_cache_bytes: int  # allocated by the caches (packed bytes for a quantized cache)
+    full_cache_bytes: int  # what a full cache in the model's dtype would allocate for the same batch
+    tokens_held: list[float]  # per layer, at the end: tokens held per sequence and KV head (mean)
+    sequence_length: float  # prompt + generated tokens per sequence (mean): what a full cache would hold
+    cache_stats: dict[str, int]  # the caches' own counts, summed over layers (e.g. hybrid's heads per policy)
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
 
 
@@ -114,8 +189,8 @@ def generate(
     prefill_step: Callable[..., Tensor] = prefill,
     on_token: Callable[[list[int]], None] | None = None,
     max_seq_length: int | None = None,
-    cache_length: int | Sequence[int | None] | None = None,
-    cache_options: dict[str, int | str] | None = None,
+    cache_length: int | float | Sequence[int | float | None] | None = None,
+    cache_options: dict[str, Any] | None = None,
     compress_first_token: bool = False,
     attention_loss: bool = False,
 ) -> Generation:
@@ -124,7 +199,8 @@ def generate(
     `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
     across calls keeps every shape static, so compiled steps are reused instead of recompiled.
     `cache_strategy` and `cache_length` are one value or one per layer; `cache_length` caps the slots
-    of a compressing strategy (default: max_seq_length, i.e. no eviction);
+    of a compressing strategy: a count, or a fraction of each sequence's own prompt + max_new_tokens
+    (buffers are sized by the fraction of max_seq_length, so shapes stay static) (default: no eviction);
     `cache_options` go to `cache.make_caches` (eviction and prompt compression settings). With
     `compress_first_token`, the prompt's last token is decoded through the compressed cache rather than
     prefilled, so even the first generated token sees only what compression kept. `attention_loss`
@@ -146,19 +222,11 @@ def generate(
     max_seq_length = max_seq_length or T + max_new_tokens
     if not T + max_new_tokens <= max_seq_length <= context:
         raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
-    n_layer = model.config.n_layer
-    strategies = [cache_strategy] * n_layer if isinstance(cache_strategy, str) else list(cache_strategy)
-    lengths = list(cache_length) if isinstance(cache_length, Sequence) else [cache_length] * n_layer
-    if len(strategies) != n_layer or len(lengths) != n_layer:
-        raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(strategies)} strategies and {len(lengths)} lengths")
-    if any(length is not None and s == "full" for s, length in zip(strategies, lengths, strict=True)):
-        raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
-    cache_slots = [min(length or max_seq_length, max_seq_length) for length in lengths]
-    caches = setup_caches(model, strategies, len(prompts), cache_slots, cache_options or {})
+    caches = prepare_caches(model, [len(p) for p in prompts], max_new_tokens, max_seq_length, cache_strategy, cache_length, cache_options or {})
     probes = None
     if attention_loss:
         cfg = model.config
-        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, caches[0].k_cache.dtype, device)
+        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, model.tok_embeddings.weight.dtype, device)
         probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
         model.setup_caches(probes)
         model.cache_spec = None  # the probes are single-use: the next call builds fresh caches
@@ -201,6 +269,8 @@ def generate(
     sync(device)
     decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
     rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
+    cfg = model.config
+    full_bytes = 2 * cfg.n_layer * len(prompts) * cfg.n_local_heads * (T + n - 1) * cfg.head_dim * model.tok_embeddings.weight.element_size()
     return Generation(
         [r[0] for r in rows],
         [r[1] for r in rows],
@@ -210,10 +280,20 @@ def generate(
         decode_seconds,
         first_step_seconds,
         sum(c.nbytes() for c in caches),
-        cache_slots,
-        T + n - 1,
+        full_bytes,
+        [c.tokens_held().float().mean().item() for c in caches],
+        float(lens.float().mean()) + n - 1,
+        sum_stats(caches),
         attention_loss_summary(probes) if probes else None,
     )
+
+
+def sum_stats(caches: Sequence[KVCache]) -> dict[str, int]:
+    """The caches' stats summed over layers, zero counts kept."""
+    total: Counter[str] = Counter()
+    for cache in caches:
+        total.update(cache.stats())
+    return dict(total)
 
 
 def sync(device: torch.device) -> None:
@@ -247,12 +327,15 @@ def positive_int(value: str) -> int:
     return n
 
 
-def cache_length_arg(value: str) -> int | float:
-    """An absolute slot count (an integer >= 1) or a fraction in (0, 1] of prompt + max_new_tokens."""
-    try:
-        return check_cache_length(int(value) if value.isdigit() else float(value))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1], got {value!r}") from None
+def cache_flag(key: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return parse_flag(key, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = key
+    return parse
 
 
 def build_parser() -> ArgumentParser:
@@ -275,41 +358,21 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--top_k", type=positive_int, default=None, help="sample only among the k most likely tokens (default: no limit)")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default: 1234)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
-    p.add_argument("--cache_strategy", default=None, help=f"KV cache strategy, one of: {', '.join(CACHE_STRATEGIES)} (default: full)")
     p.add_argument(
         "--cache_config",
         default=None,
         help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); flags given on the command line override it",
     )
-    p.add_argument(
-        "--max_cache_length",
-        type=cache_length_arg,
-        default=None,
-        help="KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of the longest "
-        "prompt + max_new_tokens (0.5) (default: 0.5 for compressing strategies)",
-    )
-    p.add_argument("--global_tokens", type=int, default=None, help="first tokens never evicted, attention sinks (default: 4; 0 for window)")
-    p.add_argument("--recent_window", type=int, default=None, help="newest tokens never evicted, the incoming one included (default: 10)")
-    p.add_argument(
-        "--prompt_compression_strategy",
-        default=None,
-        help=f"how prompt tokens are chosen when the prompt is longer than the cache, one of: {', '.join(PROMPT_COMPRESSORS)} "
-        "(default: the cache strategy's own, e.g. heavy_hitter for heavy_hitter, recent_global for window)",
-    )
-    p.add_argument("--snapkv_window", type=int, default=None, help="snapkv: observation window of last prompt queries (default: 16)")
-    p.add_argument("--snapkv_kernel", type=int, default=None, help="snapkv: odd pooling kernel size (default: 7)")
-    p.add_argument("--snapkv_pooling", default=None, help="snapkv: max or avg pooling (default: max)")
-    p.add_argument("--snapkv_gqa", default=None, help="snapkv: aggregation over the query heads of a KV head: mean, max or sum (default: mean)")
+    cache = p.add_argument_group("cache settings (also YAML keys of the same name)")
+    for key, spec in CACHE_KEYS.items():
+        if spec.types == (bool,):
+            cache.add_argument(f"--{key}", action="store_true", default=None, help=spec.help)
+        else:
+            cache.add_argument(f"--{key}", type=cache_flag(key), default=None, metavar=key.upper(), help=f"{spec.help}; {spec.valid}")
     p.add_argument(
         "--attention_loss",
         action="store_true",
         help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost (eager only)",
-    )
-    p.add_argument(
-        "--compress_first_token",
-        action="store_true",
-        default=None,
-        help="decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
     )
     p.add_argument(
         "--checkpoint_path",
@@ -349,15 +412,6 @@ def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
 
 def run(args: argparse.Namespace) -> None:
     settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
-    strategy = settings.get("cache_strategy", "full")
-    for name in strategy if isinstance(strategy, list) else [strategy]:
-        if name not in CACHE_STRATEGIES:
-            raise ValueError(f"unknown --cache_strategy {name!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
-    compressing = strategy != "full"
-    cache_options = {k: settings[k] for k in CACHE_OPTION_FLAGS if k in settings}
-    if not compressing and ("max_cache_length" in settings or cache_options):
-        raise ValueError(f"--max_cache_length and --{', --'.join(CACHE_OPTION_FLAGS)} need a compressing --cache_strategy; full keeps every token")
-    compress_first_token = bool(settings.get("compress_first_token", False))
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.attention_loss and (args.compile or args.compile_prefill):
@@ -369,6 +423,7 @@ def run(args: argparse.Namespace) -> None:
     checkpoint_dir = args.checkpoint_path or default_checkpoint()
     t0 = time.perf_counter()
     model, tokenizer, config = load_checkpoint(checkpoint_dir, device, dtype)
+    spec = cache_spec(settings, model.config.n_layer, tokenizer)
     print(
         f"Loaded {config['name']} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
@@ -388,10 +443,6 @@ def run(args: argparse.Namespace) -> None:
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
 
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
-    n_layer = model.config.n_layer
-    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
-    lengths = per_layer(settings.get("max_cache_length", 0.5), settings.get("max_cache_length_pattern"), n_layer)
-    cache_length = [None if s == "full" else round(n * max_seq_length) if isinstance(n, float) else n for s, n in zip(strategies, lengths, strict=True)]
 
     # Warm-up (prefill only): one-time initialisation, and prefill compilation under --compile_prefill,
     # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
@@ -401,16 +452,15 @@ def run(args: argparse.Namespace) -> None:
             model,
             [p[:8] for p in prompts[:batch_size]],
             1,
-            strategies,
+            spec.strategies,
             prefill_step=prefill_step,
             max_seq_length=max_seq_length,
-            cache_length=cache_length,
-            cache_options=cache_options,
-            compress_first_token=compress_first_token,
+            cache_length=[n if n is None else cache_slots(n, max_seq_length) for n in spec.lengths],  # short warm-up rows: no per-row fractions
+            cache_options=spec.options,
+            compress_first_token=spec.compress_first_token,
         )
     warm_up_seconds = time.perf_counter() - t0
     totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
-    sequence_length = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         stream = len(batch) == 1
@@ -419,7 +469,7 @@ def run(args: argparse.Namespace) -> None:
             model,
             batch,
             args.max_new_tokens,
-            strategies,
+            spec.strategies,
             args.temperature,
             args.top_k,
             stop_ids,
@@ -427,9 +477,9 @@ def run(args: argparse.Namespace) -> None:
             prefill_step,
             streamer,
             max_seq_length,
-            cache_length,
-            cache_options,
-            compress_first_token,
+            spec.lengths,
+            spec.options,
+            spec.compress_first_token,
             args.attention_loss,
         )
         if result.attention_loss:
@@ -444,8 +494,7 @@ def run(args: argparse.Namespace) -> None:
         totals["first_s"] += result.first_step_seconds
         totals["decode_tokens"] += len(batch) * max(result.decode_steps - 1, 0)
         totals["decode_s"] += result.decode_seconds
-        kv_bytes = result.kv_cache_bytes
-        cache_slots, sequence_length = result.cache_slots, max(sequence_length, result.sequence_length)
+        last = result
 
     peak, peak_kind = peak_memory_bytes(device)
     print(
@@ -453,21 +502,23 @@ def run(args: argparse.Namespace) -> None:
         f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
-        f"{cache_report(args.cache_config or strategy, cache_slots, sequence_length, kv_bytes)}; peak {peak_kind}: {peak / 2**30:.2f} GiB",
+        f"{cache_report(args.cache_config or spec.strategies, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB",
         file=sys.stderr,
     )
 
 
-def cache_report(label: str | list[str], slots: list[int], sequence_length: int, kv_bytes: int) -> str:
-    """Tokens kept against tokens held, compression, and real bytes against a full cache's."""
-    kept = [min(n, sequence_length) for n in slots]
-    full_bytes = kv_bytes / sum(slots) * sequence_length * len(slots)
-    name = "mixed: " + ", ".join(dict.fromkeys(label)) if isinstance(label, list) else label
-    per_layer = "" if len(set(kept)) == 1 else f"\nper-layer slots: {' '.join(map(str, kept))}"
+def cache_report(label: str | list[str], result: Generation) -> str:
+    """Tokens held against the sequence length (the last batch's), compression, and the real bytes allocated
+    against a full cache's."""
+    held, seq = result.tokens_held, result.sequence_length
+    mean_held = sum(held) / len(held)
+    name = label if isinstance(label, str) else label[0] if len(set(label)) == 1 else "mixed: " + ", ".join(dict.fromkeys(label))
+    per_layer = "" if max(held) - min(held) < 0.5 else f"\ntokens held per layer: {' '.join(f'{n:.0f}' for n in held)}"
+    stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items())
     return (
-        f"KV cache ({name}): {sum(kept) / len(kept):.0f} of {sequence_length} tokens kept per layer on average "
-        f"({sequence_length * len(kept) / sum(kept):.2f}x compression); {kv_bytes / 2**20:.1f} MiB allocated, "
-        f"a full cache of {sequence_length} tokens: {full_bytes / 2**20:.1f} MiB{per_layer}"
+        f"KV cache ({name}): {mean_held:.0f} of {seq:.0f} tokens held per layer and KV head on average "
+        f"({seq / mean_held:.2f}x compression); {result.kv_cache_bytes / 2**20:.1f} MiB allocated, "
+        f"a full cache: {result.full_cache_bytes / 2**20:.1f} MiB ({result.full_cache_bytes / result.kv_cache_bytes:.2f}x){per_layer}{stats}"
     )
 
 

@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(self.tok_embeddings.weight.dtype)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, input_pos, cos, sin, prefill)
+            x = layer(x, tokens, input_pos, cos, sin, prefill)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return self.output(self.norm(x))
@@ -190,8 +190,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, prefill)
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -204,7 +204,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
@@ -213,11 +213,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
         if self.kv_cache is None:
             raise RuntimeError("call model.setup_caches(...) before running the model")
+        token_ids = {"tokens": tokens} if self.kv_cache.needs_tokens else {}
         if prefill:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            self.kv_cache.prefill(input_pos, k, v, q)
+            self.kv_cache.prefill(input_pos, k, v, q, **token_ids)
         else:
-            keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q)
+            keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **token_ids)
             mask = attention_mask(key_pos, input_pos)
             y, probs = grouped_attention(q, keys, values, mask, self.kv_cache.needs_attention)
             if probs is not None:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+SNAPKV_OPTIONS = ("window", "kernel", "pooling", "gqa")
+
 
 class PromptCompressor:
     compresses = True
@@ -68,11 +70,13 @@ class SnapKVCompressor(PromptCompressor):
     """SnapKV (Li et al., 2024): the attention that the last `window` prompt queries (the observation
     window) pay to each key, pooled along the sequence so neighbours of important tokens survive too;
     the window's own keys are always kept. Scores are aggregated over the query heads that share a KV
-    head (`gqa`: mean, max or sum) so selection happens per KV head, keeping GQA's memory savings."""
+    head (`gqa`: mean, max or sum) so selection happens per KV head, keeping GQA's memory savings; or,
+    with gqa="query", each query head selects its own tokens as in the reference code: the cache then
+    repeats the KVs for every query head (`make_caches` arranges it), which costs group-size x memory."""
 
     def __init__(self, window: int = 16, kernel: int = 7, pooling: str = "max", gqa: str = "mean") -> None:
-        if pooling not in ("max", "avg") or gqa not in ("mean", "max", "sum") or kernel < 1 or kernel % 2 == 0 or window < 1:
-            raise ValueError(f"snapkv: need window >= 1, an odd kernel, pooling max|avg and gqa mean|max|sum; got {window}, {kernel}, {pooling}, {gqa}")
+        if pooling not in ("max", "avg") or gqa not in ("mean", "max", "sum", "query") or kernel < 1 or kernel % 2 == 0 or window < 1:
+            raise ValueError(f"snapkv: need window >= 1, an odd kernel, pooling max|avg and gqa mean|max|sum|query; got {window}, {kernel}, {pooling}, {gqa}")
         self.window, self.kernel, self.pooling, self.gqa = window, kernel, pooling, gqa
 
     def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
@@ -83,7 +87,9 @@ class SnapKVCompressor(PromptCompressor):
         q_window = q.gather(2, cols[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
         query_pos = torch.where(window_pos >= 0, window_pos, -1)
         probs = prompt_attention(q_window, k, input_pos, query_pos).sum(dim=3)  # [B, H_kv, group, T]
-        scores = {"mean": probs.mean, "max": lambda dim: probs.max(dim=dim).values, "sum": probs.sum}[self.gqa](dim=2)
+        if self.gqa == "query" and probs.shape[2] != 1:
+            raise ValueError("snapkv gqa='query' needs a cache holding one KV head per query head (make_caches(..., n_heads=...))")
+        scores = {"mean": probs.mean, "max": lambda dim: probs.max(dim=dim).values, "sum": probs.sum, "query": probs.sum}[self.gqa](dim=2)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         scores = pool(scores.reshape(B * n_kv, 1, T), self.kernel, stride=1, padding=self.kernel // 2).view(B, n_kv, T)
         in_window = (input_pos > last - self.window) & (input_pos >= 0)

@@ -15,6 +15,7 @@ few exact formats (chatml, llama3, llama2, mistral) instead of running Jinja.
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import re
@@ -115,6 +116,14 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    @functools.cached_property
+    def punctuation_ids(self) -> tuple[int, ...]:
+        """Ids of the ordinary tokens that are punctuation only, whitespace aside (".", ",\n", "?!"): FastGen's
+        punctuation policy keeps them."""
+        special = set(self.specials.values())
+        texts = ((i, self.decode([i]).strip()) for i in range(self.vocab_size) if i not in special)
+        return tuple(i for i, text in texts if text and all(unicodedata.category(c).startswith("P") for c in text))
 
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 
 def paul_graham_text() -> str:
@@ -35,3 +36,14 @@ def smollm(smollm_dir):
     """(model, tokenizer, config) of SmolLM2-135M-Instruct in float32 on the CPU."""
     torch.manual_seed(0)
     return load_checkpoint(smollm_dir, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A 2-layer random model with GQA (4 query heads, 2 KV heads): fast enough to compile in every test."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=64, block_size=128)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model

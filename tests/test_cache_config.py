@@ -32,7 +32,9 @@ def test_command_line_overrides_config_which_overrides_defaults():
     "text,message",
     [
         ("cache_strategy: l2\ncache_lenght: 5\n", "unknown key 'cache_lenght'; valid keys: cache_strategy, max_cache_length"),
-        ("max_cache_length: 1.5\n", "max_cache_length: expected a slot count >= 1 or a fraction in (0, 1], got 1.5"),
+        ("max_cache_length: 1.5\n", "max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5"),
+        ("cache_bits: 3\n", "cache_bits must be one of 8, 4, 2, got 3"),
+        ("cache_strategy: h2o\n", "cache_strategy must be one of full, window, recent_global"),
         ("global_tokens: four\n", "global_tokens must be an integer >= 0, got 'four'"),
         ("compress_first_token: 1\n", "compress_first_token must be true or false, got 1"),
         ("max_cache_length: [0.5, 2.5]\nmax_cache_length_pattern: tile\n", "got 2.5"),
@@ -62,11 +64,11 @@ def test_every_shipped_config_runs(name):
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
     assert report.startswith(f"KV cache ({name}): ")
     if name in ("pyramid", "funnel"):
-        assert "per-layer slots: " in proc.stderr
+        assert "tokens held per layer: " in proc.stderr
 
 
 def test_flags_override_a_shipped_config():
     proc = run_cli("--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
-    assert "KV cache (heavy_hitter): 14 of 14 tokens kept per layer on average (1.00x compression)" in proc.stderr
+    assert "KV cache (heavy_hitter): 14 of 14 tokens held per layer and KV head on average (1.00x compression)" in proc.stderr
     assert (ROOT / "configs" / "heavy_hitter.yaml").exists()

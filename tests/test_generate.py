@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from cache import HybridCache
 from conftest import ROOT
 from generate import compile_decode_step, generate, read_prompts, sample
 
@@ -78,7 +79,21 @@ def test_cli_runs_every_strategy_and_reports_compression(strategy):
     proc = run_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
     assert proc.returncode == 0, proc.stderr
     kept = [line for line in proc.stderr.splitlines() if line.startswith(f"KV cache ({strategy}): ")]
-    assert kept and "16 of 30 tokens kept per layer on average (1.88x compression)" in kept[0]  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens held
+    assert (
+        kept and "16 of 30 tokens held per layer and KV head on average (1.88x compression)" in kept[0]
+    )  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens
+
+
+def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats():
+    prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith, built a press; soon, presses spread."
+    proc = run_cli("--cache_strategy", "hybrid", "--max_new_tokens", "16", "--prompt", prompt, "--chat")
+    assert proc.returncode == 0, proc.stderr
+    policies = {line.split(": ")[0]: int(line.split(": ")[1]) for line in proc.stderr.splitlines() if line.startswith("heads ")}
+    assert list(policies) == [f"heads {p}" for p in HybridCache.policies] and sum(policies.values()) == 30 * 3  # layers x KV heads
+    proc = run_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache (full): "))
+    assert float(report.rsplit("(", 1)[1].split("x)")[0]) > 4  # packed 4-bit codes + scales vs float32
 
 
 def test_cli_reports_attention_loss_per_layer_and_over_time():
@@ -91,7 +106,7 @@ def test_cli_reports_attention_loss_per_layer_and_over_time():
 
 
 BAD_INPUTS = {
-    "unknown strategy": (["--cache_strategy", "bogus"], "error: unknown --cache_strategy 'bogus'; choose from: full"),
+    "unknown strategy": (["--cache_strategy", "bogus"], "error: argument --cache_strategy: cache_strategy must be one of full, window, recent_global"),
     "bad dtype": (["--dtype", "fp8"], "error: unknown dtype 'fp8'; choose from: auto, float32, bfloat16, float16"),
     "bad device": (["--device", "tpu"], "error: unknown device 'tpu'; choose from: auto, cpu, cuda, cuda:N"),
     "no cuda": (["--device", "cuda"], "error: --device cuda was given but no CUDA GPU is available"),
@@ -101,22 +116,28 @@ BAD_INPUTS = {
     "negative temperature": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
     "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
     "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
-    "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length and --global_tokens"),
+    "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length needs a compressing --cache_strategy; full keeps every token"),
     "bad cache length": (
         ["--cache_strategy", "l2", "--max_cache_length", "1.5"],
-        "error: argument --max_cache_length: expected a slot count >= 1 or a fraction in (0, 1], got '1.5'",
+        "error: argument --max_cache_length: max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5",
     ),
+    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 8, 4, 2, got 3"),
+    "option of another strategy": (
+        ["--cache_strategy", "l2", "--history_window", "8"],
+        "error: --history_window does not apply to --cache_strategy l2; it applies to: heavy_hitter",
+    ),
+    "eviction option for full": (["--global_tokens", "2"], "error: --global_tokens does not apply to --cache_strategy full; it applies to: window"),
     "cache too small": (
         ["--cache_strategy", "l2", "--max_cache_length", "8"],
         "error: L2Cache: need global_tokens >= 0, recent_window >= 1 and global_tokens + recent_window < cache length; got 4 + 10 for a cache of 8 slots",
     ),
     "unknown compressor": (
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "bogus"],
-        "error: unknown prompt compression strategy 'bogus'; choose from: full, recent_global",
+        "error: argument --prompt_compression_strategy: prompt_compression_strategy must be one of full, recent_global",
     ),
     "bad snapkv option": (
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "snapkv", "--snapkv_pooling", "median"],
-        "error: snapkv: need window >= 1",
+        "error: argument --snapkv_pooling: snapkv_pooling must be max or avg, got 'median'",
     ),
     "attention loss compiled": (["--attention_loss", "--compile"], "error: --attention_loss runs eagerly (it records every step); drop --compile"),
     "longer than context": (["--max_new_tokens", "9000"], "error: prompt of 7 tokens + max_new_tokens=9000 exceeds the model's context length of 8192 tokens"),

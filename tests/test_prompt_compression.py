@@ -67,10 +67,12 @@ def test_compressor_picks_which_prompt_tokens_a_cache_keeps():
 
 
 def test_bad_pairs_and_options_are_rejected():
-    with pytest.raises(ValueError, match="'full' keeps every token"):
+    with pytest.raises(ValueError, match="cache strategy 'full' does not take prompt_compression_strategy; it takes: cache_bits, key_quant_axis"):
         make_caches("full", 1, 1, 1, 8, 4, torch.float32, prompt_compression_strategy="snapkv")
     with pytest.raises(ValueError, match="unknown prompt compression strategy 'bogus'; choose from: full, recent_global"):
         make_caches("heavy_hitter", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="bogus")
+    with pytest.raises(ValueError, match="cache strategy 'hybrid' does not take prompt_compression_strategy"):
+        make_caches("hybrid", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="snapkv")
     with pytest.raises(ValueError, match="takes no options"):
         make_caches("l2", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="l2", snapkv_window=4)
     with pytest.raises(ValueError, match="pooling max|avg"):

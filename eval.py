@@ -1,0 +1,448 @@
+"""Evaluate KV-cache compression: a sweep of tasks x cache configs x cache sizes, with results on disk.
+
+    python eval.py --tasks niah_single_2 vt book_shakespeare --cache_config full recent_global heavy_hitter \\
+        --cache_sizes 0.5 0.25 0.1 --context_lengths 2048 --num_samples 20
+
+Under --out_dir (default results/), one directory per (model, config, cache size):
+    <model>/<config>/<size>/args.json              the run's settings
+    <model>/<config>/<size>/<task>@<ctx>.jsonl     one line per finished example, written as it finishes
+    <model>/<config>/<size>/<task>@<ctx>.json      the task's metrics over the requested examples
+and summary.csv / summary.md over everything in --out_dir. An interrupted sweep resumes where it
+stopped: finished examples are read back, never recomputed. Every example is decoded with
+compress_first_token, so even a one-token answer is computed from the compressed cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from cache_config import check_value, load_cache_config
+from checkpoint import default_checkpoint, load_checkpoint
+from cli import ArgumentParser, run_cli
+from generate import CacheSpec, cache_spec, compile_decode_step, decode_one_token, generate, prepare_caches, resolve_device_dtype
+from model import Transformer
+from tasks import GenerationTask, PerplexityTask, resolve_tasks
+from tasks.longbench import set_data_dir as set_longbench_dir
+from tokenizer import Tokenizer
+
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One task at one context length for one (config, cache size): the unit of work and of resume."""
+
+    config: str
+    size: str  # "full", a fraction "0.25" or a slot count "512"
+    task: str
+    context_length: int
+
+    def run_dir(self, out_dir: Path, model_name: str) -> Path:
+        return out_dir / model_name / Path(self.config).stem / self.size
+
+    def stem(self) -> str:
+        return f"{self.task}@{self.context_length}"
+
+
+def parse_size(text: str) -> str:
+    """A cache size as given (a fraction in (0, 1] or a slot count), checked like --max_cache_length."""
+    try:
+        check_value("max_cache_length", int(text) if text.isdigit() else float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}") from None
+    return text
+
+
+def jobs_for(configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int]) -> list[Job]:
+    """The full config runs once; every other config once per size."""
+    jobs = []
+    for config in configs:
+        strategy = load_cache_config(config).get("cache_strategy", FULL)
+        for size in [FULL] if strategy == FULL else sizes:
+            jobs += [Job(config, size, task.name, ctx) for task in tasks for ctx in context_lengths]
+    return jobs
+
+
+def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
+    settings = load_cache_config(job.config)
+    if job.size != FULL:
+        settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
+        settings.pop("max_cache_length_pattern", None)
+    settings["compress_first_token"] = True
+    return cache_spec(settings, n_layer, tokenizer)
+
+
+def read_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished examples of a .jsonl by id; a line cut short by a kill is dropped (and redone)."""
+    records = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record["id"]] = record
+    return records
+
+
+def rewrite_complete_lines(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Drop a torn last line before appending, so the file stays one JSON object per line."""
+    if path.exists() and len(path.read_text().splitlines()) != len(records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def rows_held(model: Transformer) -> Tensor:
+    """[B] tokens each sequence holds, averaged over layers and KV heads."""
+    return torch.stack([layer.attention.kv_cache.tokens_held().float() for layer in model.layers]).mean(dim=0)
+
+
+class PrefillRecorder(nn.Module):
+    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
+
+    needs_attention, needs_tokens = False, False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        self.layers.append((k, v, q))
+
+
+class SharedPrefill:
+    """A `prefill_step` for `generate` that runs the model's prefill once per batch of prompts and replays
+    it into the caches of every other cache config. Prefill attention is exact whatever the cache, so
+    each layer's prompt keys, values and queries are the same for all configs; only what each cache keeps
+    of them differs. With compress_first_token the prefill's own next token is never used."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple[Tensor, Tensor] | None = None
+        self.recorder = PrefillRecorder()
+
+    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        if self.inputs is None:
+            model.setup_caches([self.recorder] * len(caches))
+            model(tokens, input_pos, prefill=True, logits_at=last[:, None])
+            model.setup_caches(caches)
+            self.inputs = (tokens, input_pos)
+        if not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
+            raise ValueError("a shared prefill replays one batch of prompts only")
+        for cache, (k, v, q) in zip(caches, self.recorder.layers, strict=True):
+            cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
+        return torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+
+
+def run_generation(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    task: GenerationTask,
+    runs: list[tuple[Job, CacheSpec, Path]],
+    args: argparse.Namespace,
+    step: Callable,
+) -> dict[Job, list[dict[str, Any]]]:
+    """Decode one task's examples for several (job, cache spec, .jsonl) runs at once, batch by batch:
+    each batch's prefill is computed once and shared by every run still missing one of its examples.
+    Records are appended as they finish; returns each job's records for the requested examples."""
+    context_length = runs[0][0].context_length
+    examples = task.examples(tokenizer, args.num_samples, args.seed, context_length, not args.no_chat)
+    done = {job: read_records(path) for job, _, path in runs}
+    for job, _, path in runs:
+        rewrite_complete_lines(path, done[job])
+    max_new = max(e.max_new_tokens for e in examples)
+    max_seq_length = max(len(e.input_ids) for e in examples) + max_new  # fixed for the task: no recompiles between batches
+    for batch in tqdm(list(batches(examples, args.batch_size)), desc=f"{task.name}@{context_length} ({len(runs)} runs)", unit="batch", leave=False):
+        pending = [(job, spec, path) for job, spec, path in runs if any(e.id not in done[job] for e in batch)]
+        padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
+        shared = SharedPrefill()
+        for job, spec, path in pending:
+            t0 = time.perf_counter()
+            result = generate(
+                model,
+                [e.input_ids for e in padded],
+                max_new,
+                spec.strategies,
+                stop_ids=tokenizer.stop_ids,
+                decode_step=step,
+                prefill_step=shared,
+                max_seq_length=max_seq_length,
+                cache_length=spec.lengths,
+                cache_options=spec.options,
+                compress_first_token=True,
+            )
+            seconds = (time.perf_counter() - t0) / len(batch)
+            held = rows_held(model).tolist()
+            for i, example in enumerate(batch):
+                if example.id in done[job]:
+                    continue
+                prediction = tokenizer.decode(result.tokens[i][: example.max_new_tokens])
+                record = dict(
+                    id=example.id,
+                    score=task.score(prediction, example),
+                    prediction=prediction,
+                    answers=example.answers,
+                    prompt_tokens=len(example.input_ids),
+                    compression=(len(example.input_ids) + result.decode_steps) / held[i],
+                    seconds=round(seconds, 3),
+                )
+                append_record(path, record)
+                done[job][example.id] = record
+    return {job: [done[job][e.id] for e in examples] for job, _, _ in runs}
+
+
+def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target: Tensor) -> Tensor:
+    """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for perplexity."""
+    logits = model(token, input_pos)
+    return F.cross_entropy(logits[:, -1].float(), target, reduction="none")
+
+
+@torch.no_grad()
+def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable) -> tuple[Tensor, Tensor]:
+    """Per-token losses [B, L-1] of equally long documents, each token predicted from the compressed
+    cache of everything before it (the first token is the only prompt), and tokens held per sequence."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.tensor(documents, device=device)
+    B, L = tokens.shape
+    prepare_caches(model, [1] * B, L - 1, L, spec.strategies, spec.lengths, spec.options)
+    logits = model(tokens[:, :1], torch.zeros(B, 1, dtype=torch.long, device=device), prefill=True)
+    losses = [F.cross_entropy(logits[:, -1].float(), tokens[:, 1], reduction="none")]
+    for p in range(1, L - 1):
+        losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1]))
+    return torch.stack(losses, dim=1), rows_held(model)
+
+
+def run_perplexity(
+    model: Transformer, tokenizer: Tokenizer, task: PerplexityTask, job: Job, spec: CacheSpec, args: argparse.Namespace, path: Path, step: Callable
+) -> list[dict[str, Any]]:
+    """Score the job's documents not yet in `path` (as `run_generation`)."""
+    documents = task.documents(tokenizer, args.num_samples, job.context_length)
+    done = read_records(path)
+    rewrite_complete_lines(path, done)
+    todo = [d for d in documents if d.id not in done]
+    for batch in tqdm(list(batches(todo, args.batch_size)), desc=f"{Path(job.config).stem}@{job.size} {job.stem()}", unit="batch", leave=False):
+        padded = batch + batch[-1:] * (args.batch_size - len(batch))
+        t0 = time.perf_counter()
+        losses, held = document_nll(model, [d.input_ids for d in padded], spec, step)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        for i, doc in enumerate(batch):
+            nll = losses[i].tolist()
+            record = dict(
+                id=doc.id,
+                nll_sum=sum(nll),
+                tokens=len(nll),
+                perplexity=math.exp(sum(nll) / len(nll)),
+                checkpoints={str(c): math.exp(sum(nll[:c]) / c) for c in doc.checkpoints},
+                compression=len(doc.input_ids) / float(held[i]),
+                seconds=round(seconds, 3),
+            )
+            append_record(path, record)
+            done[doc.id] = record
+    return [done[d.id] for d in documents]
+
+
+def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A task's metrics from its examples: mean score (x100), or perplexity over all scored tokens."""
+    metrics: dict[str, Any] = dict(metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records))
+    if isinstance(task, PerplexityTask):
+        metrics["value"] = math.exp(sum(r["nll_sum"] for r in records) / sum(r["tokens"] for r in records))
+        metrics["checkpoints"] = {c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]}
+    else:
+        metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
+    metrics["seconds"] = sum(r["seconds"] for r in records)
+    return metrics
+
+
+class Evaluator:
+    """A loaded model that runs jobs; each finished job leaves its metrics file (and is skipped next time)."""
+
+    def __init__(self, args: argparse.Namespace, device_name: str, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        torch._dynamo.config.cache_size_limit = 64  # one decode graph per cache config; the default 8 would fall back to eager
+        device, dtype = resolve_device_dtype(device_name, args.dtype)
+        self.args = args
+        self.model, self.tokenizer, self.config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype)
+        self.tasks = {t.name: t for t in resolve_tasks(args.tasks)}
+        if args.longbench_dir is not None:
+            set_longbench_dir(args.longbench_dir)
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        self.step = compile_decode_step(device) if args.compile else decode_one_token
+        self.ppl_step = torch.compile(score_one_token, mode=mode, fullgraph=True) if args.compile else score_one_token
+
+    def run(self, jobs: list[Job]) -> None:
+        """Finish the jobs' missing examples, then (re)write each job's metrics over exactly the requested
+        examples. Jobs of one generation task and context length run together, sharing prefills."""
+        groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
+        for job in jobs:
+            groups[job.task, job.context_length].append(job)
+        for (name, _), group in tqdm(groups.items(), desc="sweep", unit="task"):
+            task = self.tasks[name]
+            runs = [(job, job_spec(job, self.model.config.n_layer, self.tokenizer), self.prepare(job)) for job in group]
+            if isinstance(task, PerplexityTask):
+                records = {job: run_perplexity(self.model, self.tokenizer, task, job, spec, self.args, path, self.ppl_step) for job, spec, path in runs}
+            else:
+                records = run_generation(self.model, self.tokenizer, task, runs, self.args, self.step)
+            for job, _, path in runs:
+                path.with_suffix(".json").write_text(json.dumps(summarize_job(task, records[job]), indent=1))
+
+    def prepare(self, job: Job) -> Path:
+        """The job's directory with its args.json; returns the path of its .jsonl."""
+        run_dir = job.run_dir(self.args.out_dir, self.config["name"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        args_json = dict(config=job.config, cache_config=load_cache_config(job.config), size=job.size, model=self.config["name"], seed=self.args.seed)
+        (run_dir / "args.json").write_text(json.dumps(args_json, indent=1))
+        return run_dir / f"{job.stem()}.jsonl"
+
+
+def worker(jobs: multiprocessing.Queue, args: argparse.Namespace, device_name: str, threads: int | None) -> None:
+    evaluator = Evaluator(args, device_name, threads)
+    while (group := jobs.get()) is not None:
+        evaluator.run(group)
+
+
+def run_parallel(jobs: list[Job], args: argparse.Namespace) -> None:
+    """One worker process per GPU, or `--workers` CPU processes sharing the cores, pulling from one job queue."""
+    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"] * args.workers
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // len(devices))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
+    for job in jobs:  # a task's runs stay together so they share prefills
+        groups[job.task, job.context_length].append(job)
+    for group in groups.values():
+        queue.put(group)
+    for _ in devices:
+        queue.put(None)
+    processes = [context.Process(target=worker, args=(queue, args, d, threads)) for d in devices]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    failed = [p.exitcode for p in processes if p.exitcode]
+    if failed:
+        raise RuntimeError(f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume the unfinished jobs")
+
+
+def write_summary(out_dir: Path) -> list[dict[str, Any]]:
+    """summary.csv and summary.md over every finished task in out_dir, each score also relative to the
+    full cache of the same model, task and context length."""
+    rows = []
+    for path in sorted(out_dir.glob("*/*/*/*@*.json")):
+        model_name, config, size = path.parts[-4:-1]
+        task, ctx = path.stem.split("@")
+        metrics = json.loads(path.read_text())
+        rows.append(
+            dict(
+                model=model_name,
+                config=config,
+                size=size,
+                task=task,
+                context_length=int(ctx),
+                **{k: metrics[k] for k in ("metric", "value", "n", "compression")},
+            )
+        )
+    full = {(r["model"], r["task"], r["context_length"]): r["value"] for r in rows if r["size"] == FULL}
+    for r in rows:
+        reference = full.get((r["model"], r["task"], r["context_length"]))
+        r["relative_to_full"] = r["value"] / reference if reference else None
+    if rows:
+        with (out_dir / "summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (out_dir / "summary.md").write_text(markdown_table(rows))
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rows: task@context (metric); columns: config@size; cells: value (relative to full)."""
+    columns = list(dict.fromkeys(f"{r['config']}@{r['size']}" for r in rows))
+    cells: dict[str, dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        relative = "" if r["relative_to_full"] is None or r["size"] == FULL else f" ({r['relative_to_full']:.2f})"
+        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][f"{r['config']}@{r['size']}"] = f"{r['value']:.2f}{relative}"
+    lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", required=True, help="task names, families (ruler, longbench, book) or all")
+    p.add_argument("--cache_config", nargs="+", default=[FULL], help="cache configs: names in configs/ or YAML paths (default: full)")
+    p.add_argument(
+        "--cache_sizes",
+        nargs="+",
+        type=parse_size,
+        default=["0.5"],
+        help="cache sizes for every compressing config: fractions of each example's own length, or slot counts (default: 0.5)",
+    )
+    p.add_argument(
+        "--context_lengths", nargs="+", type=int, default=[2048], help="RULER context / book document / LongBench truncation lengths in tokens (default: 2048)"
+    )
+    p.add_argument("--num_samples", type=int, default=20, help="examples per task (the same seeded ones for every run; nested as n grows) (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated examples (default: 0)")
+    p.add_argument("--batch_size", type=int, default=4, help="examples decoded together (default: 4)")
+    p.add_argument("--no_chat", action="store_true", help="plain prompts instead of the model's chat template")
+    p.add_argument("--longbench_dir", type=Path, default=None, help="LongBench jsonl files (default: $KVLAB_LONGBENCH_DIR, else downloaded from the hub)")
+    p.add_argument("--checkpoint_path", type=Path, default=None, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out_dir", type=Path, default=Path("results"), help="results directory (default: results/)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes: one compilation per job, none between examples)")
+    p.add_argument("--workers", type=int, default=1, help="CPU worker processes (one per GPU on CUDA) (default: 1)")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.num_samples < 1 or args.batch_size < 1 or args.workers < 1:
+        raise ValueError(f"--num_samples, --batch_size and --workers must be >= 1, got {args.num_samples}, {args.batch_size}, {args.workers}")
+    tasks = resolve_tasks(args.tasks)
+    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths)
+    t0 = time.perf_counter()
+    if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):
+        run_parallel(jobs, args)
+    else:
+        Evaluator(args, args.device).run(jobs)
+    rows = write_summary(args.out_dir)
+    print(markdown_table(rows), end="")
+    print(f"{len(jobs)} jobs in {time.perf_counter() - t0:.0f} s; results in {args.out_dir}/ (summary.csv, summary.md)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Plot eval.py results: score against compression ratio, one panel per task, one line per cache config.
+
+    python scripts/plot.py results/            # writes results/plot.png
+    python scripts/plot.py results/ --out docs/results.png
+
+Reads <results>/summary.csv (written by eval.py). The full cache is the dashed line at 1x; each
+compressing config is a line through its cache sizes, at the compression it actually reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cli import ArgumentParser, run_cli  # noqa: E402
+
+
+def plot(summary: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summary.is_file():
+        raise ValueError(f"no {summary}: run eval.py first (it writes summary.csv into its --out_dir)")
+    rows = list(csv.DictReader(summary.open()))
+    panels = sorted({(r["task"], r["context_length"], r["metric"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (task, ctx, metric) in zip(axes[0], panels, strict=True):
+        lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for r in rows:
+            if (r["task"], r["context_length"], r["metric"]) == (task, ctx, metric):
+                lines[r["config"]].append((float(r["compression"]), float(r["value"])))
+        for config, points in sorted(lines.items()):
+            points.sort()
+            if config == "full":
+                ax.axhline(points[0][1], color="black", linestyle="--", label="full")
+            else:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{task} @ {ctx} tokens")
+        ax.set_xlabel("compression (sequence / tokens held)")
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path, nargs="?", default=Path("results"), help="eval.py --out_dir (default: results/)")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: <results>/plot.png)")
+    args = p.parse_args(argv)
+    run_cli(lambda a: plot(a.results / "summary.csv", a.out or a.results / "plot.png"), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""eval.py: book perplexity through the cache, results on disk, resume after a kill, summaries."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval as kv_eval
+from conftest import ROOT
+from generate import cache_spec
+from tasks import Example, GenerationTask, resolve_tasks
+from tasks.book import TASKS as BOOKS
+from tasks.book import pg19_books
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from plot import main as plot_main  # noqa: E402
+
+
+class EchoTask(GenerationTask):
+    """A generation task needing no data: score 1 when the answer contains the prompt's last word."""
+
+    name, family, metric = "echo", "test", "contains"
+
+    def examples(self, tokenizer, num_samples, seed=0, context_length=None, chat=True):
+        words = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano"]
+        return [
+            Example(
+                f"echo/{i}",
+                tokenizer.encode(f"Here is a word to remember for later, so please repeat it exactly once: {words[i % len(words)]}."),
+                [words[i % len(words)]],
+                4,
+            )
+            for i in range(num_samples)
+        ]
+
+    def score(self, prediction, example):
+        return float(example.answers[0] in prediction.lower())
+
+
+def test_book_documents_are_deterministic_and_sized(smollm):
+    _, tokenizer, _ = smollm
+    plays = BOOKS["book_shakespeare"].documents(tokenizer, 3, 1200)
+    assert [len(d.input_ids) for d in plays] == [1200] * 3 and len({d.id for d in plays}) == 3
+    assert plays[0].checkpoints == [500, 1000, 1199]
+    assert [d.id for d in BOOKS["book_shakespeare"].documents(tokenizer, 2, 1200)] == [d.id for d in plays[:2]]  # nested
+    kjv = BOOKS["book_kjv"].documents(tokenizer, 2, 500)
+    assert tokenizer.decode(kjv[0].input_ids).lstrip().startswith("In the beginning God created") and kjv[1].id.endswith("/500/500")
+
+
+def test_pg19_reads_a_directory_and_explains_how_to_get_it_offline(tmp_path, monkeypatch):
+    (tmp_path / "b.txt").write_text("second book")
+    (tmp_path / "a.txt").write_text("first book")
+    assert pg19_books(tmp_path) == [("a", "first book"), ("b", "second book")]
+    monkeypatch.delenv("KVLAB_PG19_DIR", raising=False)
+
+    def offline(**kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    with pytest.raises(ValueError, match="PG19 needs the hub dataset emozilla/pg19-test .* set KVLAB_PG19_DIR"):
+        pg19_books()
+
+
+def test_unknown_task_lists_families_and_tasks():
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; choose task names, a family \(book, longbench, ruler\) or all"):
+        resolve_tasks(["nope"])
+    assert [t.name for t in resolve_tasks(["book"])] == ["book_shakespeare", "book_kjv", "pg19"]
+
+
+def test_full_cache_perplexity_equals_one_forward_pass(smollm):
+    """Token-by-token decoding through the cache gives the losses of a single causal forward."""
+    model, tokenizer, _ = smollm
+    doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
+    spec = cache_spec({}, model.config.n_layer, tokenizer)
+    losses, held = kv_eval.document_nll(model, [doc], spec, kv_eval.score_one_token)
+    model.cache_spec = None
+    with torch.no_grad():
+        from cache import make_caches
+
+        a = model.config
+        model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 96, a.head_dim, torch.float32))
+        logits = model(torch.tensor([doc]), torch.arange(96)[None], prefill=True, logits_at=torch.arange(95)[None])
+    model.cache_spec = None
+    torch.testing.assert_close(losses[0], F.cross_entropy(logits[0], torch.tensor(doc[1:]), reduction="none"), atol=2e-4, rtol=1e-4)
+    assert held.tolist() == [95.0]  # the last token is predicted, never inserted
+    compressed, held = kv_eval.document_nll(
+        model, [doc], cache_spec({"cache_strategy": "recent_global", "max_cache_length": 32}, 30, tokenizer), kv_eval.score_one_token
+    )
+    assert held.tolist() == [32.0] and not torch.allclose(compressed, losses)
+
+
+def run_eval(tmp_path, *extra):
+    kv_eval.main(["--out_dir", str(tmp_path), "--context_lengths", "64", "--batch_size", "2", *extra])
+
+
+def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monkeypatch):
+    args = ["--tasks", "book_shakespeare", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "3"]
+    run_eval(tmp_path, *args)
+    runs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*/*/*.jsonl"))
+    assert runs == ["SmolLM2-135M-Instruct/full/full/book_shakespeare@64.jsonl", "SmolLM2-135M-Instruct/recent_global/0.5/book_shakespeare@64.jsonl"]
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [(r["config"], r["size"]) for r in rows] == [("full", "full"), ("recent_global", "0.5")]
+    assert float(rows[0]["relative_to_full"]) == 1.0 and float(rows[1]["relative_to_full"]) > 1.0  # perplexity rises under compression
+    assert abs(float(rows[1]["compression"]) - 2.0) < 0.1
+
+    # A kill mid-run: metrics not written, the last line torn. Resuming redoes only the missing documents.
+    run_dir = tmp_path / "SmolLM2-135M-Instruct/recent_global/0.5"
+    jsonl = run_dir / "book_shakespeare@64.jsonl"
+    finished = jsonl.read_text().splitlines()
+    (run_dir / "book_shakespeare@64.json").unlink()
+    jsonl.write_text(finished[0] + "\n" + finished[1][:20])
+    computed = []
+    original = kv_eval.document_nll
+    monkeypatch.setattr(kv_eval, "document_nll", lambda model, docs, *a: computed.append(len(docs)) or original(model, docs, *a))
+    run_eval(tmp_path, *args)
+    assert computed == [2]  # one batch (padded to 2) for the two unfinished documents; the full run was not touched
+    resumed = jsonl.read_text().splitlines()
+    assert resumed[0] == finished[0] and sorted(json.loads(x)["id"] for x in resumed) == sorted(json.loads(x)["id"] for x in finished)
+    assert (run_dir / "book_shakespeare@64.json").exists()
+    plot_main([str(tmp_path)])
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    args = ["--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "5"]
+    calls = []
+    original = kv_eval.generate
+    monkeypatch.setattr(kv_eval, "generate", lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k))
+    run_eval(tmp_path, *args)
+    records = [json.loads(line) for line in (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == [f"echo/{i}" for i in range(5)] and calls == [2, 2, 2]  # the last batch padded to 2
+    assert all(r["score"] == float(r["answers"][0] in r["prediction"].lower()) for r in records)
+    metrics = json.loads((tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json").read_text())
+    assert metrics["n"] == 5 and metrics["value"] == 100 * sum(r["score"] for r in records) / 5
+    metrics_path = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json"
+    run_eval(tmp_path, *args[:-1], "7")  # more samples: the first five are kept; batches (4, 5) and (6,) hold the two new ones
+    lines = (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()
+    assert calls == [2, 2, 2, 2, 2] and len(lines) == 7 and json.loads(metrics_path.read_text())["n"] == 7
+    run_eval(tmp_path, *args)  # fewer again: nothing to compute, metrics over the first five
+    assert calls == [2, 2, 2, 2, 2] and json.loads(metrics_path.read_text())["value"] == metrics["value"]
+
+
+def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    recorded = []
+    original = kv_eval.PrefillRecorder.prefill
+    monkeypatch.setattr(kv_eval.PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original(self, *a))
+    configs = ["full", "heavy_hitter", "hybrid", "snapkv"]
+    run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", "0.9", "--num_samples", "4")
+    assert len(recorded) == 2 * 30  # two batches, each prefilled once (30 layers) for all four configs
+    for config in configs:
+        run_eval(tmp_path / config, "--tasks", "echo", "--cache_config", config, "--cache_sizes", "0.9", "--num_samples", "4")
+        size = "full" if config == "full" else "0.9"
+        together = (tmp_path / "together/SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
+        alone = (tmp_path / config / "SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
+        assert [json.loads(x)["prediction"] for x in together] == [json.loads(x)["prediction"] for x in alone]
