@@ -39,6 +39,7 @@ from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
 from generate import CacheSpec, cache_spec, compile_decode_step, decode_one_token, generate, prepare_caches, resolve_device_dtype
 from model import Transformer
+from prompt_compression import PromptCompressor
 from tasks import GenerationTask, PerplexityTask, resolve_tasks
 from tasks.longbench import set_data_dir as set_longbench_dir
 from tokenizer import Tokenizer
@@ -139,15 +140,30 @@ class PrefillRecorder(nn.Module):
         self.layers.append((k, v, q))
 
 
+class ScoredOnce(PromptCompressor):
+    """A prompt compressor answering from a shared store after its first call with the same key."""
+
+    def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
+        self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
+
+    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+        if self.key not in self.store:
+            self.store[self.key] = self.inner(input_pos, k, q)
+        return self.store[self.key]
+
+
 class SharedPrefill:
     """A `prefill_step` for `generate` that runs the model's prefill once per batch of prompts and replays
     it into the caches of every other cache config. Prefill attention is exact whatever the cache, so
     each layer's prompt keys, values and queries are the same for all configs; only what each cache keeps
-    of them differs. With compress_first_token the prefill's own next token is never used."""
+    of them differs. With compress_first_token the prefill's own next token is never used. A prompt
+    compressor's scores depend on those inputs alone, so each (layer, compressor settings) is scored
+    once too: the same H2O scores serve every cache size."""
 
     def __init__(self) -> None:
         self.inputs: tuple[Tensor, Tensor] | None = None
         self.recorder = PrefillRecorder()
+        self.scores: dict[tuple[int, str], Tensor] = {}
 
     def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
         caches = [layer.attention.kv_cache for layer in model.layers]
@@ -158,8 +174,14 @@ class SharedPrefill:
             self.inputs = (tokens, input_pos)
         if not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
             raise ValueError("a shared prefill replays one batch of prompts only")
-        for cache, (k, v, q) in zip(caches, self.recorder.layers, strict=True):
+        for layer, (cache, (k, v, q)) in enumerate(zip(caches, self.recorder.layers, strict=True)):
+            compressor = getattr(cache, "prompt_compressor", None)
+            if compressor is not None:
+                key = (layer, f"{type(compressor).__name__}{sorted(vars(compressor).items())}")
+                cache.prompt_compressor = ScoredOnce(compressor, self.scores, key)
             cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
+            if compressor is not None:
+                cache.prompt_compressor = compressor
         return torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
 
 

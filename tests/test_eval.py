@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import eval as kv_eval
 from conftest import ROOT
 from generate import cache_spec
+from prompt_compression import HeavyHitterCompressor
 from tasks import Example, GenerationTask, resolve_tasks
 from tasks.book import TASKS as BOOKS
 from tasks.book import pg19_books
@@ -147,16 +148,45 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
 
 
 def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
+    """Prefill once per batch for all configs and sizes, prompt scores once per compressor: the same
+    predictions as separate runs, with one prefill and one H2O scoring per batch."""
     monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
-    recorded = []
-    original = kv_eval.PrefillRecorder.prefill
-    monkeypatch.setattr(kv_eval.PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original(self, *a))
-    configs = ["full", "heavy_hitter", "hybrid", "snapkv"]
-    run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", "0.9", "--num_samples", "4")
-    assert len(recorded) == 2 * 30  # two batches, each prefilled once (30 layers) for all four configs
+    recorded, scored = [], []
+    original_record, original_score = kv_eval.PrefillRecorder.prefill, HeavyHitterCompressor.__call__
+    monkeypatch.setattr(kv_eval.PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original_record(self, *a))
+    monkeypatch.setattr(HeavyHitterCompressor, "__call__", lambda self, *a: scored.append(1) or original_score(self, *a))
+    configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv"], ["0.9", "0.8"]
+    run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", *sizes, "--num_samples", "4")
+    assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 7 runs
     for config in configs:
-        run_eval(tmp_path / config, "--tasks", "echo", "--cache_config", config, "--cache_sizes", "0.9", "--num_samples", "4")
-        size = "full" if config == "full" else "0.9"
-        together = (tmp_path / "together/SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
-        alone = (tmp_path / config / "SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
-        assert [json.loads(x)["prediction"] for x in together] == [json.loads(x)["prediction"] for x in alone]
+        for size in ["full"] if config == "full" else sizes:
+            run_eval(tmp_path / config / size, "--tasks", "echo", "--cache_config", config, "--cache_sizes", sizes[size == "0.8"], "--num_samples", "4")
+            together = (tmp_path / "together/SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
+            alone = (tmp_path / config / size / "SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
+            assert [json.loads(x)["prediction"] for x in together] == [json.loads(x)["prediction"] for x in alone]
+
+
+def test_worker_processes_share_a_job_queue(tmp_path):
+    """Two CPU workers take one task group each (a group per context length) and both finish."""
+    run_eval(tmp_path, "--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "--context_lengths", "32", "48", "--workers", "2")
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert sorted(int(r["context_length"]) for r in rows) == [32, 48] and all(float(r["value"]) > 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_compiled_sweep_compiles_once_per_config_not_per_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run_eval(tmp_path, "--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "6", "--compile")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # three batches, one compiled decode step
+    records = [json.loads(x) for x in (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+
+
+def test_pg19_reads_parquet_files(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"short_book_title": ["Moby", "Emma"], "text": ["Call me Ishmael.", "Emma Woodhouse, handsome."]}), tmp_path / "test-0.parquet")
+    assert pg19_books(tmp_path) == [("Moby", "Call me Ishmael."), ("Emma", "Emma Woodhouse, handsome.")]
