@@ -164,7 +164,7 @@ class EvictionCache(KVCache):
         """Importances of the slots made ready for argmin: empty slots first, protected ones and slots beyond a
         sequence's own limit never."""
         scores = self._protect(importances, self.pos, input_pos[:, :, None])
-        beyond = torch.arange(self.capacity, device=scores.device) >= self.row_capacity
+        beyond = torch.arange(scores.shape[-1], device=scores.device) >= self.row_capacity
         return scores.masked_fill(beyond, float("inf"))
 
     def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from budget import DEFAULT_PYRAMID_BETA, DEFAULT_SQUEEZE_P, LAYER_BUDGETS
 from cache import CACHE_STRATEGIES
 from prompt_compression import PROMPT_COMPRESSORS
 from storage import KEY_QUANT_AXES, QUANT_BITS
@@ -100,13 +101,33 @@ CACHE_KEYS: dict[str, CacheKey] = {
         "with --cache_bits: key scales per token or per channel (KIVI) (default: token at 8 bits, channel below)",
         _one_of(*KEY_QUANT_AXES),
     ),
+    "layer_budget": CacheKey(
+        (str,),
+        f"one of {', '.join(LAYER_BUDGETS)}",
+        "split each sequence's total budget (max_cache_length x compressing layers) over the layers at prefill, per prompt: uniform "
+        "(as configured), pyramid (PyramidKV), funnel (pyramid reversed) or squeeze (SqueezeAttention) (default: uniform)",
+        _one_of(*LAYER_BUDGETS),
+    ),
+    "squeeze_p": CacheKey(
+        (int, float),
+        "a fraction in (0, 1]",
+        f"layer_budget squeeze: the least important layers' share of the uniform budget (default: {DEFAULT_SQUEEZE_P})",
+        lambda v: 0 < v <= 1,
+    ),
+    "pyramid_beta": CacheKey(
+        (int,),
+        "an integer >= 1",
+        f"layer_budget pyramid/funnel: the smallest layer keeps 1/beta of the average's unprotected slots (default: {DEFAULT_PYRAMID_BETA})",
+        lambda v: v >= 1,
+    ),
     "compress_first_token": CacheKey(
         (bool,),
         "true or false",
         "decode the prompt's last token through the compressed cache, so the first generated token already sees compression",
     ),
 }
-CACHE_OPTIONS = tuple(k for k in CACHE_KEYS if k not in (*PER_LAYER_KEYS, "compress_first_token"))  # settings passed to make_caches
+BUDGET_OPTIONS = {"squeeze_p": ("squeeze",), "pyramid_beta": ("pyramid", "funnel")}  # planner settings and the planners that take them
+CACHE_OPTIONS = tuple(k for k in CACHE_KEYS if k not in (*PER_LAYER_KEYS, "compress_first_token", "layer_budget", *BUDGET_OPTIONS))  # for make_caches
 
 
 def check_value(key: str, value: Any) -> Any:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
@@ -37,9 +36,8 @@ from tqdm import tqdm
 from cache_config import check_value, load_cache_config
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
-from generate import CacheSpec, cache_spec, compile_decode_step, decode_one_token, generate, prepare_caches, resolve_device_dtype
+from generate import CacheSpec, RecordedPrefill, cache_spec, compile_decode_step, decode_one_token, generate, prepare_caches, resolve_device_dtype
 from model import Transformer
-from prompt_compression import PromptCompressor
 from tasks import GenerationTask, PerplexityTask, resolve_tasks
 from tasks.longbench import set_data_dir as set_longbench_dir
 from tokenizer import Tokenizer
@@ -127,64 +125,6 @@ def rows_held(model: Transformer) -> Tensor:
     return torch.stack([layer.attention.kv_cache.tokens_held().float() for layer in model.layers]).mean(dim=0)
 
 
-class PrefillRecorder(nn.Module):
-    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
-
-    needs_attention, needs_tokens = False, False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
-
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        self.layers.append((k, v, q))
-
-
-class ScoredOnce(PromptCompressor):
-    """A prompt compressor answering from a shared store after its first call with the same key."""
-
-    def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
-        self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
-
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
-        if self.key not in self.store:
-            self.store[self.key] = self.inner(input_pos, k, q)
-        return self.store[self.key]
-
-
-class SharedPrefill:
-    """A `prefill_step` for `generate` that runs the model's prefill once per batch of prompts and replays
-    it into the caches of every other cache config. Prefill attention is exact whatever the cache, so
-    each layer's prompt keys, values and queries are the same for all configs; only what each cache keeps
-    of them differs. With compress_first_token the prefill's own next token is never used. A prompt
-    compressor's scores depend on those inputs alone, so each (layer, compressor settings) is scored
-    once too: the same H2O scores serve every cache size."""
-
-    def __init__(self) -> None:
-        self.inputs: tuple[Tensor, Tensor] | None = None
-        self.recorder = PrefillRecorder()
-        self.scores: dict[tuple[int, str], Tensor] = {}
-
-    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
-        caches = [layer.attention.kv_cache for layer in model.layers]
-        if self.inputs is None:
-            model.setup_caches([self.recorder] * len(caches))
-            model(tokens, input_pos, prefill=True, logits_at=last[:, None])
-            model.setup_caches(caches)
-            self.inputs = (tokens, input_pos)
-        if not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
-            raise ValueError("a shared prefill replays one batch of prompts only")
-        for layer, (cache, (k, v, q)) in enumerate(zip(caches, self.recorder.layers, strict=True)):
-            compressor = getattr(cache, "prompt_compressor", None)
-            if compressor is not None:
-                key = (layer, f"{type(compressor).__name__}{sorted(vars(compressor).items())}")
-                cache.prompt_compressor = ScoredOnce(compressor, self.scores, key)
-            cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
-            if compressor is not None:
-                cache.prompt_compressor = compressor
-        return torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-
-
 def run_generation(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -206,7 +146,7 @@ def run_generation(
     for batch in tqdm(list(batches(examples, args.batch_size)), desc=f"{task.name}@{context_length} ({len(runs)} runs)", unit="batch", leave=False):
         pending = [(job, spec, path) for job, spec, path in runs if any(e.id not in done[job] for e in batch)]
         padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
-        shared = SharedPrefill()
+        shared = RecordedPrefill()
         for job, spec, path in pending:
             t0 = time.perf_counter()
             result = generate(
@@ -216,11 +156,13 @@ def run_generation(
                 spec.strategies,
                 stop_ids=tokenizer.stop_ids,
                 decode_step=step,
-                prefill_step=shared,
                 max_seq_length=max_seq_length,
                 cache_length=spec.lengths,
                 cache_options=spec.options,
                 compress_first_token=True,
+                layer_budget=spec.layer_budget,
+                budget_options=spec.budget_options,
+                recorded=shared,
             )
             seconds = (time.perf_counter() - t0) / len(batch)
             held = rows_held(model).tolist()
@@ -267,6 +209,11 @@ def run_perplexity(
     model: Transformer, tokenizer: Tokenizer, task: PerplexityTask, job: Job, spec: CacheSpec, args: argparse.Namespace, path: Path, step: Callable
 ) -> list[dict[str, Any]]:
     """Score the job's documents not yet in `path` (as `run_generation`)."""
+    if spec.layer_budget != "uniform":
+        raise ValueError(
+            f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
+            "from a one-token prompt; use it with generation tasks (RULER, LongBench)"
+        )
     documents = task.documents(tokenizer, args.num_samples, job.context_length)
     done = read_records(path)
     rewrite_complete_lines(path, done)

@@ -13,24 +13,30 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
+from budget import mean_over_prompt, plan_budgets, residual_similarity
 from cache import CACHE_STRATEGIES, KVCache, make_caches
-from cache_config import CACHE_KEYS, CACHE_OPTIONS, check_value, load_cache_config, parse_flag, per_layer, resolve_settings
+from cache_config import BUDGET_OPTIONS, CACHE_KEYS, CACHE_OPTIONS, check_value, load_cache_config, parse_flag, per_layer, resolve_settings
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
 from diagnostics import AttentionLossProbe, attention_loss_summary
 from model import Transformer
+from prompt_compression import PromptCompressor
 from tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT = "The history of the printing press begins"
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
+# Dynamo treats every module buffer as static-shape unless this is off; planned caches mark their slot axis
+# dynamic (`mark_slots_dynamic`) so one compiled decode step serves every plan. Parameters stay static (they never change).
+torch._dynamo.config.force_parameter_static_shapes = False
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
@@ -87,6 +93,8 @@ class CacheSpec:
     lengths: list[int | float | None]  # per layer: slots, a fraction of each sequence, or None (every token)
     options: dict[str, Any]
     compress_first_token: bool = False
+    layer_budget: str = "uniform"  # how each sequence's total budget is split over the layers (budget.py)
+    budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
 
 
 def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
@@ -108,7 +116,14 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer) -> 
     if "hybrid" in strategies:
         options |= dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
     lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
-    return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)))
+    planner = settings.get("layer_budget", "uniform")
+    budget_options = {k: settings[k] for k in BUDGET_OPTIONS if k in settings}
+    for option in budget_options:
+        if planner not in BUDGET_OPTIONS[option]:
+            raise ValueError(f"--{option} applies to --layer_budget {' or '.join(BUDGET_OPTIONS[option])}, not {planner}")
+    if planner != "uniform" and all(n is None for n in lengths):
+        raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
+    return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)), planner, budget_options)
 
 
 def prepare_caches(
@@ -119,9 +134,12 @@ def prepare_caches(
     cache_strategy: str | Sequence[str],
     cache_length: int | float | Sequence[int | float | None] | None,
     cache_options: dict[str, Any],
+    budgets: Tensor | None = None,
 ) -> list[KVCache]:
     """Caches for sequences of these prompt lengths: per-layer strategies and lengths, buffers sized by
-    max_seq_length, and each sequence limited to its own fraction of prompt + max_new_tokens."""
+    max_seq_length, and each sequence limited to its own fraction of prompt + max_new_tokens. With
+    `budgets` [B, n_layer] (a planner's slots per sequence and layer), each compressing layer's buffer
+    is sized to its largest row budget instead."""
     n_layer = model.config.n_layer
     strategies = [cache_strategy] * n_layer if isinstance(cache_strategy, str) else list(cache_strategy)
     per_layer_lengths = list(cache_length) if isinstance(cache_length, Sequence) else [cache_length] * n_layer
@@ -132,11 +150,122 @@ def prepare_caches(
     for length in per_layer_lengths:
         if length is not None:
             check_value("max_cache_length", length)
-    caches = setup_caches(model, strategies, len(lengths), [cache_slots(n, max_seq_length) for n in per_layer_lengths], cache_options)
-    for cache, length in zip(caches, per_layer_lengths, strict=True):
-        own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else cache.capacity for n in lengths]
+    if budgets is None:
+        capacities = [cache_slots(n, max_seq_length) for n in per_layer_lengths]
+    else:
+        largest = budgets.max(dim=0).values.tolist()
+        capacities = [max_seq_length if n is None else min(m, max_seq_length) for n, m in zip(per_layer_lengths, largest, strict=True)]
+    caches = setup_caches(model, strategies, len(lengths), capacities, cache_options)
+    for layer, (cache, length) in enumerate(zip(caches, per_layer_lengths, strict=True)):
+        if budgets is not None and length is not None:
+            mark_slots_dynamic(cache)
+            own = budgets[:, layer].tolist()
+        elif budgets is not None:
+            own = [cache.capacity] * len(lengths)
+        else:
+            own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else cache.capacity for n in lengths]
         cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
     return caches
+
+
+def mark_slots_dynamic(cache: KVCache) -> None:
+    """Planned capacities change with every prompt: let the compiler treat the slot axis (dim 2 of every
+    per-slot buffer) as symbolic, so one compiled decode step serves every plan instead of recompiling
+    for each (tested: one graph for several plans)."""
+    for buffer in cache.buffers():
+        if buffer.dim() >= 3 and buffer.shape[2] == cache.capacity:
+            torch._dynamo.mark_dynamic(buffer, 2)
+
+
+def layer_floor(strategy: str, options: dict[str, Any]) -> int:
+    """The fewest slots a layer of this strategy can work with: its protected tokens + 1."""
+    cls = CACHE_STRATEGIES[strategy]
+    return options.get("global_tokens", cls.default_global_tokens) + options.get("recent_window", cls.default_recent_window) + 1
+
+
+def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: int, similarity: Tensor) -> Tensor:
+    """[B, n_layer] slots per sequence and layer: each sequence's total over the compressing layers (as
+    configured) split by `spec.layer_budget`; full layers get 0 (they keep every token anyway).
+    similarity [B, n_layer] is the squeeze measure of every layer for every sequence."""
+    compressing = [i for i, n in enumerate(spec.lengths) if n is not None]
+    floor = [layer_floor(spec.strategies[i], spec.options) for i in compressing]
+    rows = []
+    for row, n in enumerate(lengths):
+        own = n + max_new_tokens
+        total = sum(cache_slots(spec.lengths[i], own) for i in compressing)
+        planned = plan_budgets(spec.layer_budget, total, own, floor, similarity[row, compressing], **spec.budget_options)
+        budgets = [0] * len(spec.lengths)
+        for i, slots in zip(compressing, planned, strict=True):
+            budgets[i] = slots
+        rows.append(budgets)
+    return torch.tensor(rows)
+
+
+class PrefillRecorder(nn.Module):
+    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
+
+    needs_attention, needs_tokens = False, False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        self.layers.append((k, v, q))
+
+
+class ScoredOnce(PromptCompressor):
+    """A prompt compressor answering from a shared store after its first call with the same key."""
+
+    def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
+        self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
+
+    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+        if self.key not in self.store:
+            self.store[self.key] = self.inner(input_pos, k, q)
+        return self.store[self.key]
+
+
+class RecordedPrefill:
+    """A batch's prefill, run once, then replayed into caches. A layer budget planner needs it: the
+    caches can only be sized once every layer's importance has been measured. Sweeps share it: prefill
+    attention is exact whatever the cache, so each layer's prompt keys, values and queries are the same
+    for every cache config, and a prompt compressor's scores depend on them alone, so each (layer,
+    compressor settings) is scored once (the same H2O scores serve every cache size).
+    Memory: the whole prompt's keys, values and queries of every layer, until the object is dropped."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple[Tensor, Tensor] | None = None
+        self.recorder = PrefillRecorder()
+        self.scores: dict[tuple[int, str], Tensor] = {}
+        self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
+        self.logits = torch.empty(0)  # [B, vocab] at each row's last prefilled token
+
+    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor) -> None:
+        """Run the prefill (the first call only; later calls must pass the same batch)."""
+        if self.inputs is None:
+            caches = [layer.attention.kv_cache for layer in model.layers]
+            model.setup_caches([self.recorder] * len(caches))
+            with residual_similarity(model) as per_token:
+                self.logits = model(tokens, input_pos, prefill=True, logits_at=last[:, None])[:, -1]
+            model.setup_caches(caches)
+            self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_token], dim=1)
+            self.inputs = (tokens, input_pos)
+        elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
+            raise ValueError("a recorded prefill replays one batch of prompts only")
+
+    def replay(self, model: Transformer) -> None:
+        """Fill the model's current caches from the recording, as their own prefill would."""
+        tokens, input_pos = self.inputs
+        for layer, (block, (k, v, q)) in enumerate(zip(model.layers, self.recorder.layers, strict=True)):
+            cache = block.attention.kv_cache
+            compressor = getattr(cache, "prompt_compressor", None)
+            if compressor is not None:
+                key = (layer, f"{type(compressor).__name__}{sorted(vars(compressor).items())}")
+                cache.prompt_compressor = ScoredOnce(compressor, self.scores, key)
+            cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
+            if compressor is not None:
+                cache.prompt_compressor = compressor
 
 
 def layer_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +303,8 @@ class Generation:
     sequence_length: float  # prompt + generated tokens per sequence (mean): what a full cache would hold
     cache_stats: dict[str, int]  # the caches' own counts, summed over layers (e.g. hybrid's heads per policy)
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
+    layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
+    layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
 
 
 @torch.no_grad()
@@ -193,6 +324,9 @@ def generate(
     cache_options: dict[str, Any] | None = None,
     compress_first_token: bool = False,
     attention_loss: bool = False,
+    layer_budget: str = "uniform",
+    budget_options: dict[str, Any] | None = None,
+    recorded: RecordedPrefill | None = None,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions).
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
@@ -205,6 +339,10 @@ def generate(
     `compress_first_token`, the prompt's last token is decoded through the compressed cache rather than
     prefilled, so even the first generated token sees only what compression kept. `attention_loss`
     runs a full cache alongside (eager only) and returns the attention mass compression lost.
+    `layer_budget` (with `budget_options`) re-splits each sequence's total budget over the layers after
+    measuring them on its prompt (budget.py); the prefill is then recorded and replayed into caches sized
+    by the plan. Passing `recorded` (a `RecordedPrefill` of this batch) reuses its prefill instead of
+    running `prefill_step`: sweeps share one prefill between cache configs.
 
     Tokens stay on the device and stop tokens are tracked there: the host syncs only every
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
@@ -222,15 +360,6 @@ def generate(
     max_seq_length = max_seq_length or T + max_new_tokens
     if not T + max_new_tokens <= max_seq_length <= context:
         raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
-    caches = prepare_caches(model, [len(p) for p in prompts], max_new_tokens, max_seq_length, cache_strategy, cache_length, cache_options or {})
-    probes = None
-    if attention_loss:
-        cfg = model.config
-        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, model.tok_embeddings.weight.dtype, device)
-        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
-        model.setup_caches(probes)
-        model.cache_spec = None  # the probes are single-use: the next call builds fresh caches
-
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, device=device)
@@ -240,7 +369,38 @@ def generate(
     input_pos = torch.where(columns < prefill_lens[:, None], columns, -1)
 
     t0 = time.perf_counter()
-    next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
+    if layer_budget != "uniform" and recorded is None:
+        recorded = RecordedPrefill()
+    budgets = similarity = None
+    if recorded is not None:
+        recorded.record(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1)
+        similarity = recorded.similarity
+    lengths = [len(p) for p in prompts]
+    if layer_budget != "uniform":
+        n_layer = model.config.n_layer
+        spec = CacheSpec(
+            [cache_strategy] * n_layer if isinstance(cache_strategy, str) else list(cache_strategy),
+            list(cache_length) if isinstance(cache_length, Sequence) else [cache_length] * n_layer,
+            cache_options or {},
+            compress_first_token,
+            layer_budget,
+            budget_options or {},
+        )
+        budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
+    caches = prepare_caches(model, lengths, max_new_tokens, max_seq_length, cache_strategy, cache_length, cache_options or {}, budgets)
+    probes = None
+    if attention_loss:
+        cfg = model.config
+        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, model.tok_embeddings.weight.dtype, device)
+        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
+        model.setup_caches(probes)
+        model.cache_spec = None  # the probes are single-use: the next call builds fresh caches
+
+    if recorded is not None:
+        recorded.replay(model)
+        next_token = sample(recorded.logits, temperature, top_k)
+    else:
+        next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
     if compress_first_token:
         next_token = decode_step(model, tokens.gather(1, (lens - 1)[:, None]), (lens - 1)[:, None], temperature, top_k)
     sync(device)
@@ -285,6 +445,8 @@ def generate(
         float(lens.float().mean()) + n - 1,
         sum_stats(caches),
         attention_loss_summary(probes) if probes else None,
+        None if budgets is None else budgets.tolist(),
+        None if similarity is None else similarity.tolist(),
     )
 
 
@@ -481,6 +643,8 @@ def run(args: argparse.Namespace) -> None:
             spec.options,
             spec.compress_first_token,
             args.attention_loss,
+            spec.layer_budget,
+            spec.budget_options,
         )
         if result.attention_loss:
             print_attention_loss(result.attention_loss)
@@ -515,6 +679,10 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     name = label if isinstance(label, str) else label[0] if len(set(label)) == 1 else "mixed: " + ", ".join(dict.fromkeys(label))
     per_layer = "" if max(held) - min(held) < 0.5 else f"\ntokens held per layer: {' '.join(f'{n:.0f}' for n in held)}"
     stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items())
+    if result.layer_budgets is not None:
+        stats += f"\nlayer budgets (slots per layer, first sequence): {' '.join(map(str, result.layer_budgets[0]))}"
+    if result.layer_similarity is not None:
+        stats += f"\nlayer similarity (cos(x, x + attention), first sequence): {' '.join(f'{x:.3f}' for x in result.layer_similarity[0])}"
     return (
         f"KV cache ({name}): {mean_held:.0f} of {seq:.0f} tokens held per layer and KV head on average "
         f"({seq / mean_held:.2f}x compression); {result.kv_cache_bytes / 2**20:.1f} MiB allocated, "

@@ -57,6 +57,16 @@ class HeavyHitterCompressor(PromptCompressor):
         return prompt_attention(q, k, input_pos, input_pos).sum(dim=(2, 3))
 
 
+class MeanHeavyHitterCompressor(PromptCompressor):
+    """H2O's prompt scores divided by the number of prompt queries that could attend to each token: the
+    mean attention a token received rather than the sum, which otherwise grows with how early the token
+    is (a key at position p is seen by T - p queries) and crowds out a late, important span."""
+
+    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+        seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]
+        return prompt_attention(q, k, input_pos, input_pos).sum(dim=(2, 3)) / seen_by[:, None, :]
+
+
 class TOVACompressor(PromptCompressor):
     """TOVA at prefill: the attention of each sequence's last prompt token."""
 
@@ -119,6 +129,7 @@ PROMPT_COMPRESSORS: dict[str, type[PromptCompressor]] = {
     "random": RandomCompressor,
     "l2": L2Compressor,
     "heavy_hitter": HeavyHitterCompressor,
+    "heavy_hitter_mean": MeanHeavyHitterCompressor,
     "tova": TOVACompressor,
     "snapkv": SnapKVCompressor,
 }

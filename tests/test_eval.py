@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import eval as kv_eval
 from conftest import ROOT
-from generate import cache_spec
+from generate import PrefillRecorder, cache_spec
 from prompt_compression import HeavyHitterCompressor
 from tasks import Example, GenerationTask, resolve_tasks
 from tasks.book import TASKS as BOOKS
@@ -152,12 +152,12 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
     predictions as separate runs, with one prefill and one H2O scoring per batch."""
     monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
     recorded, scored = [], []
-    original_record, original_score = kv_eval.PrefillRecorder.prefill, HeavyHitterCompressor.__call__
-    monkeypatch.setattr(kv_eval.PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original_record(self, *a))
+    original_record, original_score = PrefillRecorder.prefill, HeavyHitterCompressor.__call__
+    monkeypatch.setattr(PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original_record(self, *a))
     monkeypatch.setattr(HeavyHitterCompressor, "__call__", lambda self, *a: scored.append(1) or original_score(self, *a))
-    configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv"], ["0.9", "0.8"]
+    configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv", "squeeze_heavy_hitter"], ["0.9", "0.8"]
     run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", *sizes, "--num_samples", "4")
-    assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 7 runs
+    assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 9 runs (squeeze plans from the same prefill)
     for config in configs:
         for size in ["full"] if config == "full" else sizes:
             run_eval(tmp_path / config / size, "--tasks", "echo", "--cache_config", config, "--cache_sizes", sizes[size == "0.8"], "--num_samples", "4")
@@ -190,3 +190,8 @@ def test_pg19_reads_parquet_files(tmp_path):
 
     pq.write_table(pa.table({"short_book_title": ["Moby", "Emma"], "text": ["Call me Ishmael.", "Emma Woodhouse, handsome."]}), tmp_path / "test-0.parquet")
     assert pg19_books(tmp_path) == [("Moby", "Call me Ishmael."), ("Emma", "Emma Woodhouse, handsome.")]
+
+
+def test_layer_budget_planners_refuse_perplexity_tasks_with_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--layer_budget squeeze plans from the prompt at prefill, but book_kjv decodes"):
+        run_eval(tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "32")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from cache import L2Cache, make_caches
 from generate import generate
-from prompt_compression import HeavyHitterCompressor, SnapKVCompressor, TOVACompressor, make_prompt_compressor
+from prompt_compression import HeavyHitterCompressor, MeanHeavyHitterCompressor, SnapKVCompressor, TOVACompressor, make_prompt_compressor
 
 
 def causal_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,18 @@ def test_heavy_hitter_scores_are_column_sums_of_causal_attention(qk):
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]
     expected = probs.sum(dim=1).view(2, 3, -1).sum(dim=1)
     torch.testing.assert_close(HeavyHitterCompressor()(input_pos, k, q)[0], expected)
+
+
+def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
+    input_pos, q, k = qk
+    probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]; key j is seen by queries j..T-1
+    seen = torch.ones(40, 40).tril().sum(dim=0)
+    expected = (probs.sum(dim=1) / seen).view(2, 3, -1).sum(dim=1)
+    torch.testing.assert_close(MeanHeavyHitterCompressor()(input_pos, k, q)[0], expected)
+    padded = torch.where(input_pos < 30, input_pos, -1)  # a row padded after 30 tokens: counts end at its last token
+    torch.testing.assert_close(
+        MeanHeavyHitterCompressor()(padded, k, q)[0, :, :30], MeanHeavyHitterCompressor()(input_pos[:, :30], k[:, :, :30], q[:, :, :30])[0]
+    )
 
 
 def test_tova_scores_are_the_last_query_attention(qk):
