@@ -36,7 +36,17 @@ from tqdm import tqdm
 from cache_config import check_value, load_cache_config
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
-from generate import CacheSpec, RecordedPrefill, cache_spec, compile_decode_step, decode_one_token, generate, prepare_caches, resolve_device_dtype
+from generate import (
+    CacheSpec,
+    RecordedPrefill,
+    cache_spec,
+    compile_decode_step,
+    decode_one_token,
+    generate,
+    plan_layer_budgets,
+    prepare_caches,
+    resolve_device_dtype,
+)
 from model import Transformer
 from tasks import GenerationTask, PerplexityTask, resolve_tasks
 from tasks.longbench import set_data_dir as set_longbench_dir
@@ -53,12 +63,15 @@ class Job:
     size: str  # "full", a fraction "0.25" or a slot count "512"
     task: str
     context_length: int
+    prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
 
     def run_dir(self, out_dir: Path, model_name: str) -> Path:
         return out_dir / model_name / Path(self.config).stem / self.size
 
     def stem(self) -> str:
-        return f"{self.task}@{self.context_length}"
+        """The results file name: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
+        task = self.task if self.prompt_tokens == 1 else f"{self.task}+prompt{self.prompt_tokens}"
+        return f"{task}@{self.context_length}"
 
 
 def parse_size(text: str) -> str:
@@ -70,13 +83,17 @@ def parse_size(text: str) -> str:
     return text
 
 
-def jobs_for(configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int]) -> list[Job]:
+def jobs_for(
+    configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int = 1
+) -> list[Job]:
     """The full config runs once; every other config once per size."""
     jobs = []
     for config in configs:
         strategy = load_cache_config(config).get("cache_strategy", FULL)
         for size in [FULL] if strategy == FULL else sizes:
-            jobs += [Job(config, size, task.name, ctx) for task in tasks for ctx in context_lengths]
+            for task in tasks:
+                prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
+                jobs += [Job(config, size, task.name, ctx, prompt_tokens) for ctx in context_lengths]
     return jobs
 
 
@@ -191,28 +208,37 @@ def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target
 
 
 @torch.no_grad()
-def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable) -> tuple[Tensor, Tensor]:
-    """Per-token losses [B, L-1] of equally long documents, each token predicted from the compressed
-    cache of everything before it (the first token is the only prompt), and tokens held per sequence."""
+def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable, prompt_tokens: int = 1) -> tuple[Tensor, Tensor]:
+    """Per-token losses [B, L-1] of equally long documents and tokens held per sequence. The first
+    `prompt_tokens` are prefilled as a prompt (exact attention; compressed and, with a layer budget
+    planner, planned when stored), every later token is predicted from the compressed cache of all
+    before it. With one prompt token every prediction goes through the cache."""
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor(documents, device=device)
     B, L = tokens.shape
-    prepare_caches(model, [1] * B, L - 1, L, spec.strategies, spec.lengths, spec.options)
-    logits = model(tokens[:, :1], torch.zeros(B, 1, dtype=torch.long, device=device), prefill=True)
-    losses = [F.cross_entropy(logits[:, -1].float(), tokens[:, 1], reduction="none")]
-    for p in range(1, L - 1):
-        losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1]))
-    return torch.stack(losses, dim=1), rows_held(model)
+    P = prompt_tokens
+    if not 1 <= P < L:
+        raise ValueError(f"--ppl_prompt_tokens must lie in [1, {L - 1}] for {L}-token documents, got {P}")
+    positions = torch.arange(P, device=device).expand(B, P)
+    recorded = RecordedPrefill()
+    recorded.record(model, tokens[:, :P], positions, positions)
+    budgets = None if spec.layer_budget == "uniform" else plan_layer_budgets(spec, [P] * B, L - P, recorded.similarity)
+    prepare_caches(model, [P] * B, L - P, L, spec.strategies, spec.lengths, spec.options, budgets)
+    recorded.replay(model)
+    losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
+    for p in range(P, L - 1):
+        losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1])[:, None])
+    return torch.cat(losses, dim=1), rows_held(model)
 
 
 def run_perplexity(
     model: Transformer, tokenizer: Tokenizer, task: PerplexityTask, job: Job, spec: CacheSpec, args: argparse.Namespace, path: Path, step: Callable
 ) -> list[dict[str, Any]]:
     """Score the job's documents not yet in `path` (as `run_generation`)."""
-    if spec.layer_budget != "uniform":
+    if spec.layer_budget != "uniform" and job.prompt_tokens == 1:
         raise ValueError(
             f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
-            "from a one-token prompt; use it with generation tasks (RULER, LongBench)"
+            "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
         )
     documents = task.documents(tokenizer, args.num_samples, job.context_length)
     done = read_records(path)
@@ -221,7 +247,7 @@ def run_perplexity(
     for batch in tqdm(list(batches(todo, args.batch_size)), desc=f"{Path(job.config).stem}@{job.size} {job.stem()}", unit="batch", leave=False):
         padded = batch + batch[-1:] * (args.batch_size - len(batch))
         t0 = time.perf_counter()
-        losses, held = document_nll(model, [d.input_ids for d in padded], spec, step)
+        losses, held = document_nll(model, [d.input_ids for d in padded], spec, step, job.prompt_tokens)
         seconds = (time.perf_counter() - t0) / len(batch)
         for i, doc in enumerate(batch):
             nll = losses[i].tolist()
@@ -383,6 +409,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--num_samples", type=int, default=20, help="examples per task (the same seeded ones for every run; nested as n grows) (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated examples (default: 0)")
     p.add_argument("--batch_size", type=int, default=4, help="examples decoded together (default: 4)")
+    p.add_argument(
+        "--ppl_prompt_tokens",
+        type=int,
+        default=1,
+        help="perplexity tasks: prefill each document's first N tokens as its prompt (needed by --layer_budget planners); results go to "
+        "<task>+promptN@<length> (default: 1, every prediction through the cache)",
+    )
     p.add_argument("--no_chat", action="store_true", help="plain prompts instead of the model's chat template")
     p.add_argument("--longbench_dir", type=Path, default=None, help="LongBench jsonl files (default: $KVLAB_LONGBENCH_DIR, else downloaded from the hub)")
     p.add_argument("--checkpoint_path", type=Path, default=None, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -398,7 +431,7 @@ def run(args: argparse.Namespace) -> None:
     if args.num_samples < 1 or args.batch_size < 1 or args.workers < 1:
         raise ValueError(f"--num_samples, --batch_size and --workers must be >= 1, got {args.num_samples}, {args.batch_size}, {args.workers}")
     tasks = resolve_tasks(args.tasks)
-    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths)
+    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
     t0 = time.perf_counter()
     if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):
         run_parallel(jobs, args)

@@ -239,15 +239,16 @@ class RecordedPrefill:
         self.recorder = PrefillRecorder()
         self.scores: dict[tuple[int, str], Tensor] = {}
         self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
-        self.logits = torch.empty(0)  # [B, vocab] at each row's last prefilled token
+        self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
 
-    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor) -> None:
-        """Run the prefill (the first call only; later calls must pass the same batch)."""
+    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> None:
+        """Run the prefill (the first call only; later calls must pass the same batch), keeping the logits
+        of the columns `logits_at` [B, K] (e.g. each row's last prompt token)."""
         if self.inputs is None:
             caches = [layer.attention.kv_cache for layer in model.layers]
             model.setup_caches([self.recorder] * len(caches))
             with residual_similarity(model) as per_token:
-                self.logits = model(tokens, input_pos, prefill=True, logits_at=last[:, None])[:, -1]
+                self.logits = model(tokens, input_pos, prefill=True, logits_at=logits_at)
             model.setup_caches(caches)
             self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_token], dim=1)
             self.inputs = (tokens, input_pos)
@@ -373,7 +374,7 @@ def generate(
         recorded = RecordedPrefill()
     budgets = similarity = None
     if recorded is not None:
-        recorded.record(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1)
+        recorded.record(model, tokens[:, :T_prefill], input_pos, (prefill_lens - 1)[:, None])
         similarity = recorded.similarity
     lengths = [len(p) for p in prompts]
     if layer_budget != "uniform":
@@ -398,7 +399,7 @@ def generate(
 
     if recorded is not None:
         recorded.replay(model)
-        next_token = sample(recorded.logits, temperature, top_k)
+        next_token = sample(recorded.logits[:, -1], temperature, top_k)
     else:
         next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
     if compress_first_token:

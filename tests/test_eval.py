@@ -192,6 +192,33 @@ def test_pg19_reads_parquet_files(tmp_path):
     assert pg19_books(tmp_path) == [("Moby", "Call me Ishmael."), ("Emma", "Emma Woodhouse, handsome.")]
 
 
-def test_layer_budget_planners_refuse_perplexity_tasks_with_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="--layer_budget squeeze plans from the prompt at prefill, but book_kjv decodes"):
+def test_layer_budget_planners_need_a_perplexity_prompt(tmp_path):
+    with pytest.raises(SystemExit, match="--layer_budget squeeze plans from the prompt at prefill, but book_kjv decodes .* --ppl_prompt_tokens N"):
         run_eval(tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "32")
+    run_eval(
+        tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "96", "--ppl_prompt_tokens", "48"
+    )
+    record = json.loads((tmp_path / "SmolLM2-135M-Instruct/squeeze_heavy_hitter/0.5/book_kjv+prompt48@96.jsonl").read_text())
+    assert record["tokens"] == 95 and 1.9 < record["compression"] < 2.1
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [(r["task"], r["context_length"]) for r in rows] == [("book_kjv+prompt48", "96")]
+
+
+def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
+    """With a 40-token prompt and a full cache, the prompt's predictions (from the prefill) and the rest
+    (decoded through the cache) together equal one causal forward; a compressed cache differs only after the prompt."""
+    model, tokenizer, _ = smollm
+    doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
+    one_token, _ = kv_eval.document_nll(model, [doc], cache_spec({}, 30, tokenizer), kv_eval.score_one_token)
+    prompted, held = kv_eval.document_nll(model, [doc], cache_spec({}, 30, tokenizer), kv_eval.score_one_token, prompt_tokens=40)
+    torch.testing.assert_close(prompted, one_token, atol=2e-4, rtol=1e-4)
+    assert held.tolist() == [95.0]
+    squeezed, held = kv_eval.document_nll(
+        model,
+        [doc],
+        cache_spec({"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "layer_budget": "squeeze"}, 30, tokenizer),
+        kv_eval.score_one_token,
+        prompt_tokens=40,
+    )
+    torch.testing.assert_close(squeezed[:, :40], one_token[:, :40], atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(squeezed, one_token) and held.item() == pytest.approx(48.0, abs=0.5)
