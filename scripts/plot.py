@@ -31,6 +31,8 @@ def plot(summary: Path, out: Path) -> None:
         raise ValueError(f"no {summary}: run eval.py first (it writes summary.csv into its --out_dir)")
     rows = list(csv.DictReader(summary.open()))
     panels = sorted({(r["task"], r["context_length"], r["metric"]) for r in rows})
+    configs = sorted({r["config"] for r in rows} - {"full"})
+    colors = {c: plt.get_cmap("tab20")(i % 20) for i, c in enumerate(configs)}  # one colour per config in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (task, ctx, metric) in zip(axes[0], panels, strict=True):
         lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -42,7 +44,7 @@ def plot(summary: Path, out: Path) -> None:
             if config == "full":
                 ax.axhline(points[0][1], color="black", linestyle="--", label="full")
             else:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config, color=colors[config])
         ax.set_xscale("log", base=2)
         ax.set_title(f"{task} @ {ctx} tokens")
         ax.set_xlabel("compression (sequence / tokens held)")
