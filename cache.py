@@ -1,87 +1,19 @@
-"""KV caches: the interface between attention and every compression strategy.
-
-A cache is an `nn.Module` holding static-shape buffers for one layer. The attention layer calls:
-
-    prefill(input_pos, k, v, q)      once per prompt, after exact attention over the prompt: store
-                                     (or compress) the prompt's keys/values.
-    update(input_pos, k, v, q)       each decode step: insert the step's keys/values, return
-                                     (keys, values, key_pos) to attend over. key_pos holds each
-                                     slot's token position, -1 for an empty slot; it is [B, S] when
-                                     shared by all KV heads or [B, H_kv, S] when heads keep
-                                     different tokens. The causal mask is derived from it.
-    observe(probs)                   only if `needs_attention`: the step's attention probabilities
-                                     [B, H_kv, group, T, S], for strategies that learn from them.
-    limit_rows(capacities)           per-sequence slot limits [B] (a fraction of each sequence's own
-                                     length); caches that keep every token ignore them.
-
-Caches with `needs_tokens` also receive the token ids [B, T] as `tokens=` in prefill and update.
-
-Shapes: input_pos [B, T] (position in its own sequence, -1 = padding); k, v [B, H_kv, T, D];
-q [B, H, T, D] (for caches that select tokens per query). Everything stays static-shape so the
-decode step compiles with `fullgraph=True`.
-"""
+"""KV caches: the eviction strategies (and the registry of every strategy, recallable ones from recall.py).
+The interface attention calls is in cache_base.py."""
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn as nn
 from torch import Tensor
 
+from cache_base import KVCache
 from prompt_compression import SNAPKV_OPTIONS, PromptCompressor, make_prompt_compressor, prompt_attention
-from storage import make_storage
+from recall import ClusterKVCache, QuestCache
 
-
-class KVCache(nn.Module):
-    needs_attention: bool = False
-    needs_tokens: bool = False
-    options: tuple[str, ...] = ("cache_bits", "key_quant_axis")  # settings `make_caches` accepts for this strategy
-    positions_per_head: bool = False  # True when KV heads keep different tokens: pos is [B, H_kv, S]
-
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        capacity: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | None = None,
-        cache_bits: int | None = None,
-        key_quant_axis: str | None = None,
-    ) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self.storage = make_storage((batch_size, n_kv_heads, capacity, head_dim), dtype, device, cache_bits, key_quant_axis)
-        pos_shape = (batch_size, n_kv_heads, capacity) if self.positions_per_head else (batch_size, capacity)
-        self.register_buffer("pos", torch.full(pos_shape, -1, dtype=torch.long, device=device), persistent=False)
-
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        raise NotImplementedError
-
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        raise NotImplementedError
-
-    def observe(self, probs: Tensor) -> None:
-        """Receive attention probabilities; only called when `needs_attention` is True."""
-
-    def limit_rows(self, capacities: Tensor) -> None:
-        """Slots each sequence may fill, [B] (<= capacity); only caches that evict use it."""
-
-    def stats(self) -> dict[str, int]:
-        """Counts worth reporting at the end of a run (e.g. hybrid's heads per policy)."""
-        return {}
-
-    def tokens_held(self) -> Tensor:
-        """[B] tokens each sequence holds now, per KV head (mean over heads)."""
-        filled = (self.pos >= 0).flatten(1).sum(dim=1)
-        return filled / (self.pos.shape[1] if self.positions_per_head else 1)
-
-    def reset(self) -> None:
-        self.storage.reset()
-        self.pos.fill_(-1)
-
-    def nbytes(self) -> int:
-        """Bytes of the stored keys and values (the number a compression strategy shrinks)."""
-        return self.storage.nbytes()
+HEAD_BUDGETS = ("uniform", "adakv")
+DEFAULT_ADAKV_FLOOR = 0.2
 
 
 class FullCache(KVCache):
@@ -108,13 +40,27 @@ class EvictionCache(KVCache):
     differently); prompt tokens are scored by a `PromptCompressor` (prompt_compression.py). The first
     `global_tokens` positions (attention sinks) and the newest `recent_window` positions, the incoming
     token included, are always protected. All choices are argmin/topk/scatter: static shapes, no data-
-    dependent Python branching, so the decode step compiles with fullgraph=True."""
+    dependent Python branching, so the decode step compiles with fullgraph=True.
+
+    `head_budget="adakv"` (Ada-KV, Feng et al., 2024) lets the KV heads of a layer share its budget
+    unevenly, decided at prefill from the prompt scores (`_adakv_capacities`); each head then evicts
+    inside its own share while decoding. The buffer must be wide enough for the largest share
+    (`adakv_slots`): a dense buffer cannot return the slots the small heads leave empty, so the
+    memory saving needs a paged layout; here the attended tokens per layer are exactly the budget."""
 
     positions_per_head = True
     default_global_tokens = 4
     default_recent_window = 10
     default_prompt_compressor = "recent_global"
-    options = (*KVCache.options, "global_tokens", "recent_window", "prompt_compression_strategy", *(f"snapkv_{o}" for o in SNAPKV_OPTIONS))
+    options = (
+        *KVCache.options,
+        "global_tokens",
+        "recent_window",
+        "prompt_compression_strategy",
+        *(f"snapkv_{o}" for o in SNAPKV_OPTIONS),
+        "head_budget",
+        "adakv_floor",
+    )
 
     def __init__(
         self,
@@ -128,9 +74,14 @@ class EvictionCache(KVCache):
         recent_window: int | None = None,
         prompt_compressor: PromptCompressor | None = None,
         kv_repeat: int = 1,
+        head_budget: str = "uniform",
+        adakv_floor: float = DEFAULT_ADAKV_FLOOR,
         **storage_options,
     ) -> None:
         super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, **storage_options)
+        if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
+            raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
+        self.head_budget, self.adakv_floor = head_budget, adakv_floor
         self.prompt_compressor = prompt_compressor or make_prompt_compressor(self.default_prompt_compressor)
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
         self.recent_window = self.default_recent_window if recent_window is None else recent_window
@@ -140,7 +91,9 @@ class EvictionCache(KVCache):
                 f"{type(self).__name__}: need global_tokens >= 0, recent_window >= 1 and global_tokens + recent_window < cache length; "
                 f"got {self.global_tokens} + {self.recent_window} for a cache of {capacity} slots"
             )
-        self.register_buffer("row_capacity", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
+        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
+        self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
+        self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
 
     def limit_rows(self, capacities: Tensor) -> None:
         smallest, largest = int(capacities.min()), int(capacities.max())
@@ -150,7 +103,11 @@ class EvictionCache(KVCache):
                 f"({self.global_tokens} + {self.recent_window}) and fit the {self.capacity} slots; got {capacities.tolist()} "
                 "(raise --max_cache_length or lower --global_tokens/--recent_window)"
             )
-        self.row_capacity.copy_(capacities.view(-1, 1, 1))
+        self.row_budget.copy_(capacities.view(-1, 1, 1))
+        self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))
+
+    def head_budgets(self) -> Tensor:
+        return self.row_capacity[..., 0]
 
     def _token_importances(self) -> Tensor:
         """[B, H_kv, S] score of each filled slot; the lowest unprotected one is evicted."""
@@ -192,8 +149,11 @@ class EvictionCache(KVCache):
         n_keep = min(T, self.capacity)
         pos = input_pos[:, None, :].expand(B, H, T)
         last = input_pos.max(dim=-1).values[:, None, None]
-        ranked = self._protect(scores, pos, last).topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
-        # A sequence keeps its best row_capacity tokens, in prompt order; the rest go past its limit and stay empty.
+        protected = self._protect(scores, pos, last)
+        if self.head_budget == "adakv":
+            self.row_capacity.copy_(self._adakv_capacities(protected, last + 1))
+        ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
+        # A sequence keeps its best row_capacity tokens per head, in prompt order; the rest go past its limit and stay empty.
         fits = torch.arange(n_keep, device=k.device) < self.row_capacity
         order = torch.where(fits, ranked, ranked + T).sort(dim=-1).values
         keep, fits = order % T, order < T
@@ -202,6 +162,27 @@ class EvictionCache(KVCache):
         self.storage.write(slots, k.gather(2, index), v.gather(2, index), prompt=True)
         self.pos[:, :, :n_keep] = pos.gather(2, keep).masked_fill(~fits, -1)
         self._on_insert(slots, scores.gather(2, keep))
+
+    def _adakv_capacities(self, scores: Tensor, n_prompt: Tensor) -> Tensor:
+        """Ada-KV's split of a layer's H x budget slots over its heads, [B, H, 1], from protected prompt
+        scores [B, H, T] and prompt lengths [B, 1, 1]: the top H x b scores over all heads together are
+        counted per head (b = the budget's prompt part, min(budget, prompt)), and head h gets
+        (1 - floor) x (count_h + budget - b) + floor x budget, so every head keeps `floor` of a uniform
+        share and the decode room is shared evenly. Whole slots by largest remainder (the sum stays
+        exact); a share beyond the buffer goes to the other heads in proportion to their room."""
+        B, H, T = scores.shape
+        budget = self.row_budget.double()  # [B, 1, 1]
+        prompt_part = torch.minimum(budget, n_prompt.double())
+        rank = scores.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1).view(B, H, T)
+        count = (rank < H * prompt_part).sum(dim=-1, keepdim=True)
+        share = (1 - self.adakv_floor) * (count + budget - prompt_part) + self.adakv_floor * budget
+        room = (self.capacity - share).clamp(min=0)
+        excess = (share - self.capacity).clamp(min=0).sum(dim=1, keepdim=True)
+        share = share.clamp(max=self.capacity) + excess * room / room.sum(dim=1, keepdim=True).clamp(min=1e-9)
+        whole = share.floor()
+        left = (H * budget - whole.sum(dim=1, keepdim=True)).round()
+        by_fraction = (whole - share).argsort(dim=1, stable=True).argsort(dim=1)  # largest fraction first
+        return (whole + (by_fraction < left)).long()
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         slot = self._eviction_idx(input_pos)
@@ -423,6 +404,12 @@ class HybridCache(AttentionScoredCache):
         return {f"heads {name}": c for name, c in zip(self.policies, counts, strict=True)}
 
 
+def adakv_slots(budget: int, n_heads: int, floor: float = DEFAULT_ADAKV_FLOOR) -> int:
+    """The largest share Ada-KV can give one of `n_heads` heads with `budget` slots each: every prompt
+    winner in that head (n_heads x budget) times (1 - floor), plus its floor share."""
+    return math.ceil(round(budget * ((1 - floor) * n_heads + floor), 6))  # rounded first: 10 x 2.6 is 26.000000000000004 in floats
+
+
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "full": FullCache,
     "window": WindowCache,
@@ -432,6 +419,8 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "heavy_hitter": HeavyHitterCache,
     "tova": TOVACache,
     "hybrid": HybridCache,
+    "clusterkv": ClusterKVCache,
+    "quest": QuestCache,
 }
 
 
@@ -457,6 +446,8 @@ def make_caches(
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         raise ValueError(f"cache strategy {strategy!r} does not take {', '.join(unknown)}; it takes: {', '.join(cls.options)}")
+    if getattr(cls, "takes_history", False):
+        options["n_heads"] = n_heads
     snapkv = {k.removeprefix("snapkv_"): options.pop(k) for k in list(options) if k.startswith("snapkv_")}
     if issubclass(cls, EvictionCache) and "prompt_compression_strategy" in cls.options:
         name = options.pop("prompt_compression_strategy", None) or cls.default_prompt_compressor

@@ -15,8 +15,9 @@ from typing import Any
 import yaml
 
 from budget import DEFAULT_PYRAMID_BETA, DEFAULT_SQUEEZE_P, LAYER_BUDGETS
-from cache import CACHE_STRATEGIES
+from cache import CACHE_STRATEGIES, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS
 from prompt_compression import PROMPT_COMPRESSORS
+from recall import RECALL_SELECT
 from storage import KEY_QUANT_AXES, QUANT_BITS
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -120,6 +121,39 @@ CACHE_KEYS: dict[str, CacheKey] = {
         f"layer_budget pyramid/funnel: the smallest layer keeps 1/beta of the average's unprotected slots (default: {DEFAULT_PYRAMID_BETA})",
         lambda v: v >= 1,
     ),
+    "head_budget": CacheKey(
+        (str,),
+        f"one of {', '.join(HEAD_BUDGETS)}",
+        "split each layer's budget over its KV heads at prefill, per prompt: uniform (every head the same) or adakv (Ada-KV: heads "
+        "whose prompt scores rank higher overall get more; buffers are widened to the largest share) (default: uniform)",
+        _one_of(*HEAD_BUDGETS),
+    ),
+    "adakv_floor": CacheKey(
+        (int, float),
+        "a fraction in [0, 1]",
+        f"head_budget adakv: the share of the uniform per-head budget every head is guaranteed (default: {DEFAULT_ADAKV_FLOOR})",
+        lambda v: 0 <= v <= 1,
+    ),
+    "sink_tokens": CacheKey((int,), "an integer >= 0", "clusterkv/quest: first tokens always attended, attention sinks (default: 16)", lambda v: v >= 0),
+    "recall_select": CacheKey(
+        (str,),
+        f"one of {', '.join(RECALL_SELECT)}",
+        "clusterkv/quest: choose the attended tokens per KV head (query scores summed over its group) or per query head (default: kv_head)",
+        _one_of(*RECALL_SELECT),
+    ),
+    "reuse_steps": CacheKey(
+        (int,), "an integer >= 1", "clusterkv/quest: count a selected token as a hit when selected in the last N steps too (default: 1)", lambda v: v >= 1
+    ),
+    "tokens_per_cluster": CacheKey(
+        (int,), "an integer >= 1", "clusterkv: prompt tokens per cluster, C0 = prompt / N clusters per KV head (default: 80)", lambda v: v >= 1
+    ),
+    "cluster_every": CacheKey((int,), "an integer >= 1", "clusterkv: cluster the decoded tokens every N steps (default: 320)", lambda v: v >= 1),
+    "new_clusters": CacheKey((int,), "an integer >= 1", "clusterkv: clusters made from each cluster_every decoded tokens (default: 8)", lambda v: v >= 1),
+    "kmeans_iterations": CacheKey((int,), "an integer >= 1", "clusterkv: k-means iterations (default: 20)", lambda v: v >= 1),
+    "page_size": CacheKey((int,), "an integer >= 1", "quest: tokens per page (default: 16)", lambda v: v >= 1),
+    "full_layers": CacheKey(
+        (int,), "an integer >= 0", "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2) (default: 0)", lambda v: v >= 0
+    ),
     "compress_first_token": CacheKey(
         (bool,),
         "true or false",
@@ -127,7 +161,9 @@ CACHE_KEYS: dict[str, CacheKey] = {
     ),
 }
 BUDGET_OPTIONS = {"squeeze_p": ("squeeze",), "pyramid_beta": ("pyramid", "funnel")}  # planner settings and the planners that take them
-CACHE_OPTIONS = tuple(k for k in CACHE_KEYS if k not in (*PER_LAYER_KEYS, "compress_first_token", "layer_budget", *BUDGET_OPTIONS))  # for make_caches
+CACHE_OPTIONS = tuple(
+    k for k in CACHE_KEYS if k not in (*PER_LAYER_KEYS, "compress_first_token", "full_layers", "layer_budget", *BUDGET_OPTIONS)
+)  # for make_caches
 
 
 def check_value(key: str, value: Any) -> Any:

@@ -3,6 +3,10 @@
 Attention loss (Cold Compress): at each decode step, the probability mass that full attention puts on
 tokens the compressed cache no longer holds, 1 - sum(p_full over kept tokens). It is 0 for the full
 cache and grows as eviction discards tokens the model would have attended to.
+
+Top-B recall (ClusterKV): at each decode step and for each query head, the share of the B tokens with
+the largest full attention that the compressed cache attends, B being the number of tokens it attends
+(its budget; every token it holds for an evicting cache, the selected ones for a recallable cache).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from cache import FullCache, KVCache
 class AttentionLossProbe(nn.Module):
     """Wraps any cache, with the same interface: the model attends over the wrapped (compressed) cache
     exactly as without the probe, while a full cache of every token measures what compression lost.
-    Records one value per decode step: the loss averaged over query heads, [B]. Eager only (it keeps a
-    Python list)."""
+    Records per decode step the loss and the top-B recall, averaged over query heads, [B] each. Eager
+    only (it keeps Python lists)."""
 
     def __init__(self, inner: KVCache, full: FullCache) -> None:
         super().__init__()
@@ -28,6 +32,7 @@ class AttentionLossProbe(nn.Module):
         self.needs_attention, self.needs_tokens = inner.needs_attention, inner.needs_tokens
         self.capacity = inner.capacity
         self.losses: list[Tensor] = []
+        self.recalls: list[Tensor] = []
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> None:
         self.inner.prefill(input_pos, k, v, q, **token_ids)
@@ -46,6 +51,9 @@ class AttentionLossProbe(nn.Module):
         kept = kept.view(B, -1, kept.shape[1] // n_kv if kept.shape[1] > n_kv else 1, 1, kept.shape[-1])  # per KV head, or per query head
         retained = (probs * kept).sum(dim=-1)
         self.losses.append(1 - retained.mean(dim=(1, 2, 3)))
+        budget = kept.sum(dim=-1, keepdim=True)  # tokens attended, per head
+        top = probs.argsort(dim=-1, descending=True).argsort(dim=-1) < budget  # each query head's top-B full-attention tokens
+        self.recalls.append(((top & kept).sum(dim=-1) / budget[..., 0].clamp(min=1)).mean(dim=(1, 2, 3)))
         return keys, values, key_pos
 
     def observe(self, probs: Tensor) -> None:
@@ -53,6 +61,9 @@ class AttentionLossProbe(nn.Module):
 
     def limit_rows(self, capacities: Tensor) -> None:
         self.inner.limit_rows(capacities)
+
+    def maintain(self) -> None:
+        self.inner.maintain()
 
     def tokens_held(self) -> Tensor:
         return self.inner.tokens_held()
@@ -64,12 +75,19 @@ class AttentionLossProbe(nn.Module):
         self.inner.reset()
         self.full.reset()
         self.losses.clear()
+        self.recalls.clear()
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
 
 
 def attention_loss_summary(probes: list[AttentionLossProbe]) -> dict[str, list[float]]:
-    """Per layer (mean over steps and sequences) and over time (mean over layers and sequences, per step)."""
-    per_step = torch.stack([torch.stack(p.losses) for p in probes])  # [layers, steps, B]
-    return {"per_layer": per_step.mean(dim=(1, 2)).tolist(), "per_step": per_step.mean(dim=(0, 2)).tolist()}
+    """Attention loss and top-B recall per layer (mean over steps and sequences) and over time (mean over
+    layers and sequences, per step) and per sequence (mean over layers and steps): keys per_layer, per_step,
+    per_sequence, and the same prefixed recall_."""
+    summary = {}
+    for name, values in (("", [p.losses for p in probes]), ("recall_", [p.recalls for p in probes])):
+        per_step = torch.stack([torch.stack(v) for v in values])  # [layers, steps, B]
+        for key, dims in (("per_layer", (1, 2)), ("per_step", (0, 2)), ("per_sequence", (0, 1))):
+            summary[f"{name}{key}"] = per_step.mean(dim=dims).tolist()
+    return summary

@@ -43,6 +43,7 @@ from generate import (
     compile_decode_step,
     decode_one_token,
     generate,
+    maintain,
     plan_layer_budgets,
     prepare_caches,
     resolve_device_dtype,
@@ -180,6 +181,7 @@ def run_generation(
                 layer_budget=spec.layer_budget,
                 budget_options=spec.budget_options,
                 recorded=shared,
+                attention_loss=args.attention_metrics,
             )
             seconds = (time.perf_counter() - t0) / len(batch)
             held = rows_held(model).tolist()
@@ -196,6 +198,8 @@ def run_generation(
                     compression=(len(example.input_ids) + result.decode_steps) / held[i],
                     seconds=round(seconds, 3),
                 )
+                if result.attention_loss is not None:
+                    record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
                 append_record(path, record)
                 done[job][example.id] = record
     return {job: [done[job][e.id] for e in examples] for job, _, _ in runs}
@@ -223,11 +227,12 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     recorded = RecordedPrefill()
     recorded.record(model, tokens[:, :P], positions, positions)
     budgets = None if spec.layer_budget == "uniform" else plan_layer_budgets(spec, [P] * B, L - P, recorded.similarity)
-    prepare_caches(model, [P] * B, L - P, L, spec.strategies, spec.lengths, spec.options, budgets)
+    caches = prepare_caches(model, [P] * B, L - P, L, spec.strategies, spec.lengths, spec.options, budgets)
     recorded.replay(model)
     losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
     for p in range(P, L - 1):
         losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1])[:, None])
+        maintain(caches)
     return torch.cat(losses, dim=1), rows_held(model)
 
 
@@ -273,6 +278,9 @@ def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str,
         metrics["checkpoints"] = {c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]}
     else:
         metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
+    for key in ("attention_loss", "topb_recall"):  # with --attention_metrics
+        if all(key in r for r in records):
+            metrics[key] = sum(r[key] for r in records) / len(records)
     metrics["seconds"] = sum(r["seconds"] for r in records)
     return metrics
 
@@ -365,6 +373,7 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
                 task=task,
                 context_length=int(ctx),
                 **{k: metrics[k] for k in ("metric", "value", "n", "compression")},
+                **{k: metrics.get(k) for k in ("attention_loss", "topb_recall")},
             )
         )
     full = {(r["model"], r["task"], r["context_length"]): r["value"] for r in rows if r["size"] == FULL}
@@ -423,6 +432,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes: one compilation per job, none between examples)")
+    p.add_argument(
+        "--attention_metrics",
+        action="store_true",
+        help="generation tasks: also record per example the attention loss and the top-B attention recall (B = the tokens the cache "
+        "attends), from a full cache run alongside (eager; about twice the decode time)",
+    )
     p.add_argument("--workers", type=int, default=1, help="CPU worker processes (one per GPU on CUDA) (default: 1)")
     return p
 
@@ -431,6 +446,8 @@ def run(args: argparse.Namespace) -> None:
     if args.num_samples < 1 or args.batch_size < 1 or args.workers < 1:
         raise ValueError(f"--num_samples, --batch_size and --workers must be >= 1, got {args.num_samples}, {args.batch_size}, {args.workers}")
     tasks = resolve_tasks(args.tasks)
+    if args.attention_metrics and (args.compile or any(isinstance(t, PerplexityTask) for t in tasks)):
+        raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
     jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
     t0 = time.perf_counter()
     if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):

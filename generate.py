@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from budget import mean_over_prompt, plan_budgets, residual_similarity
-from cache import CACHE_STRATEGIES, KVCache, make_caches
+from cache import CACHE_STRATEGIES, DEFAULT_ADAKV_FLOOR, KVCache, adakv_slots, make_caches
 from cache_config import BUDGET_OPTIONS, CACHE_KEYS, CACHE_OPTIONS, check_value, load_cache_config, parse_flag, per_layer, resolve_settings
 from checkpoint import default_checkpoint, load_checkpoint
 from cli import ArgumentParser, run_cli
@@ -115,6 +115,10 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer) -> 
         lengths = [1.0 if s == "hybrid" else 0.5 for s in strategies]
     if "hybrid" in strategies:
         options |= dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
+    full_layers = settings.get("full_layers", 0)
+    if full_layers >= n_layer:
+        raise ValueError(f"--full_layers {full_layers} leaves none of the model's {n_layer} layers to compress; give fewer")
+    strategies = ["full"] * full_layers + strategies[full_layers:]
     lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
     planner = settings.get("layer_budget", "uniform")
     budget_options = {k: settings[k] for k in BUDGET_OPTIONS if k in settings}
@@ -123,6 +127,8 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer) -> 
             raise ValueError(f"--{option} applies to --layer_budget {' or '.join(BUDGET_OPTIONS[option])}, not {planner}")
     if planner != "uniform" and all(n is None for n in lengths):
         raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
+    if planner != "uniform" and any(getattr(CACHE_STRATEGIES[s], "takes_history", False) for s in strategies):
+        raise ValueError(f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token and take none")
     return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)), planner, budget_options)
 
 
@@ -151,21 +157,35 @@ def prepare_caches(
         if length is not None:
             check_value("max_cache_length", length)
     if budgets is None:
-        capacities = [cache_slots(n, max_seq_length) for n in per_layer_lengths]
+        slots = [cache_slots(n, max_seq_length) for n in per_layer_lengths]
     else:
         largest = budgets.max(dim=0).values.tolist()
-        capacities = [max_seq_length if n is None else min(m, max_seq_length) for n, m in zip(per_layer_lengths, largest, strict=True)]
-    caches = setup_caches(model, strategies, len(lengths), capacities, cache_options)
-    for layer, (cache, length) in enumerate(zip(caches, per_layer_lengths, strict=True)):
+        slots = [max_seq_length if n is None else min(m, max_seq_length) for n, m in zip(per_layer_lengths, largest, strict=True)]
+    capacities = [
+        s if n is None else min(head_slots(model, s, layer_options(strategy, cache_options)), max_seq_length)
+        for strategy, s, n in zip(strategies, slots, per_layer_lengths, strict=True)
+    ]
+    caches = setup_caches(model, strategies, len(lengths), capacities, {**cache_options, "history": max_seq_length})
+    for layer, (cache, length, most) in enumerate(zip(caches, per_layer_lengths, slots, strict=True)):
         if budgets is not None and length is not None:
             mark_slots_dynamic(cache)
             own = budgets[:, layer].tolist()
         elif budgets is not None:
-            own = [cache.capacity] * len(lengths)
+            own = [most] * len(lengths)
         else:
-            own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else cache.capacity for n in lengths]
+            own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else most for n in lengths]
         cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
     return caches
+
+
+def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
+    """Buffer slots a compressing layer needs for a per-head `budget`: the budget itself, or with
+    head_budget=adakv the largest share Ada-KV may give one head (heads are query heads when snapkv_gqa=query)."""
+    if options.get("head_budget", "uniform") == "uniform":
+        return budget
+    cfg = model.config
+    heads = cfg.n_head if options.get("snapkv_gqa") == "query" else cfg.n_local_heads
+    return adakv_slots(budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR))
 
 
 def mark_slots_dynamic(cache: KVCache) -> None:
@@ -306,6 +326,7 @@ class Generation:
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
     layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
     layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
+    head_budgets: list[list[list[int]]] | None = None  # with head_budget=adakv: slots per sequence, layer and KV head ([] for a full layer)
 
 
 @torch.no_grad()
@@ -404,6 +425,7 @@ def generate(
         next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
     if compress_first_token:
         next_token = decode_step(model, tokens.gather(1, (lens - 1)[:, None]), (lens - 1)[:, None], temperature, top_k)
+        maintain(caches)
     sync(device)
     prefill_seconds = time.perf_counter() - t0
 
@@ -418,6 +440,7 @@ def generate(
     t0 = time.perf_counter()
     while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
         next_token = decode_step(model, next_token[:, None].clone(), (lens + n - 1)[:, None], temperature, top_k)
+        maintain(caches)
         out[:, n] = next_token
         stopped |= torch.isin(next_token, stop)
         n += 1
@@ -448,7 +471,21 @@ def generate(
         attention_loss_summary(probes) if probes else None,
         None if budgets is None else budgets.tolist(),
         None if similarity is None else similarity.tolist(),
+        head_budget_lists(caches) if (cache_options or {}).get("head_budget") == "adakv" else None,
     )
+
+
+def head_budget_lists(caches: Sequence[KVCache]) -> list[list[list[int]]]:
+    """Per sequence, layer and KV head: the slots each head may fill ([] for a layer that keeps every token)."""
+    per_layer = [c.head_budgets() for c in caches]
+    batch = next(b.shape[0] for b in per_layer if b is not None)
+    return [[[] if b is None else b[row].tolist() for b in per_layer] for row in range(batch)]
+
+
+def maintain(caches: Sequence[KVCache]) -> None:
+    """Each cache's host-side upkeep after a decode step (ClusterKV's periodic clustering)."""
+    for cache in caches:
+        cache.maintain()
 
 
 def sum_stats(caches: Sequence[KVCache]) -> dict[str, int]:
@@ -535,7 +572,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--attention_loss",
         action="store_true",
-        help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost (eager only)",
+        help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost and the "
+        "recall of each step's top-B full-attention tokens, B = the tokens the cache attends (eager only)",
     )
     p.add_argument(
         "--checkpoint_path",
@@ -682,6 +720,8 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items())
     if result.layer_budgets is not None:
         stats += f"\nlayer budgets (slots per layer, first sequence): {' '.join(map(str, result.layer_budgets[0]))}"
+    if result.head_budgets is not None:
+        stats += "\nhead budgets (slots per KV head and layer, first sequence): " + " ".join("/".join(map(str, h)) or "full" for h in result.head_budgets[0])
     if result.layer_similarity is not None:
         stats += f"\nlayer similarity (cos(x, x + attention), first sequence): {' '.join(f'{x:.3f}' for x in result.layer_similarity[0])}"
     return (
@@ -692,16 +732,17 @@ def cache_report(label: str | list[str], result: Generation) -> str:
 
 
 def print_attention_loss(loss: dict[str, list[float]]) -> None:
-    """Per layer, and over time at a few points of the generation."""
-    steps = loss["per_step"]
-    marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
-    print(
-        f"attention loss: mean {sum(steps) / len(steps):.4f} over {len(steps)} decode steps; by step "
-        + ", ".join(f"{i + 1}: {steps[i]:.4f}" for i in marks)
-        + "\nattention loss by layer: "
-        + " ".join(f"{x:.3f}" for x in loss["per_layer"]),
-        file=sys.stderr,
-    )
+    """Attention loss and top-B recall per layer, and over time at a few points of the generation."""
+    for name, prefix in (("attention loss", ""), ("top-B attention recall", "recall_")):
+        steps = loss[f"{prefix}per_step"]
+        marks = sorted({0, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps) - 1})
+        print(
+            f"{name}: mean {sum(steps) / len(steps):.4f} over {len(steps)} decode steps; by step "
+            + ", ".join(f"{i + 1}: {steps[i]:.4f}" for i in marks)
+            + f"\n{name} by layer: "
+            + " ".join(f"{x:.3f}" for x in loss[f"{prefix}per_layer"]),
+            file=sys.stderr,
+        )
 
 
 class TextStreamer:

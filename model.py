@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache import KVCache
+from cache_base import KVCache
 
 
 class ConfigError(ValueError):

@@ -63,8 +63,9 @@ def test_every_shipped_config_runs(name):
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
     assert report.startswith(f"KV cache ({name}): ")
-    if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global"):
+    if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv"):
         assert "tokens held per layer: " in proc.stderr and "layer budgets (slots per layer, first sequence): " in proc.stderr
+    assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == name.startswith("ada_")
 
 
 def test_flags_override_a_shipped_config():

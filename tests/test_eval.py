@@ -222,3 +222,21 @@ def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
     )
     torch.testing.assert_close(squeezed[:, :40], one_token[:, :40], atol=2e-4, rtol=1e-4)
     assert not torch.allclose(squeezed, one_token) and held.item() == pytest.approx(48.0, abs=0.5)
+
+
+def test_attention_metrics_record_recall_per_example(tmp_path, monkeypatch):
+    """--attention_metrics: every example records its attention loss and top-B recall; a budget covering
+    the sequence recalls everything; the summary carries the means."""
+    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    (tmp_path / "quest.yaml").write_text("cache_strategy: quest\nsink_tokens: 2\npage_size: 4\n")
+    (tmp_path / "clusterkv.yaml").write_text("cache_strategy: clusterkv\nsink_tokens: 2\ntokens_per_cluster: 4\n")
+    configs = [str(tmp_path / "quest.yaml"), str(tmp_path / "clusterkv.yaml")]
+    run_eval(tmp_path, "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", "1.0", "10", "--num_samples", "2", "--attention_metrics")
+    rows = {(r["config"], r["size"]): r for r in csv.DictReader((tmp_path / "summary.csv").open())}
+    for config in ("quest", "clusterkv"):
+        covering = [json.loads(x) for x in (tmp_path / f"SmolLM2-135M-Instruct/{config}/1.0/echo@64.jsonl").read_text().splitlines()]
+        assert [r["topb_recall"] for r in covering] == [1.0, 1.0] and all(abs(r["attention_loss"]) < 1e-6 for r in covering)
+        assert 0 < float(rows[(config, "10")]["topb_recall"]) < 1 and float(rows[(config, "10")]["attention_loss"]) > 0
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="--attention_metrics runs eagerly on generation tasks"):
+        kv_eval.main(["--tasks", "book_shakespeare", "--attention_metrics", "--out_dir", str(tmp_path)])

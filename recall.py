@@ -1,0 +1,306 @@
+"""Recallable caches: nothing is evicted. Every token's keys and values stay in a slow tier (the full
+history, position p in slot p); each decode step attends to a fixed budget of tokens chosen for its
+query: the sinks, the newest tokens not yet indexed, and the best-scoring indexed tokens. A token
+skipped now can be recalled later, which no evicting cache can do.
+
+    clusterkv   ClusterKV (Liu et al., 2024): per KV head, k-means over post-RoPE keys (cosine
+                distance); clusters are scored by the query's inner product with their centroids and
+                taken best first until the budget is full (the last one trimmed). New tokens are
+                clustered every `cluster_every` decode steps into `new_clusters` clusters.
+    quest       Quest (Tang et al., 2024): pages of 16 consecutive tokens, scored by the largest q.k any
+                key within each page's per-channel min/max box could give.
+
+Selection is a top-k over per-token scores (a token scores as its cluster or page), so the attended set
+has a static shape and the decode step compiles. `recall_select` picks per KV head (scores summed over
+the query group, the attended KVs shared by the group) or per query head (each query head attends its
+own tokens). Both tiers are tensors of this process: on a CPU-only machine the slow tier is a separate
+store in host memory; the fast tier is what one step attends (budget tokens per head). The end-of-run
+stats count how many selected tokens were also selected in the previous `reuse_steps` steps: ClusterKV's
+cache of recent selections, whose hits need not be copied from the slow tier again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache_base import KVCache
+
+RECALL_SELECT = ("kv_head", "query_head")
+
+
+def cosine_kmeans(x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: int = 0, used: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Batched k-means with cosine distance: x [..., N, D] points, valid [..., N] which points count,
+    `used` [..., 1] how many of the k clusters each row uses (default all: rows of a batch may need fewer).
+    Centroids start at k distinct valid points drawn pseudo-randomly from `seed` (a hash of each point's
+    index and row, so a sequence clusters the same alone or in a batch); each iteration assigns every
+    point to its most cosine-similar centroid and moves each centroid to the mean of its members (an
+    empty cluster keeps its centroid). Returns centroids [..., k, D] (means of the raw points, so q . c
+    is the members' mean q . k) and labels [..., N] (-1 for invalid points), from a final assignment."""
+    x = x.float()
+    draw = _hash_uniform(valid.shape, seed, x.device).masked_fill(~valid, -1.0)
+    start = draw.topk(k, dim=-1).indices  # k distinct points; rows with fewer valid points repeat invalid ones
+    centroids = x.gather(-2, start[..., None].expand(*start.shape, x.shape[-1]))
+    unit = F.normalize(x, dim=-1)
+    usable = torch.ones(k, dtype=torch.bool, device=x.device) if used is None else torch.arange(k, device=x.device) < used
+    for _ in range(iterations):
+        labels = _assign(unit, centroids, valid, usable)
+        members = F.one_hot(labels.clamp(min=0), k).to(x.dtype) * valid[..., None]  # [..., N, k]
+        counts = members.sum(dim=-2)[..., None]  # [..., k, 1]
+        means = members.transpose(-1, -2) @ x / counts.clamp(min=1)
+        centroids = torch.where(counts > 0, means, centroids)
+    return centroids, _assign(unit, centroids, valid, usable)
+
+
+def _hash_uniform(shape: torch.Size, seed: int, device: torch.device) -> Tensor:
+    """Deterministic values in [0, 1) for each index of the last axis and each row of the second-to-last
+    (heads), the same whatever the leading (batch) size."""
+    point = torch.arange(shape[-1], device=device, dtype=torch.float64)
+    row = torch.arange(shape[-2], device=device, dtype=torch.float64)[:, None] if len(shape) > 1 else 0.0
+    return (torch.sin(point * 12.9898 + row * 78.233 + seed * 37.719) * 43758.5453).frac().abs().float().expand(shape)
+
+
+def _assign(unit: Tensor, centroids: Tensor, valid: Tensor, usable: Tensor) -> Tensor:
+    similarity = unit @ F.normalize(centroids, dim=-1).transpose(-1, -2)  # [..., N, k]
+    labels = similarity.masked_fill(~usable[..., None, :], float("-inf")).argmax(dim=-1)
+    return labels.masked_fill(~valid, -1)
+
+
+class RecallableCache(KVCache):
+    """Keeps every token (slow tier, `history` slots) and attends to `capacity` of them per step.
+    Subclasses index the history (`_index_prompt`, `_index_token`) and score it for a query
+    (`_scores`, [B, H_sel, history], higher = attend)."""
+
+    positions_per_head = False  # the slow tier: position p in slot p for every head
+    takes_history = True  # make_caches passes `history` (the longest sequence) and `n_heads`
+    default_sink_tokens = 16
+    options = ("sink_tokens", "recall_select", "reuse_steps", "history", "n_heads")
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        history: int | None = None,
+        n_heads: int | None = None,
+        sink_tokens: int | None = None,
+        recall_select: str = "kv_head",
+        reuse_steps: int = 1,
+    ) -> None:
+        history = capacity if history is None else history
+        super().__init__(batch_size, n_kv_heads, history, head_dim, dtype, device)
+        self.sink_tokens = self.default_sink_tokens if sink_tokens is None else sink_tokens
+        if recall_select not in RECALL_SELECT or reuse_steps < 1 or not 0 <= self.sink_tokens < capacity <= history:
+            raise ValueError(
+                f"{type(self).__name__}: need recall_select in {', '.join(RECALL_SELECT)}, reuse_steps >= 1 and 0 <= sink_tokens < budget "
+                f"<= history; got {recall_select!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of {capacity} and {history} slots"
+            )
+        self.budget, self.recall_select, self.reuse_steps = capacity, recall_select, reuse_steps
+        heads = n_kv_heads if recall_select == "kv_head" else n_heads or n_kv_heads
+        self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
+        self.register_buffer("indexed_upto", torch.zeros(batch_size, 1, 1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("last_selected", torch.full((batch_size, heads, history), -(2**30), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)  # steps, reuse hits, selections
+
+    def limit_rows(self, capacities: Tensor) -> None:
+        if int(capacities.max()) > self.budget or int(capacities.min()) <= self.sink_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: per-sequence budgets must exceed sink_tokens ({self.sink_tokens}) and fit {self.budget}; got {capacities.tolist()}"
+            )
+        self.row_budget.copy_(capacities.view(-1, 1, 1))
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        B, H, T, _ = k.shape
+        if T > self.capacity:
+            raise ValueError(f"a prompt of {T} tokens does not fit a history of {self.capacity} slots")
+        self.storage.write(torch.arange(T, device=k.device).expand(B, H, T), k, v, prompt=True)
+        self.pos[:, :T] = input_pos
+        self.indexed_upto.copy_((input_pos.max(dim=-1).values + 1)[:, None, None])
+        self._index_prompt(input_pos, k)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.storage.write(input_pos[:, None, :].expand(k.shape[:3]), k, v)
+        self.pos.scatter_(1, input_pos, input_pos)
+        self._index_token(input_pos, k)
+        slots = self._select(q, input_pos)  # [B, H_sel, budget]
+        keys, values = self.storage.read()
+        if slots.shape[1] != keys.shape[1]:  # per query head: each reads its KV head's history
+            group = slots.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        index = slots[..., None].expand(*slots.shape, keys.shape[-1])
+        pos = self.pos[:, None, :].expand(slots.shape[0], slots.shape[1], -1).gather(2, slots)
+        pos = pos.masked_fill(torch.arange(self.budget, device=pos.device) >= self.row_budget, -1)
+        self._count_reuse(slots, pos, input_pos)
+        return keys.gather(2, index), values.gather(2, index), pos
+
+    def _select(self, q: Tensor, input_pos: Tensor) -> Tensor:
+        """Slots to attend [B, H_sel, budget]: sinks first, then the unindexed newest tokens (newest
+        first), then indexed tokens by score; never an empty or future slot."""
+        scores = self._scores(q)  # [B, H_sel, history]
+        current = input_pos[:, :, None]
+        pos = self.pos[:, None, :]
+        scores = scores.double()
+        low, high = scores.amin(dim=-1, keepdim=True), scores.amax(dim=-1, keepdim=True)
+        unit = (scores - low) / (high - low).clamp(min=1e-9) + pos * 1e-12  # ties (one cluster or page) go to the newest tokens
+        recent = (pos >= self.indexed_upto) & (pos <= current)
+        rank = torch.where(recent, 2 + pos / self.capacity, unit)  # indexed tokens in [0, 1], recent ones above
+        rank = rank.masked_fill((pos >= 0) & (pos < self.sink_tokens), 4.0)
+        rank = rank.masked_fill((pos < 0) | (pos > current), -1.0)
+        return rank.topk(self.budget, dim=-1).indices
+
+    def _count_reuse(self, slots: Tensor, pos: Tensor, input_pos: Tensor) -> None:
+        step = self.counts[0]
+        attended = pos >= 0
+        reused = (self.last_selected.gather(2, slots) >= step - self.reuse_steps) & attended
+        self.last_selected.scatter_(2, slots, torch.where(attended, step, self.last_selected.gather(2, slots)))
+        self.counts += torch.stack([torch.ones_like(step), reused.sum(), attended.sum()])
+
+    def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
+        raise NotImplementedError
+
+    def _index_token(self, input_pos: Tensor, k: Tensor) -> None:
+        """Index the step's new key k [B, H_kv, 1, D] at input_pos [B, 1] (inside the compiled step)."""
+
+    def _scores(self, q: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _per_selection_head(self, scores: Tensor) -> Tensor:
+        """[B, H_kv, group, X] per query head -> [B, H_sel, X]: summed over the group, or kept per query head."""
+        return scores.sum(dim=2) if self.recall_select == "kv_head" else scores.flatten(1, 2)
+
+    def tokens_held(self) -> Tensor:
+        """Tokens attended per step (the fast tier), per sequence."""
+        return torch.minimum((self.pos >= 0).sum(dim=-1), self.row_budget.view(-1)).float()
+
+    def stats(self) -> dict[str, int]:
+        steps, hits, selected = self.counts.tolist()
+        return {"recall: selected tokens": selected, "recall: also selected in the previous reuse_steps": hits}
+
+    def reset(self) -> None:
+        super().reset()
+        self.indexed_upto.zero_()
+        self.last_selected.fill_(-(2**30))
+        self.counts.zero_()
+
+
+class ClusterKVCache(RecallableCache):
+    """ClusterKV: tokens recalled by semantic cluster. The prompt (sinks excluded) is clustered into
+    prompt_length / `tokens_per_cluster` clusters per KV head; every `cluster_every` decode steps the
+    tokens decoded since are clustered into `new_clusters` more (`maintain`, between decode steps)."""
+
+    options = (*RecallableCache.options, "tokens_per_cluster", "cluster_every", "new_clusters", "kmeans_iterations")
+
+    def __init__(
+        self,
+        *args,
+        tokens_per_cluster: int = 80,
+        cluster_every: int = 320,
+        new_clusters: int = 8,
+        kmeans_iterations: int = 20,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if min(tokens_per_cluster, cluster_every, new_clusters, kmeans_iterations) < 1:
+            raise ValueError(
+                f"clusterkv: tokens_per_cluster, cluster_every, new_clusters and kmeans_iterations must be >= 1; "
+                f"got {tokens_per_cluster}, {cluster_every}, {new_clusters}, {kmeans_iterations}"
+            )
+        self.tokens_per_cluster, self.cluster_every, self.new_clusters, self.kmeans_iterations = (
+            tokens_per_cluster,
+            cluster_every,
+            new_clusters,
+            kmeans_iterations,
+        )
+        B, H, S, D = self.storage.k.shape
+        most = math.ceil(S / tokens_per_cluster) + (S // cluster_every) * new_clusters
+        self.register_buffer("centroids", torch.zeros(B, H, most, D, device=self.pos.device), persistent=False)
+        self.register_buffer("labels", torch.zeros(B, H, S, dtype=torch.long, device=self.pos.device), persistent=False)
+        self.n_clusters = 0  # host-side: cluster ids handed out so far (the same for every row)
+        self.rounds = self.unclustered_steps = 0
+
+    def _cluster(self, positions: Tensor, valid: Tensor, k: int, used: Tensor | None = None) -> None:
+        """Cluster the keys at positions [B, N] (valid [B, N]) into k new clusters per KV head (N at most;
+        `used` [B] of them per sequence)."""
+        k = min(k, positions.shape[1])
+        keys = self.storage.read()[0].gather(2, positions[:, None, :, None].expand(-1, self.labels.shape[1], -1, self.centroids.shape[-1]))
+        valid = valid[:, None, :].expand(keys.shape[:3])
+        used = None if used is None else used[:, None, None]
+        centroids, labels = cosine_kmeans(keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used)
+        first = self.n_clusters
+        self.centroids[:, :, first : first + k] = centroids
+        self.labels.scatter_(2, positions[:, None, :].expand(labels.shape), torch.where(valid, labels + first, 0))
+        self.n_clusters += k
+        self.rounds += 1
+
+    def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
+        self.n_clusters = self.rounds = self.unclustered_steps = 0
+        self.labels.zero_()
+        valid = input_pos >= self.sink_tokens
+        points = valid.sum(dim=-1)
+        used = ((points + self.tokens_per_cluster - 1) // self.tokens_per_cluster).clamp(min=1)  # each sequence's own C0
+        self._cluster(input_pos.clamp(min=0), valid, int(used.max()), used)
+
+    def maintain(self) -> None:
+        self.unclustered_steps += 1
+        if self.unclustered_steps == self.cluster_every:
+            positions = self.indexed_upto[:, 0] + torch.arange(self.cluster_every, device=self.pos.device)
+            self._cluster(positions, torch.ones_like(positions, dtype=torch.bool), self.new_clusters)
+            self.indexed_upto += self.cluster_every
+            self.unclustered_steps = 0
+
+    def _scores(self, q: Tensor) -> Tensor:
+        B, H, _, D = q.shape
+        n_kv = self.centroids.shape[1]
+        per_cluster = self._per_selection_head(q[:, :, -1].float().view(B, n_kv, H // n_kv, D) @ self.centroids.transpose(-1, -2))
+        labels = self.labels.repeat_interleave(per_cluster.shape[1] // n_kv, dim=1)
+        return per_cluster.gather(-1, labels)
+
+
+class QuestCache(RecallableCache):
+    """Quest: pages of `page_size` consecutive tokens; a page's score for a query is the largest q . k
+    any key inside the page's per-channel [min, max] box could give, sum over channels of
+    max(q_d min_d, q_d max_d). Page bounds widen as tokens arrive; the unfinished page is attended whole
+    (its tokens are the "recent" ones), like ClusterKV's unclustered tokens."""
+
+    options = (*RecallableCache.options, "page_size")
+
+    def __init__(self, *args, page_size: int = 16, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if page_size < 1:
+            raise ValueError(f"quest: page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        B, H, S, D = self.storage.k.shape
+        pages = math.ceil(S / page_size)
+        self.register_buffer("page_min", torch.full((B, H, pages, D), float("inf"), device=self.pos.device), persistent=False)
+        self.register_buffer("page_max", torch.full((B, H, pages, D), float("-inf"), device=self.pos.device), persistent=False)
+
+    def _index_keys(self, positions: Tensor, k: Tensor) -> None:
+        """Widen the bounds of the pages of keys k [B, H_kv, N, D] at positions [B, N] (-1: none)."""
+        page = (positions.clamp(min=0) // self.page_size)[:, None, :, None].expand(k.shape)
+        real = (positions >= 0)[:, None, :, None]
+        self.page_min.scatter_reduce_(2, page, k.float().masked_fill(~real, float("inf")), "amin")
+        self.page_max.scatter_reduce_(2, page, k.float().masked_fill(~real, float("-inf")), "amax")
+
+    def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
+        self.page_min.fill_(float("inf"))
+        self.page_max.fill_(float("-inf"))
+        self._index_keys(input_pos, k)
+        self.indexed_upto.copy_(self.indexed_upto // self.page_size * self.page_size)  # the unfinished page is attended whole
+
+    def _index_token(self, input_pos: Tensor, k: Tensor) -> None:
+        self._index_keys(input_pos, k)
+        self.indexed_upto.copy_((input_pos // self.page_size * self.page_size)[:, :, None])
+
+    def _scores(self, q: Tensor) -> Tensor:
+        B, H, _, D = q.shape
+        n_kv = self.page_min.shape[1]
+        query = q[:, :, -1].float().view(B, n_kv, H // n_kv, 1, D)
+        low, high = (torch.where(b.isfinite(), b, 0.0)[:, :, None] for b in (self.page_min, self.page_max))  # empty pages: infinite bounds
+        per_page = self._per_selection_head(torch.maximum(query * low, query * high).sum(dim=-1))  # [B, H_sel, pages]
+        return per_page.repeat_interleave(self.page_size, dim=-1)[..., : self.capacity]

@@ -1,0 +1,115 @@
+"""Ada-KV per-head budgets (head_budget=adakv): the split matches the published rule, each head keeps
+exactly its share of the prompt's top tokens, the layer total is exact through decoding, and generate()
+sizes, compiles and reports it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache import HeavyHitterCache, adakv_slots, make_caches
+from generate import compile_decode_step, generate
+from prompt_compression import PromptCompressor
+
+
+class FixedScores(PromptCompressor):
+    def __init__(self, scores: torch.Tensor) -> None:
+        self.scores = scores
+
+    def __call__(self, input_pos: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return self.scores
+
+
+def reference_adakv(scores: torch.Tensor, budget: int, floor: float) -> list[float]:
+    """The rule as published: top H x budget scores over all heads, counted per head; cap = count x (1 - floor) + budget x floor."""
+    H, T = scores.shape
+    winners = scores.flatten().topk(H * budget).indices // T
+    counts = torch.bincount(winners, minlength=H)
+    return [c * (1 - floor) + budget * floor for c in counts.tolist()]
+
+
+def adakv_cache(H: int, budget: int, T: int, floor: float = 0.2, **options) -> HeavyHitterCache:
+    cache = HeavyHitterCache(1, H, adakv_slots(budget, H, floor), 4, torch.float32, head_budget="adakv", adakv_floor=floor, **options)
+    cache.limit_rows(torch.tensor([budget]))
+    return cache
+
+
+@settings(max_examples=60, deadline=None)
+@given(H=st.integers(1, 6), budget=st.integers(4, 20), extra=st.integers(0, 40), floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]), seed=st.integers(0, 99))
+def test_adakv_split_matches_the_reference_and_sums_exactly(H, budget, extra, floor, seed):
+    T = budget + extra
+    scores = torch.rand(1, H, T, generator=torch.Generator().manual_seed(seed))
+    cache = adakv_cache(H, budget, T, floor, global_tokens=0, recent_window=1)
+    caps = cache._adakv_capacities(scores, torch.tensor([[[T]]]))[0, :, 0]
+    assert int(caps.sum()) == H * budget
+    for cap, ideal in zip(caps.tolist(), reference_adakv(scores[0], budget, floor), strict=True):
+        assert abs(cap - ideal) < 1  # largest-remainder rounding of the reference's real-valued shares
+
+
+def test_adakv_heads_keep_their_share_of_the_prompt_top_tokens_and_decode_inside_it():
+    torch.manual_seed(0)
+    H, budget, T, D = 3, 12, 40, 4
+    cache = adakv_cache(H, budget, T, global_tokens=2, recent_window=3)
+    scores = torch.rand(1, H, T)
+    scores[0, 0, 5:30] += 1.0  # head 0 holds most of the layer's best tokens
+    cache.prompt_compressor = FixedScores(scores)
+    k = torch.randn(1, H, T, D)
+    cache.prefill(torch.arange(T)[None], k, k, torch.zeros(1, H, T, D))
+    caps = cache.head_budgets()[0].tolist()
+    assert sum(caps) == H * budget and caps[0] > budget > max(caps[1:]) >= round(0.2 * budget)
+    for head, cap in enumerate(caps):
+        held = sorted(p for p in cache.pos[0, head].tolist() if p >= 0)
+        protected = {0, 1, T - 3, T - 2, T - 1}
+        ranked = [p for p in scores[0, head].argsort(descending=True).tolist() if p not in protected]
+        assert held == sorted(protected | set(ranked[: cap - len(protected)]))
+    for step in range(10):
+        kv = torch.randn(1, H, 1, D)
+        pos = cache.update(torch.tensor([[T + step]]), kv, kv, kv)[2]
+        assert (pos[0] >= 0).sum(dim=-1).tolist() == caps and (pos[0] == T + step).any(dim=-1).all()
+
+
+def test_adakv_share_beyond_the_buffer_goes_to_the_other_heads():
+    H, budget, T = 3, 10, 60
+    cache = HeavyHitterCache(1, H, 14, 4, torch.float32, head_budget="adakv", global_tokens=0, recent_window=1)
+    cache.limit_rows(torch.tensor([budget]))
+    scores = torch.zeros(1, H, T)
+    scores[0, 0] = 1.0  # every winner in head 0: its share (0.8 x 30 + 2 = 26) exceeds the 14 slots
+    caps = cache._adakv_capacities(scores, torch.tensor([[[T]]]))[0, :, 0].tolist()
+    assert caps == [14, 8, 8] and adakv_slots(budget, H) == 26
+
+
+def test_make_caches_rejects_a_bad_head_budget():
+    with pytest.raises(ValueError, match="head_budget must be one of uniform, adakv and adakv_floor in \\[0, 1\\]; got 'ada'"):
+        make_caches("heavy_hitter", 1, 1, 2, 16, 4, torch.float32, head_budget="ada")
+    with pytest.raises(ValueError, match="cache strategy 'hybrid' does not take head_budget"):
+        make_caches("hybrid", 1, 1, 2, 16, 4, torch.float32, head_budget="adakv")
+
+
+def test_generate_with_adakv_keeps_each_layer_total_batches_and_compiles(tiny_model):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    kwargs = dict(
+        cache_length=0.5, cache_options=dict(global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=3, head_budget="adakv")
+    )
+    eager = generate(tiny_model, prompts, 16, "heavy_hitter", **kwargs)
+    cfg = tiny_model.config
+    caches = [layer.attention.kv_cache for layer in tiny_model.layers]
+    assert {c.capacity for c in caches} == {adakv_slots(round(0.5 * 36), cfg.n_local_heads)}  # widened for the largest share
+    for row, prompt in enumerate(prompts):
+        budget = round(0.5 * (len(prompt) + 16))
+        assert [sum(heads) for heads in eager.head_budgets[row]] == [cfg.n_local_heads * budget] * cfg.n_layer
+        assert generate(tiny_model, [prompt], 16, "heavy_hitter", **kwargs).tokens[0] == eager.tokens[row]
+    assert any(len(set(heads)) > 1 for heads in eager.head_budgets[0])
+    torch._dynamo.reset()
+    compiled = generate(tiny_model, prompts, 16, "heavy_hitter", decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    assert compiled.tokens == eager.tokens and compiled.head_budgets == eager.head_budgets
+
+
+def test_ada_pyramidkv_combines_layer_and_head_budgets(smollm):
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 12)
+    options = dict(prompt_compression_strategy="snapkv", head_budget="adakv")
+    result = generate(model, [prompt], 6, "heavy_hitter", cache_length=0.25, layer_budget="pyramid", cache_options=options)
+    assert [sum(heads) for heads in result.head_budgets[0]] == [model.config.n_local_heads * b for b in result.layer_budgets[0]]
+    assert len(set(result.layer_budgets[0])) > 1

@@ -1,0 +1,155 @@
+"""Recallable caches (recall.py): k-means, what each step attends, exactness with a budget covering the
+sequence, the slow tier keeping every token, periodic clustering, compiled == eager, batch == alone,
+and the top-B recall diagnostic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import FullCache, WindowCache
+from cache_config import load_cache_config, resolve_settings
+from diagnostics import AttentionLossProbe
+from generate import cache_spec, compile_decode_step, generate
+from recall import ClusterKVCache, QuestCache, cosine_kmeans
+
+RECALLABLE = {"clusterkv": ClusterKVCache, "quest": QuestCache}
+
+
+def test_kmeans_assigns_every_key_to_its_most_similar_centroid_and_finds_the_groups():
+    g = torch.Generator().manual_seed(0)
+    directions = F.normalize(torch.randn(3, 16, generator=g), dim=-1)
+    group = torch.arange(90) % 3
+    x = (directions[group] + 0.05 * torch.randn(90, 16, generator=g)) * torch.rand(90, 1, generator=g).add(0.5)  # lengths vary: cosine ignores them
+    x = torch.stack([x, x.flip(0)])[:, None]  # [2 rows, 1 head, 90, 16]
+    valid = torch.ones(2, 1, 90, dtype=torch.bool)
+    centroids, labels = cosine_kmeans(x, valid, 3)
+    nearest = (F.normalize(x, dim=-1) @ F.normalize(centroids, dim=-1).transpose(-1, -2)).argmax(dim=-1)
+    assert torch.equal(labels, nearest)
+    for row, groups in enumerate((group, group.flip(0))):
+        pairs = set(zip(groups.tolist(), labels[row, 0].tolist(), strict=True))
+        assert len(pairs) == 3 and len({label for _, label in pairs}) == 3  # one cluster per group, no mixing
+
+
+def test_kmeans_handles_empty_clusters_and_invalid_points():
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])[None]  # two distinct directions among valid points, asked for 3
+    valid = torch.tensor([[True, True, True, False]])
+    centroids, labels = cosine_kmeans(x, valid, 3)
+    assert centroids.isfinite().all() and labels[0, 3] == -1
+    assert labels[0, 0] == labels[0, 1] != labels[0, 2]
+
+
+@pytest.mark.parametrize("strategy", sorted(RECALLABLE))
+@pytest.mark.parametrize("select", ["kv_head", "query_head"])
+def test_each_step_attends_exactly_the_budget_with_sinks_and_recent_tokens(strategy, select):
+    torch.manual_seed(0)
+    B, H_kv, group, T, D, budget = 2, 2, 2, 100, 8, 40
+    options = dict(cluster_every=6, new_clusters=2, tokens_per_cluster=10) if strategy == "clusterkv" else dict(page_size=8)
+    cache = RECALLABLE[strategy](B, H_kv, budget, D, torch.float32, history=120, n_heads=H_kv * group, sink_tokens=4, recall_select=select, **options)
+    lengths = torch.tensor([100, 70])
+    input_pos = torch.where(torch.arange(T) < lengths[:, None], torch.arange(T), -1)
+    cache.prefill(input_pos, torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv * group, T, D))
+    heads = H_kv if select == "kv_head" else H_kv * group
+    for step in range(14):
+        current = (lengths + step)[:, None]
+        keys, values, pos = cache.update(current, torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv * group, 1, D))
+        cache.maintain()
+        assert keys.shape == (B, heads, budget, D) and pos.shape == (B, heads, budget)
+        for row in range(B):
+            n = int(current[row]) + 1
+            recent = range(int(cache.indexed_upto[row]) if strategy == "clusterkv" else int(current[row]) // 8 * 8, n)
+            for head in range(heads):
+                attended = pos[row, head].tolist()
+                assert len(set(attended)) == budget and all(0 <= p < n for p in attended)
+                assert set(range(4)) | set(recent) <= set(attended)
+        assert torch.equal(keys, cache.storage.k.repeat_interleave(heads // H_kv, dim=1).gather(2, pos[..., None].expand(-1, -1, -1, D)))
+    if strategy == "clusterkv":  # 14 steps: clustered twice (every 6), 2 tokens still unclustered
+        assert cache.n_clusters == 10 + 2 * 2 and cache.indexed_upto.view(-1).tolist() == [112, 82]
+        assert cache.labels[0, :, 100:112].min() >= 10 and cache.labels[0, :, 100:112].max() < 14
+
+
+def test_quest_page_score_is_the_largest_dot_product_the_page_bounds_allow():
+    torch.manual_seed(0)
+    cache = QuestCache(1, 1, 20, 4, torch.float32, history=32, n_heads=1, sink_tokens=0, page_size=8)
+    k = torch.randn(1, 1, 32, 4)
+    cache.prefill(torch.arange(32)[None], k, k, torch.zeros(1, 1, 32, 4))
+    q = torch.randn(1, 1, 1, 4)
+    scores = cache._scores(q)[0, 0]
+    for page in range(4):
+        box = k[0, 0, page * 8 : (page + 1) * 8]
+        bound = torch.maximum(q[0, 0, 0] * box.min(dim=0).values, q[0, 0, 0] * box.max(dim=0).values).sum()
+        assert torch.allclose(scores[page * 8 : (page + 1) * 8], bound.expand(8))
+        assert bound >= (box @ q[0, 0, 0]).max() - 1e-6
+
+
+@pytest.mark.parametrize("strategy", sorted(RECALLABLE))
+@pytest.mark.parametrize("select", ["kv_head", "query_head"])
+def test_a_budget_covering_the_sequence_equals_the_full_cache(smollm, strategy, select):
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 6)
+    full = generate(model, [prompt], 12, "full").tokens
+    n = len(prompt) + 12
+    assert generate(model, [prompt], 12, strategy, cache_length=n, cache_options=dict(recall_select=select, cluster_every=5)).tokens == full
+
+
+@pytest.mark.parametrize("strategy", sorted(RECALLABLE))
+def test_slow_tier_keeps_every_token(smollm, strategy):
+    """Every position's keys stay, exactly as a full cache holds them for the same tokens: all layers for the
+    prompt; layer 0 (whose keys depend on the token alone) for generated tokens too."""
+    model, tokenizer, _ = smollm
+    prompt = tokenizer.encode("Photosynthesis is the process by which plants turn light into sugar. " * 8)
+    generated = generate(model, [prompt], 20, strategy, cache_length=32, cache_options=dict(sink_tokens=4)).tokens[0]
+    slow = [layer.attention.kv_cache.storage.k.clone() for layer in model.layers]
+    n = len(prompt) + 19  # the last generated token is never written
+    assert model.layers[3].attention.kv_cache.pos[0, :n].tolist() == list(range(n))
+    generate(model, [prompt + generated[:19]], 1, "full")
+    full = [layer.attention.kv_cache.storage.k for layer in model.layers]
+    for s, f in zip(slow, full, strict=True):
+        torch.testing.assert_close(s[:, :, : len(prompt)], f[:, :, : len(prompt)])
+    torch.testing.assert_close(slow[0][:, :, :n], full[0][:, :, :n])
+
+
+@pytest.mark.parametrize("strategy", sorted(RECALLABLE))
+def test_recallable_compiled_equals_eager_and_batch_equals_alone(tiny_model, strategy):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    options = dict(sink_tokens=2, tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(sink_tokens=2, page_size=4)
+    kwargs = dict(cache_length=10, cache_options=options, max_seq_length=44)
+    eager = generate(tiny_model, prompts, 24, strategy, **kwargs)
+    assert [generate(tiny_model, [p], 24, strategy, **kwargs).tokens[0] for p in prompts] == eager.tokens
+    torch._dynamo.reset()
+    compiled = generate(tiny_model, prompts, 24, strategy, decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    assert compiled.tokens == eager.tokens and compiled.cache_stats == eager.cache_stats
+
+
+def test_recall_diagnostic_counts_the_attended_share_of_the_full_top_b():
+    torch.manual_seed(0)
+    H_kv, group, D, T = 2, 2, 8, 30
+    window, full = WindowCache(1, H_kv, 12, D, torch.float32, recent_window=1), FullCache(1, H_kv, 40, D, torch.float32)
+    probe = AttentionLossProbe(window, full)
+    k, q = torch.randn(1, H_kv, T, D), torch.randn(1, H_kv * group, T, D)
+    probe.prefill(torch.arange(T)[None], k, k, q)
+    k_new, q_new = torch.randn(1, H_kv, 1, D), torch.randn(1, H_kv * group, 1, D)
+    _, _, pos = probe.update(torch.tensor([[T]]), k_new, k_new, q_new)
+    keys = torch.cat([k, k_new], dim=2)
+    expected = []
+    for head in range(H_kv * group):
+        probs = (q_new[0, head, 0] @ keys[0, head // group].T / D**0.5).softmax(dim=-1)
+        top = set(probs.topk(12).indices.tolist())
+        expected.append(len(top & set(pos[0, head // group].tolist())) / 12)
+    assert probe.recalls[0].item() == pytest.approx(sum(expected) / len(expected))
+
+
+def test_full_layers_and_recallable_settings(smollm):
+    tokenizer = smollm[1]
+    spec = cache_spec(resolve_settings({}, load_cache_config("clusterkv")), 30, tokenizer)
+    assert spec.strategies == ["full"] * 2 + ["clusterkv"] * 28 and spec.lengths == [None, None] + [512] * 28
+    assert spec.options == dict(sink_tokens=16, recall_select="kv_head", tokens_per_cluster=80, cluster_every=320, new_clusters=8, kmeans_iterations=20)
+    with pytest.raises(ValueError, match="--full_layers 30 leaves none of the model's 30 layers to compress"):
+        cache_spec(dict(cache_strategy="quest", full_layers=30), 30, tokenizer)
+    with pytest.raises(ValueError, match="--layer_budget squeeze splits an evicting cache's budget; clusterkv and quest keep every token"):
+        cache_spec(dict(cache_strategy="quest", layer_budget="squeeze"), 30, tokenizer)
+    with pytest.raises(ValueError, match="--page_size does not apply to --cache_strategy clusterkv; it applies to: quest"):
+        cache_spec(dict(cache_strategy="clusterkv", page_size=8), 30, tokenizer)
+    with pytest.raises(ValueError, match="recall_select in kv_head, query_head"):
+        ClusterKVCache(1, 1, 8, 4, torch.float32, history=16, sink_tokens=2, recall_select="head")
