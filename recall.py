@@ -136,7 +136,7 @@ class RecallableCache(KVCache):
         index = slots[..., None].expand(*slots.shape, keys.shape[-1])
         pos = self.pos[:, None, :].expand(slots.shape[0], slots.shape[1], -1).gather(2, slots)
         pos = pos.masked_fill(torch.arange(self.budget, device=pos.device) >= self.row_budget, -1)
-        self._count_reuse(slots, pos, input_pos)
+        self._count_reuse(slots, pos)
         return keys.gather(2, index), values.gather(2, index), pos
 
     def _select(self, q: Tensor, input_pos: Tensor) -> Tensor:
@@ -154,11 +154,12 @@ class RecallableCache(KVCache):
         rank = rank.masked_fill((pos < 0) | (pos > current), -1.0)
         return rank.topk(self.budget, dim=-1).indices
 
-    def _count_reuse(self, slots: Tensor, pos: Tensor, input_pos: Tensor) -> None:
+    def _count_reuse(self, slots: Tensor, pos: Tensor) -> None:
+        """Count the attended slots that were also attended in the previous `reuse_steps` steps."""
         step = self.counts[0]
-        attended = pos >= 0
-        reused = (self.last_selected.gather(2, slots) >= step - self.reuse_steps) & attended
-        self.last_selected.scatter_(2, slots, torch.where(attended, step, self.last_selected.gather(2, slots)))
+        attended, last = pos >= 0, self.last_selected.gather(2, slots)
+        reused = (last >= step - self.reuse_steps) & attended
+        self.last_selected.scatter_(2, slots, torch.where(attended, step, last))
         self.counts += torch.stack([torch.ones_like(step), reused.sum(), attended.sum()])
 
     def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
@@ -179,7 +180,7 @@ class RecallableCache(KVCache):
         return torch.minimum((self.pos >= 0).sum(dim=-1), self.row_budget.view(-1)).float()
 
     def stats(self) -> dict[str, int]:
-        steps, hits, selected = self.counts.tolist()
+        _, hits, selected = self.counts.tolist()
         return {"recall: selected tokens": selected, "recall: also selected in the previous reuse_steps": hits}
 
     def reset(self) -> None:
