@@ -1,4 +1,5 @@
-"""KV caches: the eviction strategies (and the registry of every strategy, recallable ones from recall.py).
+"""KV caches: the eviction strategies (and the registry of every strategy: recallable ones from recall.py,
+the paged KV-Compress cache from paged.py).
 The interface attention calls is in cache_base.py."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 from cache_base import KVCache
+from paged import KVCompressCache
 from prompt_compression import SNAPKV_OPTIONS, PromptCompressor, make_prompt_compressor, prompt_attention
 from recall import ClusterKVCache, QuestCache
 
@@ -421,6 +423,7 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "hybrid": HybridCache,
     "clusterkv": ClusterKVCache,
     "quest": QuestCache,
+    "kvcompress": KVCompressCache,
 }
 
 
@@ -448,6 +451,8 @@ def make_caches(
         raise ValueError(f"cache strategy {strategy!r} does not take {', '.join(unknown)}; it takes: {', '.join(cls.options)}")
     if getattr(cls, "takes_history", False):
         options["n_heads"] = n_heads
+    if getattr(cls, "shares_pool", False):  # one block pool for all the layers
+        return cls.for_layers(n_layer, batch_size, n_kv_heads, capacity, head_dim, dtype, device, **options)
     snapkv = {k.removeprefix("snapkv_"): options.pop(k) for k in list(options) if k.startswith("snapkv_")}
     if issubclass(cls, EvictionCache) and "prompt_compression_strategy" in cls.options:
         name = options.pop("prompt_compression_strategy", None) or cls.default_prompt_compressor

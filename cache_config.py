@@ -16,8 +16,9 @@ import yaml
 
 from budget import DEFAULT_PYRAMID_BETA, DEFAULT_SQUEEZE_P, LAYER_BUDGETS
 from cache import CACHE_STRATEGIES, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS
+from paged import KVC_METRICS, KVC_SCOPES
 from prompt_compression import PROMPT_COMPRESSORS
-from recall import RECALL_SELECT
+from recall import RECALL_SELECT, SLOW_TIERS
 from storage import KEY_QUANT_AXES, QUANT_BITS
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -144,6 +145,13 @@ CACHE_KEYS: dict[str, CacheKey] = {
     "reuse_steps": CacheKey(
         (int,), "an integer >= 1", "clusterkv/quest: count a selected token as a hit when selected in the last N steps too (default: 1)", lambda v: v >= 1
     ),
+    "slow_tier": CacheKey(
+        (str,),
+        f"one of {', '.join(SLOW_TIERS)}",
+        "clusterkv/quest: where the full history lives: a store on the compute device, or host memory (pinned on CUDA) with only the last "
+        "step's attended KVs on the device, copying just the newly selected ones each step (eager only) (default: device)",
+        _one_of(*SLOW_TIERS),
+    ),
     "tokens_per_cluster": CacheKey(
         (int,), "an integer >= 1", "clusterkv: prompt tokens per cluster, C0 = prompt / N clusters per KV head (default: 80)", lambda v: v >= 1
     ),
@@ -151,6 +159,50 @@ CACHE_KEYS: dict[str, CacheKey] = {
     "new_clusters": CacheKey((int,), "an integer >= 1", "clusterkv: clusters made from each cluster_every decoded tokens (default: 8)", lambda v: v >= 1),
     "kmeans_iterations": CacheKey((int,), "an integer >= 1", "clusterkv: k-means iterations (default: 20)", lambda v: v >= 1),
     "page_size": CacheKey((int,), "an integer >= 1", "quest: tokens per page (default: 16)", lambda v: v >= 1),
+    "kvc_block_size": CacheKey(
+        (int,), "an integer >= 1", "kvcompress: KVs per block of one (layer, KV head); eviction frees whole blocks (default: 16)", lambda v: v >= 1
+    ),
+    "kvc_pool_blocks": CacheKey(
+        (int,),
+        "an integer >= 1",
+        "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory (default: enough for every sequence uncompressed)",
+        lambda v: v >= 1,
+    ),
+    "kvc_window": CacheKey(
+        (int,), "an integer >= 1", "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt (default: 8)", lambda v: v >= 1
+    ),
+    "kvc_kernel": CacheKey(
+        (int,), "an odd integer >= 1", "kvcompress (KVC-w): max-pooling kernel over the prompt metric (default: 7)", lambda v: v >= 1 and v % 2 == 1
+    ),
+    "kvc_full": CacheKey((bool,), "true or false", "kvcompress (KVC-full): score the prompt with every prompt query instead of the last kvc_window"),
+    "kvc_skip": CacheKey(
+        (int,), "an integer >= 0", "kvcompress (KVC-full): leave out query-key pairs closer than this many positions (default: 10)", lambda v: v >= 0
+    ),
+    "kvc_protect": CacheKey((int,), "an integer >= 0", "kvcompress: newest tokens never evicted (default: 8; 32 with kvc_full)", lambda v: v >= 0),
+    "kvc_metric": CacheKey(
+        (str,),
+        f"one of {', '.join(KVC_METRICS)}",
+        "kvcompress: sum squared attention probabilities (KV-Compress) or the probabilities (l1) (default: squared)",
+        _one_of(*KVC_METRICS),
+    ),
+    "kvc_scope": CacheKey(
+        (str,),
+        f"one of {', '.join(KVC_SCOPES)}",
+        "kvcompress: one budget over all layers and heads of a sequence (model: KV-Compress) or one per layer shared by its heads (layer: Ada-KV) (default: model)",
+        _one_of(*KVC_SCOPES),
+    ),
+    "kvc_head_floor": CacheKey(
+        (int, float),
+        "a fraction in [0, 1]",
+        "kvcompress: every head keeps its best KVs up to this share of its layer's per-head budget (Ada-KV's floor) (default: 0)",
+        lambda v: 0 <= v <= 1,
+    ),
+    "kvc_compress_every": CacheKey(
+        (int,),
+        "an integer >= 0",
+        "kvcompress: compress again every N decode steps with the accumulated decode attention; 0: at prefill only (default: 1)",
+        lambda v: v >= 0,
+    ),
     "full_layers": CacheKey(
         (int,), "an integer >= 0", "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2) (default: 0)", lambda v: v >= 0
     ),

@@ -3,6 +3,7 @@ that `--compile` compiles with static shapes.
 
     python generate.py --prompt "The history of printing" --max_new_tokens 100
     python generate.py --chat --prompt "What is the capital of France?"
+    python generate.py --cache_config kvcompress --prompts_file prompts.txt --batch_size 8   # continuous batching
 """
 
 from __future__ import annotations
@@ -76,10 +77,31 @@ def setup_caches(model: Transformer, strategies: list[str], batch_size: int, cap
         for c in current:
             c.reset()
         return current
-    caches = [
-        make_caches(s, 1, batch_size, cfg.n_local_heads, c, cfg.head_dim, weight.dtype, weight.device, cfg.n_head, **layer_options(s, options))[0]
-        for s, c in zip(strategies, capacities, strict=True)
-    ]
+    caches: list[KVCache | None] = [None] * len(strategies)
+    for s in dict.fromkeys(strategies):
+        layers = [i for i, name in enumerate(strategies) if name == s]
+        if getattr(CACHE_STRATEGIES[s], "shares_pool", False):  # these layers share one block pool
+            built = make_caches(
+                s,
+                len(layers),
+                batch_size,
+                cfg.n_local_heads,
+                capacities[layers[0]],
+                cfg.head_dim,
+                weight.dtype,
+                weight.device,
+                cfg.n_head,
+                **layer_options(s, options),
+            )
+        else:
+            built = [
+                make_caches(
+                    s, 1, batch_size, cfg.n_local_heads, capacities[i], cfg.head_dim, weight.dtype, weight.device, cfg.n_head, **layer_options(s, options)
+                )[0]
+                for i in layers
+            ]
+        for i, cache in zip(layers, built, strict=True):
+            caches[i] = cache
     model.setup_caches(caches)
     model.cache_spec = spec
     return caches
@@ -192,6 +214,8 @@ def mark_slots_dynamic(cache: KVCache) -> None:
     """Planned capacities change with every prompt: let the compiler treat the slot axis (dim 2 of every
     per-slot buffer) as symbolic, so one compiled decode step serves every plan instead of recompiling
     for each (tested: one graph for several plans)."""
+    if getattr(cache, "shares_pool", False):  # block tables: no slot axis sized by the plan
+        return
     for buffer in cache.buffers():
         if buffer.dim() >= 3 and buffer.shape[2] == cache.capacity:
             torch._dynamo.mark_dynamic(buffer, 2)
@@ -542,6 +566,13 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", help=f"prompt text, or a path to a .txt file; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
     p.add_argument(
+        "--prompts_file",
+        type=Path,
+        default=None,
+        help="a text file with one prompt per line, added to --prompt's; with --cache_strategy kvcompress several prompts are served by "
+        "continuous batching (at most --batch_size at once, admitted as KV blocks free up)",
+    )
+    p.add_argument(
         "--chat",
         action="store_true",
         help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token",
@@ -615,10 +646,18 @@ def run(args: argparse.Namespace) -> None:
     settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.compile and settings.get("slow_tier") == "host":
+        raise ValueError("--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs eagerly; drop --compile")
     if args.attention_loss and (args.compile or args.compile_prefill):
         raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    texts = read_prompts(args.prompt or [DEFAULT_PROMPT])
+    texts = read_prompts(args.prompt or ([] if args.prompts_file else [DEFAULT_PROMPT]))
+    if args.prompts_file:
+        if not args.prompts_file.is_file():
+            raise ValueError(f"--prompts_file {str(args.prompts_file)!r} does not exist")
+        texts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise ValueError(f"--prompts_file {str(args.prompts_file)!r} holds no prompt (one per non-empty line)")
     torch.manual_seed(args.seed)
 
     checkpoint_dir = args.checkpoint_path or default_checkpoint()
@@ -641,6 +680,12 @@ def run(args: argparse.Namespace) -> None:
     stop_ids = () if args.ignore_eos else tokenizer.stop_ids
 
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
+    if len(texts) > 1 and set(spec.strategies) == {"kvcompress"}:
+        if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss:
+            raise ValueError(
+                "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token or --attention_loss"
+            )
+        return run_serving(model, tokenizer, prompts, batch_size, spec, args, stop_ids, decode_step)
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
 
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
@@ -706,6 +751,38 @@ def run(args: argparse.Namespace) -> None:
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
         f"{cache_report(args.cache_config or spec.strategies, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
+
+
+def run_serving(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    batch_size: int,
+    spec: CacheSpec,
+    args: argparse.Namespace,
+    stop_ids: Sequence[int],
+    decode_step: Callable[..., Tensor],
+) -> None:
+    """Several prompts through a kvcompress cache: continuous batching (serving.py), at most batch_size
+    decoding at once, admitted as the block pool frees up."""
+    from serving import serve  # serving builds on this module's generate helpers
+
+    def show(i: int, ids: list[int]) -> None:
+        print(f"--- [{i}] {tokenizer.decode(prompts[i])!r}\n{tokenizer.decode(ids)}", flush=True)
+
+    result = serve(
+        model, prompts, args.max_new_tokens, batch_size, spec.lengths[0], spec.options, stop_ids, args.temperature, args.top_k, decode_step, on_finish=show
+    )
+    in_flight = result.rows_in_flight
+    print(
+        f"\nserved {len(prompts)} requests: {sum(map(len, prompts))} prompt tokens prefilled in {result.prefill_seconds:.2f} s, "
+        f"{result.generated} tokens generated in {result.seconds:.2f} s in all ({result.generated / max(result.seconds, 1e-9):.1f} tokens/s); "
+        f"{result.decode_steps} decode steps, {sum(in_flight) / max(len(in_flight), 1):.1f} sequences in flight on average (at most {batch_size}), "
+        f"{result.preemptions} preempted\n"
+        f"KV blocks: at most {result.peak_blocks} of the pool's {result.pool_blocks} in use "
+        f"({result.peak_blocks * result.block_bytes / 2**20:.1f} of {result.pool_blocks * result.block_bytes / 2**20:.1f} MiB)",
         file=sys.stderr,
     )
 

@@ -13,10 +13,12 @@ skipped now can be recalled later, which no evicting cache can do.
 Selection is a top-k over per-token scores (a token scores as its cluster or page), so the attended set
 has a static shape and the decode step compiles. `recall_select` picks per KV head (scores summed over
 the query group, the attended KVs shared by the group) or per query head (each query head attends its
-own tokens). Both tiers are tensors of this process: on a CPU-only machine the slow tier is a separate
-store in host memory; the fast tier is what one step attends (budget tokens per head). The end-of-run
-stats count how many selected tokens were also selected in the previous `reuse_steps` steps: ClusterKV's
-cache of recent selections, whose hits need not be copied from the slow tier again.
+own tokens). The slow tier holds the whole history: by default a store on the compute device (compiles);
+with `slow_tier="host"` it lives in host memory (pinned on CUDA) and the device keeps only the fast
+tier, the KVs the last step attended: each step copies just the selected tokens it lacks (ClusterKV's
+cache of the last step's selection; eager, since how many is data-dependent) and the stats count them.
+They also count how many selected tokens were selected in the previous `reuse_steps` steps, the hit
+rate a selection cache of R = reuse_steps steps would have.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor
 from cache_base import KVCache
 
 RECALL_SELECT = ("kv_head", "query_head")
+SLOW_TIERS = ("device", "host")
 
 
 def cosine_kmeans(x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: int = 0, used: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -77,7 +80,7 @@ class RecallableCache(KVCache):
     positions_per_head = False  # the slow tier: position p in slot p for every head
     takes_history = True  # make_caches passes `history` (the longest sequence) and `n_heads`
     default_sink_tokens = 16
-    options = ("sink_tokens", "recall_select", "reuse_steps", "history", "n_heads")
+    options = ("sink_tokens", "recall_select", "reuse_steps", "slow_tier", "history", "n_heads")
 
     def __init__(
         self,
@@ -92,17 +95,27 @@ class RecallableCache(KVCache):
         sink_tokens: int | None = None,
         recall_select: str = "kv_head",
         reuse_steps: int = 1,
+        slow_tier: str = "device",
     ) -> None:
         history = capacity if history is None else history
         super().__init__(batch_size, n_kv_heads, history, head_dim, dtype, device)
         self.sink_tokens = self.default_sink_tokens if sink_tokens is None else sink_tokens
-        if recall_select not in RECALL_SELECT or reuse_steps < 1 or not 0 <= self.sink_tokens < capacity <= history:
+        if recall_select not in RECALL_SELECT or slow_tier not in SLOW_TIERS or reuse_steps < 1 or not 0 <= self.sink_tokens < capacity <= history:
             raise ValueError(
-                f"{type(self).__name__}: need recall_select in {', '.join(RECALL_SELECT)}, reuse_steps >= 1 and 0 <= sink_tokens < budget "
-                f"<= history; got {recall_select!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of {capacity} and {history} slots"
+                f"{type(self).__name__}: need recall_select in {', '.join(RECALL_SELECT)}, slow_tier in {', '.join(SLOW_TIERS)}, reuse_steps >= 1 and "
+                f"0 <= sink_tokens < budget <= history; got {recall_select!r}, {slow_tier!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of "
+                f"{capacity} and {history} slots"
             )
-        self.budget, self.recall_select, self.reuse_steps = capacity, recall_select, reuse_steps
+        self.budget, self.recall_select, self.reuse_steps, self.slow_tier = capacity, recall_select, reuse_steps, slow_tier
         heads = n_kv_heads if recall_select == "kv_head" else n_heads or n_kv_heads
+        if slow_tier == "host":  # the history moves to host memory (pinned for fast copies to a GPU); the device keeps what one step attends
+            self.pinned = self.pos.device.type == "cuda"
+            for name in ("k", "v"):
+                setattr(self.storage, name, getattr(self.storage, name).cpu().pin_memory() if self.pinned else getattr(self.storage, name).cpu())
+            self.register_buffer("fast_k", torch.zeros(batch_size, heads, capacity, head_dim, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("fast_v", torch.zeros_like(self.fast_k), persistent=False)
+            self.register_buffer("fast_slots", torch.full((batch_size, heads, capacity), -1, dtype=torch.long, device=device), persistent=False)
+            self.copied = 0
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer("indexed_upto", torch.zeros(batch_size, 1, 1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("last_selected", torch.full((batch_size, heads, history), -(2**30), dtype=torch.long, device=device), persistent=False)
@@ -119,25 +132,58 @@ class RecallableCache(KVCache):
         B, H, T, _ = k.shape
         if T > self.capacity:
             raise ValueError(f"a prompt of {T} tokens does not fit a history of {self.capacity} slots")
-        self.storage.write(torch.arange(T, device=k.device).expand(B, H, T), k, v, prompt=True)
+        self._store(torch.arange(T, device=k.device).expand(B, H, T), k, v, prompt=True)
         self.pos[:, :T] = input_pos
         self.indexed_upto.copy_((input_pos.max(dim=-1).values + 1)[:, None, None])
         self._index_prompt(input_pos, k)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        self.storage.write(input_pos[:, None, :].expand(k.shape[:3]), k, v)
+        self._store(input_pos[:, None, :].expand(k.shape[:3]), k, v)
         self.pos.scatter_(1, input_pos, input_pos)
         self._index_token(input_pos, k)
         slots = self._select(q, input_pos)  # [B, H_sel, budget]
+        pos = self.pos[:, None, :].expand(slots.shape[0], slots.shape[1], -1).gather(2, slots)
+        pos = pos.masked_fill(torch.arange(self.budget, device=pos.device) >= self.row_budget, -1)
+        self._count_reuse(slots, pos)
+        if self.slow_tier == "host":
+            return *self._fetch(slots, pos >= 0), pos
         keys, values = self.storage.read()
         if slots.shape[1] != keys.shape[1]:  # per query head: each reads its KV head's history
             group = slots.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         index = slots[..., None].expand(*slots.shape, keys.shape[-1])
-        pos = self.pos[:, None, :].expand(slots.shape[0], slots.shape[1], -1).gather(2, slots)
-        pos = pos.masked_fill(torch.arange(self.budget, device=pos.device) >= self.row_budget, -1)
-        self._count_reuse(slots, pos)
         return keys.gather(2, index), values.gather(2, index), pos
+
+    def _store(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
+        """Write keys/values into the slow tier, wherever it lives."""
+        where = self.storage.k.device
+        self.storage.write(slots.to(where), k.to(where), v.to(where), prompt=prompt)
+
+    def _history_keys(self, positions: Tensor) -> Tensor:
+        """Keys [B, H_kv, N, D] of the tokens at positions [B, N], on the compute device."""
+        keys = self.storage.read()[0]
+        index = positions.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+        return keys.gather(2, index).to(self.pos.device)
+
+    def _fetch(self, slots: Tensor, attended: Tensor) -> tuple[Tensor, Tensor]:
+        """The step's keys and values from the fast tier (last step's selection) where it has them, copying
+        only the missing attended ones from the host tier (eager: how many is data-dependent)."""
+        sorted_fast, order = self.fast_slots.sort(dim=-1)
+        at = torch.searchsorted(sorted_fast, slots).clamp(max=self.budget - 1)
+        hit = sorted_fast.gather(-1, at) == slots
+        source = order.gather(-1, at)[..., None].expand(*slots.shape, self.fast_k.shape[-1])
+        keys, values = self.fast_k.gather(2, source), self.fast_v.gather(2, source)
+        b, h, j = (~hit & attended).nonzero(as_tuple=True)
+        kv_head = h // (slots.shape[1] // self.storage.k.shape[1])
+        index = (b.cpu(), kv_head.cpu(), slots[b, h, j].cpu())
+        for buffer, host in ((keys, self.storage.k), (values, self.storage.v)):
+            missing = host[index]
+            buffer[b, h, j] = (missing.pin_memory() if self.pinned else missing).to(buffer.device, non_blocking=True)
+        self.fast_k.copy_(keys)
+        self.fast_v.copy_(values)
+        self.fast_slots.copy_(slots.masked_fill(~attended, -1))  # unattended entries were not fetched: never a hit
+        self.copied += b.numel()
+        return keys, values
 
     def _select(self, q: Tensor, input_pos: Tensor) -> Tensor:
         """Slots to attend [B, H_sel, budget]: sinks first, then the unindexed newest tokens (newest
@@ -181,13 +227,17 @@ class RecallableCache(KVCache):
 
     def stats(self) -> dict[str, int]:
         _, hits, selected = self.counts.tolist()
-        return {"recall: selected tokens": selected, "recall: also selected in the previous reuse_steps": hits}
+        copies = {"recall: copied from the host tier": self.copied} if self.slow_tier == "host" else {}
+        return {"recall: selected tokens": selected, "recall: also selected in the previous reuse_steps": hits, **copies}
 
     def reset(self) -> None:
         super().reset()
         self.indexed_upto.zero_()
         self.last_selected.fill_(-(2**30))
         self.counts.zero_()
+        if self.slow_tier == "host":
+            self.fast_slots.fill_(-1)
+            self.copied = 0
 
 
 class ClusterKVCache(RecallableCache):
@@ -229,7 +279,7 @@ class ClusterKVCache(RecallableCache):
         """Cluster the keys at positions [B, N] (valid [B, N]) into k new clusters per KV head (N at most;
         `used` [B] of them per sequence)."""
         k = min(k, positions.shape[1])
-        keys = self.storage.read()[0].gather(2, positions[:, None, :, None].expand(-1, self.labels.shape[1], -1, self.centroids.shape[-1]))
+        keys = self._history_keys(positions)
         valid = valid[:, None, :].expand(keys.shape[:3])
         used = None if used is None else used[:, None, None]
         centroids, labels = cosine_kmeans(keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used)

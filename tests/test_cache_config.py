@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_generate import run_cli
 
 from cache_config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
 from conftest import ROOT
+from test_generate import run_cli
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 
@@ -63,7 +63,7 @@ def test_every_shipped_config_runs(name):
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
     assert report.startswith(f"KV cache ({name}): ")
-    if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv"):
+    if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv", "kvc_ada_pyramidkv"):
         assert "tokens held per layer: " in proc.stderr and "layer budgets (slots per layer, first sequence): " in proc.stderr
     assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == name.startswith("ada_")
 

@@ -54,3 +54,24 @@ def test_compiled_greedy_tokens_equal_eager_on_cuda_float32(smollm_dir):
     torch._dynamo.reset()
     compiled = generate(model, prompts, 32, decode_step=compile_decode_step(torch.device("cuda"))).tokens
     assert compiled == eager
+
+
+def test_recall_host_tier_is_pinned_and_decodes_like_the_device_tier_on_cuda(cuda_smollm):
+    model, tokenizer, _ = cuda_smollm
+    prompt = tokenizer.encode(" ".join(["The history of the printing press begins in Mainz, where Gutenberg worked."] * 30))
+    options = dict(tokens_per_cluster=16, sink_tokens=4)
+    device = generate(model, [prompt], 24, "clusterkv", cache_length=96, cache_options=options)
+    host = generate(model, [prompt], 24, "clusterkv", cache_length=96, cache_options={**options, "slow_tier": "host"})
+    cache = model.layers[0].attention.kv_cache
+    assert cache.storage.k.is_pinned() and cache.fast_k.is_cuda
+    assert host.tokens == device.tokens and host.cache_stats["recall: copied from the host tier"] > 0
+
+
+def test_kvcompress_compiled_equals_eager_on_cuda_float32(smollm_dir):
+    model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
+    prompts = [tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)), tokenizer.encode("Water boils at")]
+    kwargs = dict(cache_length=0.25, cache_options=dict(kvc_block_size=16))
+    eager = generate(model, prompts, 32, "kvcompress", **kwargs)
+    torch._dynamo.reset()
+    compiled = generate(model, prompts, 32, "kvcompress", decode_step=compile_decode_step(torch.device("cuda")), **kwargs)
+    assert compiled.tokens == eager.tokens and eager.cache_stats["kvcompress: blocks freed"] > 0

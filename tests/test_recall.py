@@ -13,6 +13,7 @@ from cache_config import load_cache_config, resolve_settings
 from diagnostics import AttentionLossProbe
 from generate import cache_spec, compile_decode_step, generate
 from recall import ClusterKVCache, QuestCache, cosine_kmeans
+from test_generate import run_cli
 
 RECALLABLE = {"clusterkv": ClusterKVCache, "quest": QuestCache}
 
@@ -153,3 +154,34 @@ def test_full_layers_and_recallable_settings(smollm):
         cache_spec(dict(cache_strategy="clusterkv", page_size=8), 30, tokenizer)
     with pytest.raises(ValueError, match="recall_select in kv_head, query_head"):
         ClusterKVCache(1, 1, 8, 4, torch.float32, history=16, sink_tokens=2, recall_select="head")
+
+
+@pytest.mark.parametrize("strategy", sorted(RECALLABLE))
+@pytest.mark.parametrize("select", ["kv_head", "query_head"])
+def test_host_tier_copies_only_the_missing_tokens_and_decodes_like_the_device_tier(tiny_model, strategy, select):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    options = dict(
+        sink_tokens=2, recall_select=select, **(dict(tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(page_size=4))
+    )
+    kwargs = dict(cache_length=10, max_seq_length=44)
+    device = generate(tiny_model, prompts, 24, strategy, cache_options=options, **kwargs)
+    host = generate(tiny_model, prompts, 24, strategy, cache_options={**options, "slow_tier": "host"}, **kwargs)
+    assert host.tokens == device.tokens
+    stats = host.cache_stats
+    copied, selected, reused = (
+        stats["recall: copied from the host tier"],
+        stats["recall: selected tokens"],
+        stats["recall: also selected in the previous reuse_steps"],
+    )
+    assert 0 < copied == selected - reused < selected  # exactly the tokens the last step did not attend
+    cache = tiny_model.layers[1].attention.kv_cache
+    assert cache.storage.k.device.type == "cpu" and cache.fast_k.shape[2] == 10
+    held = cache.fast_slots >= 0
+    kv_head = torch.arange(cache.fast_slots.shape[1]) // (cache.fast_slots.shape[1] // cache.storage.k.shape[1])
+    expected = cache.storage.k[torch.arange(2)[:, None, None], kv_head[None, :, None], cache.fast_slots.clamp(min=0)]
+    torch.testing.assert_close(cache.fast_k[held], expected[held])  # the fast tier holds the attended tokens' keys
+
+
+def test_host_tier_refuses_compile():
+    proc = run_cli("--cache_config", "clusterkv", "--slow_tier", "host", "--compile", "--max_new_tokens", "2")
+    assert proc.returncode != 0 and "--slow_tier host copies a data-dependent number of KVs" in proc.stderr

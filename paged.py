@@ -1,0 +1,426 @@
+"""A paged KV cache with a length per (sequence, layer, KV head), and KV-Compress eviction (Rehg, 2024,
+"KV-Compress: Paged KV-Cache Compression with Variable Compression Rates per Attention Head").
+
+Memory is one pool of blocks shared by all layers, sequences and heads; a block holds `block_size`
+KVs of one (sequence, layer, KV head), and block tables list each head's blocks in order. A head that
+keeps fewer KVs holds fewer blocks, so with a pool sized to a memory budget the physical KV bytes
+really fall with the compression rate (a dense [B, H, C, D] buffer cannot give back what one head
+leaves unused). Attention gathers each head's blocks into a masked static-shape view.
+
+KV-Compress scores every KV by the *squared* attention probabilities it received, summed over the
+observed queries and over the query heads sharing its KV head (the cache is never repeated per query
+head):
+    KVC-w     the last `kvc_window` (8) prompt queries, max-pooled over keys (kernel 7); the newest
+              `kvc_protect` (8) tokens are never evicted
+    KVC-full  (kvc_full) every prompt query, skipping query-key pairs less than `kvc_skip` (10)
+              positions apart; 32 protected tokens
+Eviction meets a budget for the whole sequence: `max_cache_length` tokens x layers x KV heads (scope
+`model`) or per layer (scope `layer`, Ada-KV's per-head budgets inside each layer). Each head's KVs are
+sorted by metric and cut into block-sized chunks from the bottom (the first chunk is the partial one,
+so evicting k chunks frees exactly k blocks); chunks are scored by their largest metric and the lowest
+chunks over all heads (and layers) go, so heads and layers keep different amounts. Survivors are
+compacted to the front of their heads' blocks (in their old order; RoPE is already applied, so order
+does not matter to attention) and the emptied blocks return to the pool. With block size 1 this is
+exactly a top-k over all heads' KVs. Continual compression keeps adding each decode step's squared
+attention into the metrics and compresses again every `kvc_compress_every` steps (0: at prefill only),
+and whenever the pool would otherwise run out.
+
+Host-side work (block allocation, compression) runs outside the decode step in `maintain`, like a
+paged server's scheduler; the decode step itself (append + gather) has static shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache_base import KVCache
+from prompt_compression import prompt_attention
+
+KVC_METRICS = ("squared", "l1")
+KVC_SCOPES = ("model", "layer")
+VIEW_ROUND = 8  # the attention view is a multiple of 8 blocks: few distinct shapes for a compiled step
+
+
+class PoolExhausted(RuntimeError):
+    """The block pool cannot hold the next step's KVs even after compressing every sequence to its budget."""
+
+
+class BlockPool(nn.Module):
+    """`n_blocks` blocks of `block_size` slots (keys, values, positions, metrics). Block 0 is the null
+    block: never handed out, it is what an unused table entry (-1) reads (its positions stay -1, so it
+    is masked) and where rows without a token this step write."""
+
+    def __init__(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        shape = (n_blocks + 1, block_size)
+        self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("metric", torch.zeros(shape, device=device), persistent=False)
+        self.register_buffer("in_use", torch.zeros(n_blocks + 1, dtype=torch.bool, device=device), persistent=False)
+        self.in_use[0] = True
+
+    @property
+    def n_blocks(self) -> int:
+        return self.in_use.numel() - 1
+
+    def free_blocks(self) -> int:
+        return int((~self.in_use).sum())
+
+    def allocate(self, n: int) -> Tensor:
+        """Ids of n free blocks, now in use."""
+        ids = (~self.in_use).nonzero().flatten()[:n]
+        if ids.numel() < n:
+            raise PoolExhausted(f"the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed")
+        self.in_use[ids] = True
+        return ids
+
+    def release(self, ids: Tensor) -> None:
+        self.in_use[ids] = False
+        self.pos[ids] = -1
+        self.metric[ids] = 0.0
+
+    def reset(self) -> None:
+        self.in_use.zero_()
+        self.in_use[0] = True
+        self.pos.fill_(-1)
+        self.metric.zero_()
+
+    def block_bytes(self) -> int:
+        """Keys and values of one block (positions and metrics are bookkeeping, as in any paged server)."""
+        return 2 * self.k[0].nbytes
+
+
+class PagedKV(nn.Module):
+    """Block tables and per-head lengths of `n_layer` layers x `batch_size` sequences x `n_kv_heads`
+    over one `BlockPool`, and KV-Compress's metrics, budgets and eviction. Tokens of a head fill its
+    table's slots 0 .. length-1 (compaction keeps them a prefix). `prefill_rows` says which batch rows
+    a prefill of fewer rows writes (a server admits one sequence at a time into a running batch)."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        history: int,
+        block_size: int = 16,
+        pool_blocks: int | None = None,
+        window: int = 8,
+        kernel: int = 7,
+        full: bool = False,
+        skip: int = 10,
+        protect: int | None = None,
+        metric: str = "squared",
+        scope: str = "model",
+        head_floor: float = 0.0,
+        compress_every: int = 1,
+    ) -> None:
+        super().__init__()
+        if metric not in KVC_METRICS or scope not in KVC_SCOPES:
+            raise ValueError(
+                f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of {', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
+            )
+        if min(block_size, window, kernel) < 1 or compress_every < 0 or kernel % 2 == 0 or skip < 0 or not 0 <= head_floor <= 1:
+            raise ValueError(
+                "kvcompress: need kvc_block_size, kvc_window >= 1, kvc_compress_every >= 0, an odd kvc_kernel, kvc_skip >= 0 and kvc_head_floor in [0, 1]; "
+                f"got {block_size}, {window}, {compress_every}, {kernel}, {skip}, {head_floor}"
+            )
+        self.block_size, self.window, self.kernel, self.full, self.skip = block_size, window, kernel, full, skip
+        self.protect = (32 if full else window) if protect is None else protect
+        self.metric_kind, self.scope, self.head_floor, self.compress_every = metric, scope, head_floor, compress_every
+        self.continual = compress_every > 0
+        self.n_layer = n_layer
+        self.max_blocks = math.ceil(history / block_size)  # per head: a head never holds more than the sequence
+        full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks
+        self.pool = BlockPool(full_pool if pool_blocks is None else pool_blocks, block_size, head_dim, dtype, device)
+        L, B, H = n_layer, batch_size, n_kv_heads
+        self.register_buffer("table", torch.full((L, B, H, self.max_blocks), -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("length", torch.zeros(L, B, H, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("budget", torch.full((B, L), history, dtype=torch.long, device=device), persistent=False)  # tokens per head
+        self.register_buffer("last_pos", torch.full((B,), -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("active", torch.zeros(B, dtype=torch.bool, device=device), persistent=False)
+        self.prefill_rows: Tensor | None = None
+        self.view_blocks = VIEW_ROUND  # blocks per head the attention view gathers (host-side: the most any head holds, rounded up)
+        self.steps = 0
+        self.counts = {"kvcompress: compressions": 0, "kvcompress: blocks freed": 0}
+
+    # ---- the decode step (static shapes) -------------------------------------------------------
+
+    def append(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write one token per row (input_pos [B, 1], -1: none) after each head's last KV; return the
+        gathered view (keys, values [B, H, W x block, D], positions [B, H, W x block])."""
+        n = self.length[layer]  # [B, H]
+        writes = (input_pos >= 0).expand_as(n)
+        block = self.table[layer].gather(2, (n // self.block_size).clamp(max=self.max_blocks - 1)[..., None])[..., 0]
+        block = torch.where(writes & (block >= 0), block, 0)
+        offset = n % self.block_size
+        self.pool.k[block, offset] = torch.where(writes[..., None], k[:, :, 0], 0.0)  # an idle row's k, v may be NaN (it attends
+        self.pool.v[block, offset] = torch.where(writes[..., None], v[:, :, 0], 0.0)  # nothing); the null block must stay finite
+        self.pool.pos[block, offset] = torch.where(writes, input_pos, -1)
+        self.pool.metric[block, offset] = 0.0
+        self.length[layer] += writes.long()
+        return self.view(layer)
+
+    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        blocks = self.table[layer, :, :, : self.view_blocks].clamp(min=0)  # [B, H, W]; -1 reads the null block
+        B, H, W = blocks.shape
+        keys = self.pool.k[blocks].view(B, H, W * self.block_size, -1)
+        values = self.pool.v[blocks].view(B, H, W * self.block_size, -1)
+        return keys, values, self.pool.pos[blocks].view(B, H, W * self.block_size)
+
+    def observe(self, layer: int, probs: Tensor) -> None:
+        """Add the step's attention (probs [B, H_kv, group, T, W x block]) into the metrics of the viewed slots."""
+        self.pool.metric.view(-1).index_add_(0, self._slot_ids(self.table[layer, :, :, : self.view_blocks]).flatten(), self._metric(probs).flatten())
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def write_prompt(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        """Store every prompt KV of this layer (right-padded rows) in fresh blocks, with its metric.
+        After the last layer, each sequence is compressed to its budget."""
+        rows = torch.arange(k.shape[0], device=k.device) if self.prefill_rows is None else self.prefill_rows
+        n = (input_pos >= 0).sum(dim=-1)  # [b]
+        B, H, T, D = k.shape
+        self._release(self.table[layer, rows])
+        needed = torch.arange(self.max_blocks, device=k.device) < ((n + self.block_size - 1) // self.block_size)[:, None, None]
+        table = torch.full((B, H, self.max_blocks), -1, dtype=torch.long, device=k.device)
+        table[needed.expand_as(table)] = self.pool.allocate(int(needed.sum()) * H)
+        self.table[layer, rows] = table
+        slots = self._slot_ids(table)[:, :, :T]  # [b, H, T]
+        filled = (input_pos >= 0)[:, None, :].expand(B, H, T)
+        self.pool.k.view(-1, D)[slots[filled]] = k[filled]
+        self.pool.v.view(-1, D)[slots[filled]] = v[filled]
+        self.pool.pos.view(-1)[slots[filled]] = input_pos[:, None, :].expand(B, H, T)[filled]
+        self.pool.metric.view(-1)[slots[filled]] = self._prompt_metric(input_pos, k, q)[filled]
+        self.length[layer, rows] = n[:, None].expand(B, H)
+        self.last_pos[rows] = n - 1
+        self.active[rows] = n > 0
+        if layer == self.n_layer - 1:
+            for row in rows.tolist():
+                self.compress_row(row)
+            self.make_room()
+
+    def _prompt_metric(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+        """[b, H_kv, T]: KVC-w (the last `window` queries, max-pooled) or KVC-full (every query, pairs
+        closer than `skip` positions left out)."""
+        T = k.shape[2]
+        last = input_pos.max(dim=-1, keepdim=True).values  # [b, 1]
+        if not self.full:
+            w = min(self.window, T)
+            query_pos = last - w + 1 + torch.arange(w, device=k.device)
+            query_pos = torch.where(query_pos >= 0, query_pos, -1)
+            q_obs = q.gather(2, query_pos.clamp(min=0)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+            metric = self._metric(prompt_attention(q_obs, k, input_pos, query_pos))
+            b, H = metric.shape[:2]
+            return F.max_pool1d(metric.view(b * H, 1, T), self.kernel, stride=1, padding=self.kernel // 2).view(b, H, T)
+        metric = torch.zeros(k.shape[:3], device=k.device)
+        chunk = 256
+        for start in range(0, T, chunk):
+            query_pos = input_pos[:, start : start + chunk]
+            probs = prompt_attention(q[:, :, start : start + chunk], k, input_pos, query_pos)
+            near = query_pos[:, :, None] - input_pos[:, None, :] < self.skip  # [b, t, T]
+            metric += self._metric(probs.masked_fill(near[:, None, None], 0.0))
+        return metric
+
+    def _metric(self, probs: Tensor) -> Tensor:
+        """[B, H_kv, group, t, S] probabilities -> [B, H_kv, S]: summed (squared, for KV-Compress) over queries and the group."""
+        probs = probs.float()
+        return (probs.square() if self.metric_kind == "squared" else probs).sum(dim=(2, 3))
+
+    # ---- host-side upkeep ----------------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """After a decode step: compress on schedule, then give every head of an active row room for its next KV."""
+        self.steps += 1
+        self.last_pos += self.active.long()
+        if self.continual and self.steps % self.compress_every == 0:
+            for row in self.active.nonzero().flatten().tolist():
+                self.compress_row(row)
+        self.make_room()
+
+    def make_room(self) -> None:
+        """Allocate a block for every head of an active row whose blocks are full; compress every sequence
+        to its budget first when the pool is short (PoolExhausted if even that is not enough)."""
+        full = (self.length == self._blocks_held() * self.block_size) & self.active[None, :, None]
+        if int(full.sum()) > self.pool.free_blocks():
+            for row in self.active.nonzero().flatten().tolist():
+                self.compress_row(row)
+            full = (self.length == self._blocks_held() * self.block_size) & self.active[None, :, None]
+        if full.any():
+            where = full.nonzero(as_tuple=True)
+            self.table[(*where, self.length[where] // self.block_size)] = self.pool.allocate(int(full.sum()))
+        most = int(self._blocks_held().max())
+        self.view_blocks = min(self.max_blocks, max(VIEW_ROUND, -(-most // VIEW_ROUND) * VIEW_ROUND))
+
+    def compress_row(self, row: int) -> int:
+        """Evict the lowest-scoring chunks of sequence `row` until its blocks fit its budget; compact the
+        survivors and free the emptied blocks. Returns the number of blocks freed."""
+        bs, L, H = self.block_size, self.n_layer, self.length.shape[2]
+        table = self.table[:, row]  # [L, H, M]
+        n = self.length[:, row]  # [L, H]
+        before = self._blocks_held()[:, row]
+        held = (n + bs - 1) // bs  # blocks holding KVs (make_room's empty block for the next token does not count)
+        if self.scope == "layer":  # each layer's blocks within its own budget
+            over = held.sum(dim=-1) - self.budget[row] * H // bs
+        else:
+            over = (held.sum() - self.budget[row].sum() * H // bs).view(1)
+        if int(over.clamp(min=0).sum()) == 0:
+            return 0
+        slots = self._slot_ids(table)  # [L, H, S]
+        pos = self.pool.pos.view(-1)[slots].masked_fill(torch.arange(slots.shape[-1], device=n.device) >= n[..., None], -1)
+        metric = self.pool.metric.view(-1)[slots]
+        key = metric.masked_fill(pos > self.last_pos[row] - self.protect, float("inf")).masked_fill(pos < 0, float("inf"))
+        if self.head_floor > 0:  # Ada-KV's safeguard: every head keeps its best floor x (its layer's per-head budget) KVs
+            floor = (self.head_floor * self.budget[row]).ceil().long()[:, None, None]
+            key = key.masked_fill(metric.masked_fill(pos < 0, float("-inf")).argsort(dim=-1, descending=True).argsort(dim=-1) < floor, float("inf"))
+        ascending, order = key.sort(dim=-1, stable=True)
+        first = n - (held - 1) * bs  # the first chunk's size (1..bs): evicting it frees a whole block
+        chunk = torch.arange(self.max_blocks, device=n.device)
+        ends = first[..., None] + chunk * bs  # [L, H, M]
+        score = ascending.gather(-1, (ends - 1).clamp(0, slots.shape[-1] - 1)).masked_fill(chunk >= held[..., None], float("inf"))
+        groups = score.view(L, -1) if self.scope == "layer" else score.view(1, -1)  # chunks competing for one budget
+        rank = groups.argsort(dim=-1, stable=True).argsort(dim=-1)
+        evicted = ((rank < over[:, None]) & groups.isfinite()).view(L, H, -1).sum(dim=-1)  # chunks per head, lowest first
+        dropped = torch.where(evicted > 0, first + (evicted - 1) * bs, 0)
+        keep = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, order, torch.arange(slots.shape[-1], device=n.device) >= dropped[..., None])
+        changed = dropped > 0  # only these heads move anything
+        self._compact(row, changed, slots[changed], keep[changed] & (pos[changed] >= 0))
+        freed = int((before - self._blocks_held()[:, row]).sum())
+        self.counts["kvcompress: compressions"] += 1
+        self.counts["kvcompress: blocks freed"] += freed
+        return freed
+
+    def _compact(self, row: int, heads: Tensor, slots: Tensor, keep: Tensor) -> None:
+        """Move the kept KVs (keep [N, S]) of a sequence's chosen heads (heads [L, H] mask, their slots
+        [N, S]) to the front of their slots, in their old order, and free the blocks left empty."""
+        D = self.pool.k.shape[-1]
+        survivors_first = slots.gather(-1, (~keep).to(torch.int8).argsort(dim=-1, stable=True))
+        kept = keep.sum(dim=-1)  # [N]
+        beyond = torch.arange(slots.shape[-1], device=slots.device) >= kept[..., None]
+        k, v = self.pool.k.view(-1, D)[survivors_first], self.pool.v.view(-1, D)[survivors_first]
+        pos = self.pool.pos.view(-1)[survivors_first].masked_fill(beyond, -1)
+        metric = self.pool.metric.view(-1)[survivors_first].masked_fill(beyond, 0.0)
+        table = self.table[:, row][heads]  # [N, M]
+        real = table.repeat_interleave(self.block_size, dim=-1) >= 0  # slots of the null block are not written
+        self.pool.k.view(-1, D)[slots[real]] = k[real]
+        self.pool.v.view(-1, D)[slots[real]] = v[real]
+        self.pool.pos.view(-1)[slots[real]] = pos[real]
+        self.pool.metric.view(-1)[slots[real]] = metric[real]
+        self.length[:, row][heads] = kept
+        emptied = (torch.arange(self.max_blocks, device=slots.device) >= ((kept + self.block_size - 1) // self.block_size)[..., None]) & (table >= 0)
+        self.pool.release(table[emptied])
+        self.table[:, row][heads] = table.masked_fill(emptied, -1)
+
+    def release_row(self, row: int) -> None:
+        """A finished sequence: free all its blocks."""
+        self._release(self.table[:, row])
+        self.table[:, row] = -1
+        self.length[:, row] = 0
+        self.active[row] = False
+        self.last_pos[row] = -1
+
+    def _release(self, table: Tensor) -> None:
+        self.pool.release(table[table >= 0])
+
+    def _blocks_held(self) -> Tensor:
+        return (self.table >= 0).sum(dim=-1)
+
+    def _slot_ids(self, table: Tensor) -> Tensor:
+        """[..., M] block ids -> [..., M x block] flat slot ids (unused entries point into the null block)."""
+        return (table.clamp(min=0)[..., None] * self.block_size + torch.arange(self.block_size, device=table.device)).flatten(-2)
+
+    def blocks_in_use(self) -> int:
+        return int(self._blocks_held().sum())
+
+    def reset(self) -> None:
+        self.pool.reset()
+        self.table.fill_(-1)
+        self.length.zero_()
+        self.last_pos.fill_(-1)
+        self.active.zero_()
+        self.prefill_rows = None
+        self.view_blocks, self.steps = VIEW_ROUND, 0
+        self.counts = dict.fromkeys(self.counts, 0)
+
+
+class KVCompressCache(KVCache):
+    """One layer's view of a shared `PagedKV` (built for all layers together by `make_caches`)."""
+
+    positions_per_head = True
+    needs_attention = True  # continual compression learns from decode attention (off with kvc_compress_every=0)
+    shares_pool = True
+    default_global_tokens = 0
+    default_recent_window = 8  # the protected window, for layer budget planners' floors
+    options = (
+        "kvc_block_size",
+        "kvc_pool_blocks",
+        "kvc_window",
+        "kvc_kernel",
+        "kvc_full",
+        "kvc_skip",
+        "kvc_protect",
+        "kvc_metric",
+        "kvc_scope",
+        "kvc_head_floor",
+        "kvc_compress_every",
+        "history",
+    )
+
+    def __init__(self, paged: PagedKV, layer: int) -> None:
+        nn.Module.__init__(self)  # no dense storage: the pool holds the KVs
+        self.paged, self.layer = paged, layer
+        self.capacity = paged.max_blocks * paged.block_size
+        self.needs_attention = paged.continual
+
+    @classmethod
+    def for_layers(
+        cls, n_layer: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None, **options
+    ) -> list[KVCompressCache]:
+        """Caches for `n_layer` layers sharing one pool; options are the kvc_* settings (and `history`,
+        the longest sequence, else `capacity`)."""
+        settings = {k.removeprefix("kvc_"): v for k, v in options.items() if k.startswith("kvc_")}
+        paged = PagedKV(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, options.get("history", capacity), **settings)
+        return [cls(paged, layer) for layer in range(n_layer)]
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        self.paged.write_prompt(self.layer, input_pos, k, v, q)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.paged.append(self.layer, input_pos, k, v)
+
+    def observe(self, probs: Tensor) -> None:
+        self.paged.observe(self.layer, probs)
+
+    def maintain(self) -> None:
+        if self.layer == 0:  # once per step for the whole pool
+            self.paged.maintain()
+
+    def limit_rows(self, capacities: Tensor) -> None:
+        if int(capacities.min()) < 1:
+            raise ValueError(f"kvcompress: per-sequence budgets must be >= 1 token per head; got {capacities.tolist()}")
+        self.paged.budget[:, self.layer] = capacities
+
+    def tokens_held(self) -> Tensor:
+        return self.paged.length[self.layer].float().mean(dim=-1)
+
+    def head_budgets(self) -> Tensor:
+        return self.paged.length[self.layer]
+
+    def stats(self) -> dict[str, int]:
+        if self.layer != 0:
+            return {}
+        return {**self.paged.counts, "kvcompress: blocks in use": self.paged.blocks_in_use(), "kvcompress: pool blocks": self.paged.pool.n_blocks}
+
+    def reset(self) -> None:
+        self.paged.reset()
+
+    def nbytes(self) -> int:
+        """Bytes of this layer's blocks in use (the pool's allocation is `paged.pool`'s)."""
+        return int((self.paged.table[self.layer] >= 0).sum()) * self.paged.pool.block_bytes()

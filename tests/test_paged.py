@@ -1,0 +1,271 @@
+"""The paged KV-Compress cache (paged.py): compaction keeps exactly the chosen KVs with their positions
+and metrics, freed block counts are exact, the paged view attends like a contiguous cache, block size 1
+is a top-k over all heads, a batch equals one-by-one runs, the metrics agree with a direct computation,
+and compiled == eager."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from generate import compile_decode_step, generate
+from model import grouped_attention
+from paged import PagedKV, PoolExhausted
+from serving import serve
+from test_generate import run_cli
+
+
+def filled_pool(L=2, B=1, H=2, T=45, D=4, block_size=4, seed=0, **options) -> tuple[PagedKV, torch.Tensor, torch.Tensor]:
+    """A PagedKV holding a T-token prompt in every layer (nothing evicted yet), with random metrics.
+    Keys encode (layer, head, position) so tests can tell which KV sits where."""
+    g = torch.Generator().manual_seed(seed)
+    paged = PagedKV(L, B, H, D, torch.float32, None, history=64, block_size=block_size, **options)
+    input_pos = torch.arange(T).expand(B, T)
+    for layer in range(L):
+        k = torch.zeros(B, H, T, D)
+        k[..., 0], k[..., 1] = layer, torch.arange(H)[:, None].float()
+        k[..., 2] = torch.arange(T).float()
+        paged.write_prompt(layer, input_pos, k, k + 0.5, torch.randn(B, 2 * H, T, D, generator=g))
+    metrics = torch.rand(paged.pool.metric.shape, generator=g)
+    paged.pool.metric.copy_(metrics)
+    return paged, input_pos, metrics
+
+
+def held(paged: PagedKV, row: int = 0) -> dict[tuple[int, int], dict[int, tuple[torch.Tensor, float]]]:
+    """(layer, head) -> {position: (key, metric)} of the KVs a sequence holds, read through its block table."""
+    out = {}
+    L, _, H, _ = paged.table.shape
+    for layer in range(L):
+        for head in range(H):
+            n = int(paged.length[layer, row, head])
+            slots = paged._slot_ids(paged.table[layer, row, head])[:n]
+            pos = paged.pool.pos.view(-1)[slots]
+            assert (pos >= 0).all() and (paged.pool.pos.view(-1)[paged._slot_ids(paged.table[layer, row, head])[n:]] < 0).all()
+            keys, metric = paged.pool.k.view(-1, paged.pool.k.shape[-1])[slots], paged.pool.metric.view(-1)[slots]
+            out[layer, head] = {int(p): (keys[i], float(metric[i])) for i, p in enumerate(pos)}
+    return out
+
+
+def check_pool_invariants(paged: PagedKV) -> None:
+    """Every block in a table is in use exactly once, heads hold ceil(length / block) blocks, and the
+    pool's free count is what the tables leave."""
+    ids = paged.table[paged.table >= 0]
+    assert ids.unique().numel() == ids.numel() and paged.pool.in_use[ids].all()
+    assert paged.pool.free_blocks() == paged.pool.n_blocks - ids.numel()
+    blocks, bs = (paged.table >= 0).sum(dim=-1), paged.block_size
+    room_for_next = paged.active[None, :, None] & (blocks == paged.length // bs + 1)  # make_room's block for the next token
+    assert ((blocks == (paged.length + bs - 1) // bs) | room_for_next).all()
+
+
+def reference_eviction(paged: PagedKV, metrics: dict, budget_blocks: int, protect_from: int) -> set[tuple[int, int, int]]:
+    """KV-Compress eviction written out plainly: per head, sort by metric (protected last), cut into
+    chunks from the bottom (the first one partial), evict the chunks with the lowest maxima over all
+    heads until the blocks fit. Returns the kept (layer, head, position)."""
+    bs = paged.block_size
+    chunks, held_blocks = [], 0
+    for (layer, head), kvs in metrics.items():
+        order = sorted(kvs, key=lambda p: (math.inf if p >= protect_from else kvs[p][1], 0))
+        n = len(order)
+        blocks = -(-n // bs)
+        held_blocks += blocks
+        first = n - (blocks - 1) * bs
+        for c in range(blocks):
+            members = order[: first + c * bs]
+            top = math.inf if members[-1] >= protect_from else kvs[members[-1]][1]
+            chunks.append((top, layer, head, c, members))
+    chunks.sort(key=lambda x: (x[0], x[1], x[2], x[3]))
+    evicted: dict[tuple[int, int], list[int]] = {}
+    for top, layer, head, _, members in chunks[: max(held_blocks - budget_blocks, 0)]:
+        if top < math.inf:
+            evicted[layer, head] = members
+    return {(layer, head, p) for (layer, head), kvs in metrics.items() for p in kvs if p not in evicted.get((layer, head), [])}
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_compression_keeps_exactly_the_intended_kvs_with_positions_and_metrics(block_size):
+    paged, _, _ = filled_pool(block_size=block_size)
+    before = held(paged)
+    blocks_before, free_before = paged.blocks_in_use(), paged.pool.free_blocks()
+    paged.budget[0] = 10  # tokens per head and layer: 2 layers x 2 heads x 10 = 40 of 180 KVs
+    freed = paged.compress_row(0)
+    after = held(paged)
+    expected = reference_eviction(paged, before, 2 * 2 * 10 // block_size, protect_from=45 - paged.protect)
+    assert {(layer, head, p) for (layer, head), kvs in after.items() for p in kvs} == expected
+    for (layer, head), kvs in after.items():
+        for p, (key, metric) in kvs.items():
+            assert key.tolist() == [layer, head, p, 0.0] and metric == before[layer, head][p][1]  # each KV moved with its position and metric
+        assert list(kvs) == sorted(kvs)  # survivors keep their order
+    assert paged.blocks_in_use() <= 2 * 2 * 10 // block_size
+    assert freed == blocks_before - paged.blocks_in_use() == paged.pool.free_blocks() - free_before
+    assert paged.counts["kvcompress: blocks freed"] == freed
+    check_pool_invariants(paged)
+
+
+def test_block_size_one_keeps_the_top_k_over_all_layers_and_heads():
+    paged, _, _ = filled_pool(L=3, H=3, block_size=1, window=4, protect=0)
+    before = held(paged)
+    paged.budget[0] = 7
+    paged.compress_row(0)
+    everything = sorted(((m, layer, head, p) for (layer, head), kvs in before.items() for p, (_, m) in kvs.items()), reverse=True)
+    top_k = {(layer, head, p) for _, layer, head, p in everything[: 3 * 3 * 7]}
+    assert {(layer, head, p) for (layer, head), kvs in held(paged).items() for p in kvs} == top_k
+    lengths = paged.length[:, 0].flatten().tolist()
+    assert sum(lengths) == 63 and len(set(lengths)) > 1  # heads and layers keep different amounts
+
+
+def test_layer_scope_and_head_floor_bound_each_layer_and_head():
+    paged, _, _ = filled_pool(L=2, H=3, block_size=1, scope="layer", head_floor=0.5, protect=0)
+    before = held(paged)
+    paged.budget[0] = torch.tensor([4, 12])
+    paged.compress_row(0)
+    assert paged.length[:, 0].sum(dim=-1).tolist() == [12, 36]  # per layer: its budget x heads
+    for (layer, head), kvs in held(paged).items():
+        best = sorted(before[layer, head], key=lambda p: -before[layer, head][p][1])[: math.ceil(0.5 * [4, 12][layer])]
+        assert set(best) <= set(kvs)  # the floor: each head's own best half-share survives
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 3, 4, 8]),
+    budget=st.integers(1, 40),
+    lengths=st.lists(st.integers(1, 45), min_size=2, max_size=2),
+    seed=st.integers(0, 1000),
+)
+def test_pool_invariants_hold_through_prefill_compression_and_decoding(block_size, budget, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    L, B, H, D = 2, 2, 2, 4
+    paged = PagedKV(L, B, H, D, torch.float32, None, history=64, block_size=block_size, window=3, kernel=3, protect=2)
+    T = max(lengths)
+    input_pos = torch.where(torch.arange(T) < torch.tensor(lengths)[:, None], torch.arange(T), -1)
+    paged.budget.fill_(budget)
+    for layer in range(L):
+        paged.write_prompt(
+            layer, input_pos, torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g), torch.randn(B, 2 * H, T, D, generator=g)
+        )
+    check_pool_invariants(paged)
+    for step in range(6):
+        current = torch.tensor(lengths)[:, None] + step
+        for layer in range(L):
+            keys, values, pos = paged.append(layer, current, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+            assert (pos == current[:, :, None]).sum(dim=-1).eq(1).all()  # the new token is attended, once per head
+            probs = torch.rand(B, H, 2, 1, pos.shape[-1], generator=g).masked_fill(pos[:, :, None, None] < 0, 0.0)
+            paged.observe(layer, probs)
+        paged.maintain()
+        check_pool_invariants(paged)
+        blocks = (paged.table >= 0).sum(dim=(0, 2, 3))
+        least = L * H * -(-(paged.protect + block_size - 1) // block_size)  # the chunks holding a head's protected KVs stay
+        assert (blocks <= max(budget * L * H // block_size, least) + L * H).all()  # + a block per head for the next token
+
+
+def test_paged_view_attends_like_a_contiguous_cache_of_each_heads_kvs():
+    paged, _, _ = filled_pool(L=1, B=1, H=2, block_size=4, seed=3)
+    paged.pool.k.normal_()
+    paged.pool.v.normal_()
+    paged.budget[0] = 9
+    paged.compress_row(0)
+    paged.make_room()
+    kept = held(paged)
+    keys, values, pos = paged.view(0)
+    q = torch.randn(1, 4, 1, 4)
+    query_pos = torch.tensor([[44]])
+    mask = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= query_pos[:, None, :, None])
+    y, _ = grouped_attention(q, keys, values, mask, False)
+    for head in range(4):
+        kv_head = head // 2
+        n = int(paged.length[0, 0, kv_head])
+        slots = paged._slot_ids(paged.table[0, 0, kv_head])[:n]
+        k, v = paged.pool.k.view(-1, 4)[slots], paged.pool.v.view(-1, 4)[slots]
+        assert len(kept[0, kv_head]) == n
+        expected = (q[0, head, 0] @ k.T / 2).softmax(dim=-1) @ v
+        torch.testing.assert_close(y[0, head, 0], expected)
+
+
+def test_prompt_metrics_agree_with_a_direct_computation():
+    torch.manual_seed(0)
+    B, H, group, T, D = 1, 2, 2, 30, 8
+    k, q = torch.randn(B, H, T, D), torch.randn(B, H * group, T, D)
+    input_pos = torch.arange(T)[None]
+    probs = (q.view(B, H, group, T, D) @ k[:, :, None].transpose(-1, -2) / D**0.5).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf")).softmax(dim=-1)
+    window = PagedKV(1, B, H, D, torch.float32, None, history=T, window=8, kernel=7)
+    squared = probs[..., -8:, :].square().sum(dim=(2, 3))
+    pooled = torch.nn.functional.max_pool1d(squared.view(H, 1, T), 7, stride=1, padding=3).view(B, H, T)
+    torch.testing.assert_close(window._prompt_metric(input_pos, k, q), pooled)
+    full = PagedKV(1, B, H, D, torch.float32, None, history=T, full=True, skip=10, metric="l1")
+    far = (torch.arange(T)[:, None] - torch.arange(T)[None, :]) >= 10
+    torch.testing.assert_close(full._prompt_metric(input_pos, k, q), (probs * far).sum(dim=(2, 3)))
+    assert full.protect == 32 and window.protect == 8
+
+
+def test_decode_attention_accumulates_squared_probabilities():
+    paged, input_pos, _ = filled_pool(L=1, block_size=4)
+    paged.make_room()
+    paged.pool.metric.zero_()
+    _, _, pos = paged.append(0, torch.tensor([[45]]), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    probs = torch.rand(1, 2, 2, 1, pos.shape[-1]) * (pos[:, :, None, None] >= 0)
+    paged.observe(0, probs)
+    paged.observe(0, probs)
+    slots = paged._slot_ids(paged.table[0, :, :, : paged.view_blocks])
+    torch.testing.assert_close(paged.pool.metric.view(-1)[slots], 2 * probs.square().sum(dim=(2, 3)))
+
+
+def test_an_exhausted_pool_says_so():
+    paged = PagedKV(1, 1, 2, 4, torch.float32, None, history=64, block_size=4, pool_blocks=5)
+    with pytest.raises(PoolExhausted, match="the pool has 5 free blocks of 5, 6 needed"):
+        paged.write_prompt(0, torch.arange(10)[None], torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 4, 10, 4))
+
+
+def test_kvcompress_without_eviction_equals_the_full_cache(tiny_model):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    full = generate(tiny_model, prompts, 16, "full", max_seq_length=40)
+    paged = generate(tiny_model, prompts, 16, "kvcompress", max_seq_length=40, cache_length=40, cache_options=dict(kvc_block_size=4))
+    assert paged.tokens == full.tokens and paged.cache_stats["kvcompress: blocks freed"] == 0
+
+
+def test_kvcompress_batch_equals_one_by_one_and_compiled_equals_eager(tiny_model):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    kwargs = dict(cache_length=0.4, cache_options=dict(kvc_block_size=2, kvc_window=4, kvc_protect=3), max_seq_length=44)
+    batch = generate(tiny_model, prompts, 24, "kvcompress", **kwargs)
+    alone = [generate(tiny_model, [p], 24, "kvcompress", **kwargs) for p in prompts]
+    assert [a.tokens[0] for a in alone] == batch.tokens
+    assert batch.cache_stats["kvcompress: blocks freed"] > 0
+    assert batch.tokens != generate(tiny_model, prompts, 24, "full", max_seq_length=44).tokens  # compression changed something
+    torch._dynamo.reset()
+    compiled = generate(tiny_model, prompts, 24, "kvcompress", decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    assert compiled.tokens == batch.tokens and compiled.cache_stats == batch.cache_stats
+
+
+SERVED = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12], [5, 5, 19, 44, 2, 61, 38, 20, 16, 9, 3, 27]]
+
+
+def test_continuous_batching_equals_one_by_one_and_frees_every_block(tiny_model):
+    options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3)
+    alone = [generate(tiny_model, [p], 20, "kvcompress", cache_length=0.4, cache_options=options, max_seq_length=40).tokens[0] for p in SERVED]
+    result = serve(tiny_model, SERVED, 20, 2, 0.4, options, max_seq_length=40)
+    assert result.tokens == alone and result.preemptions == 0
+    assert max(result.rows_in_flight) == 2 and result.rows_in_flight[-1] == 1  # the third request joined when a row freed
+    paged = tiny_model.layers[0].attention.kv_cache.paged
+    assert paged.pool.free_blocks() == paged.pool.n_blocks and not paged.active.any()
+
+
+def test_a_fixed_pool_holds_more_compressed_sequences_and_preempts_when_it_runs_out(tiny_model):
+    prompts = SERVED * 2
+    options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3, kvc_pool_blocks=120)
+    full, compressed = (serve(tiny_model, prompts, 16, 6, length, options, max_seq_length=40) for length in (1.0, 0.25))
+    assert max(compressed.rows_in_flight) > max(full.rows_in_flight) and full.peak_blocks <= 120 >= compressed.peak_blocks
+    uncompressible = serve(tiny_model, prompts, 16, 6, 0.25, {**options, "kvc_protect": 40, "kvc_pool_blocks": 90}, max_seq_length=40)
+    assert uncompressible.preemptions > 0 and [len(t) for t in uncompressible.tokens] == [16] * len(prompts)  # every KV protected: they outgrow the pool
+    with pytest.raises(ValueError, match=r"request 0 \(20 prompt tokens\) needs 48 blocks; the pool has 30"):
+        serve(tiny_model, prompts, 4, 2, 1.0, {**options, "kvc_pool_blocks": 30}, max_seq_length=40)
+
+
+def test_cli_serves_a_prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("The capital of France is\n\nWater boils at\nThe largest planet is\n")
+    proc = run_cli("--cache_strategy", "kvcompress", "--prompts_file", str(path), "--batch_size", "2", "--max_new_tokens", "5", "--ignore_eos")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line.split("]")[0] for line in proc.stdout.splitlines() if line.startswith("--- [")) == ["--- [0", "--- [1", "--- [2"]
+    assert "served 3 requests" in proc.stderr and "15 tokens generated" in proc.stderr and "at most 2)" in proc.stderr
