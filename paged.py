@@ -155,30 +155,34 @@ class PagedKV(nn.Module):
     # ---- the decode step (static shapes) -------------------------------------------------------
 
     def append(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write one token per row (input_pos [B, 1], -1: none) after each head's last KV; return the
-        gathered view (keys, values [B, H, W x block, D], positions [B, H, W x block])."""
-        n = self.length[layer]  # [B, H]
+        """Write one token per row (input_pos [R, 1], -1: none) after each head's last KV; return the
+        gathered view (keys, values [R, H, W x block, D], positions [R, H, W x block]). A step may run the
+        first R <= batch rows only (a server whose higher rows are idle)."""
+        R = input_pos.shape[0]
+        n = self.length[layer, :R]  # [R, H]
         writes = (input_pos >= 0).expand_as(n)
-        block = self.table[layer].gather(2, (n // self.block_size).clamp(max=self.max_blocks - 1)[..., None])[..., 0]
+        block = self.table[layer, :R].gather(2, (n // self.block_size).clamp(max=self.max_blocks - 1)[..., None])[..., 0]
         block = torch.where(writes & (block >= 0), block, 0)
         offset = n % self.block_size
         self.pool.k[block, offset] = torch.where(writes[..., None], k[:, :, 0], 0.0)  # an idle row's k, v may be NaN (it attends
         self.pool.v[block, offset] = torch.where(writes[..., None], v[:, :, 0], 0.0)  # nothing); the null block must stay finite
         self.pool.pos[block, offset] = torch.where(writes, input_pos, -1)
         self.pool.metric[block, offset] = 0.0
-        self.length[layer] += writes.long()
-        return self.view(layer)
+        self.length[layer, :R] += writes.long()
+        return self.view(layer, R)
 
-    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        blocks = self.table[layer, :, :, : self.view_blocks].clamp(min=0)  # [B, H, W]; -1 reads the null block
+    def view(self, layer: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        blocks = self.table[layer, :rows, :, : self.view_blocks].clamp(min=0)  # [R, H, W]; -1 reads the null block
         B, H, W = blocks.shape
-        keys = self.pool.k[blocks].view(B, H, W * self.block_size, -1)
-        values = self.pool.v[blocks].view(B, H, W * self.block_size, -1)
-        return keys, values, self.pool.pos[blocks].view(B, H, W * self.block_size)
+        ids = blocks.flatten()  # index_select: 5x faster than advanced indexing on CPU
+        keys = self.pool.k.index_select(0, ids).view(B, H, W * self.block_size, -1)
+        values = self.pool.v.index_select(0, ids).view(B, H, W * self.block_size, -1)
+        return keys, values, self.pool.pos.index_select(0, ids).view(B, H, W * self.block_size)
 
     def observe(self, layer: int, probs: Tensor) -> None:
-        """Add the step's attention (probs [B, H_kv, group, T, W x block]) into the metrics of the viewed slots."""
-        self.pool.metric.view(-1).index_add_(0, self._slot_ids(self.table[layer, :, :, : self.view_blocks]).flatten(), self._metric(probs).flatten())
+        """Add the step's attention (probs [R, H_kv, group, T, W x block]) into the metrics of the viewed slots."""
+        slots = self._slot_ids(self.table[layer, : probs.shape[0], :, : self.view_blocks])
+        self.pool.metric.view(-1).index_add_(0, slots.flatten(), self._metric(probs).flatten())
 
     # ---- prefill -------------------------------------------------------------------------------
 

@@ -134,8 +134,9 @@ def serve(
         active = [row for row in range(max_batch) if row_of[row] >= 0]
         if not active:
             continue
-        token = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        input_pos = torch.full((max_batch, 1), -1, dtype=torch.long, device=device)
+        rows = min(max_batch, 1 << max(active).bit_length())  # run the first rows up to the highest busy one (a power of 2: few shapes)
+        token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        input_pos = torch.full((rows, 1), -1, dtype=torch.long, device=device)
         for row in active:
             i = row_of[row]
             token[row, 0], input_pos[row, 0] = out[i][-1], len(prompts[i]) + len(out[i]) - 1

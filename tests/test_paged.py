@@ -169,7 +169,7 @@ def test_paged_view_attends_like_a_contiguous_cache_of_each_heads_kvs():
     paged.compress_row(0)
     paged.make_room()
     kept = held(paged)
-    keys, values, pos = paged.view(0)
+    keys, values, pos = paged.view(0, 1)
     q = torch.randn(1, 4, 1, 4)
     query_pos = torch.tensor([[44]])
     mask = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= query_pos[:, None, :, None])
