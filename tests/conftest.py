@@ -13,8 +13,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from kvlab.checkpoint import load_checkpoint  # noqa: E402
+from kvlab.convert import default_checkpoint  # noqa: E402
+from kvlab.model import ModelArgs, Transformer  # noqa: E402
 
 
 def paul_graham_text() -> str:

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache_base import KVCache
+from kvlab.cache import KVCache
 
 
 class ConfigError(ValueError):
@@ -67,84 +67,6 @@ class ModelArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Build from a Hugging Face `config.json` (transformers 4.x and 5.x field names)."""
-        family = cfg.get("model_type")
-        if family not in HF_FAMILIES:
-            raise ConfigError(f"unknown model family {family!r}; supported: {', '.join(HF_FAMILIES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
-        if cfg.get("mlp_bias"):
-            raise ConfigError("MLP biases (mlp_bias=true) are not supported")
-        if cfg.get("sliding_window") and (family == "mistral" or cfg.get("use_sliding_window")):
-            raise ConfigError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported; kvlab attends over the whole context")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-        n_head = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            n_layer=cfg["num_hidden_layers"],
-            n_head=n_head,
-            dim=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            n_local_heads=cfg.get("num_key_value_heads") or n_head,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-            rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=scaling,
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            block_size=cfg.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-        )
-
-
-HF_FAMILIES = ("llama", "mistral", "qwen2")
-
-_LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
-
-# Known architectures, for documentation, `scripts/download.py` and tests. A checkpoint's own
-# config file decides its shape; these tables never do.
-# fmt: off
-KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "SmolLM2-135M": dict(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "SmolLM2-360M": dict(vocab_size=49152, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "SmolLM2-1.7B": dict(vocab_size=49152, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, rope_base=130000.0, block_size=8192, tie_embeddings=True),
-    "Llama-2-7B": dict(vocab_size=32000, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096),
-    "Llama-2-13B": dict(vocab_size=32000, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096),
-    "Llama-2-70B": dict(vocab_size=32000, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, block_size=4096),
-    "Llama-3-8B": dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=8192),
-    "Llama-3-70B": dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=8192),
-    "Llama-3.1-8B": dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING),
-    "Llama-3.1-70B": dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING),
-    "Llama-3.2-1B": dict(vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, head_dim=64, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True),
-    "Llama-3.2-3B": dict(vocab_size=128256, n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, head_dim=128, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True),
-    "Mistral-7B-v0.3": dict(vocab_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=1000000.0, block_size=32768),
-    "Qwen2-0.5B": dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
-    "Qwen2-1.5B": dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
-    "Qwen2-7B": dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True),
-    "Qwen2.5-0.5B": dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
-    "Qwen2.5-1.5B": dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
-    "Qwen2.5-3B": dict(vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True),
-    "Qwen2.5-7B": dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True),
-}
-# fmt: on
-
-
-def known_model_name(args: ModelArgs) -> str | None:
-    """The KNOWN_MODELS entry with this architecture (context length aside), if any."""
-    for name, spec in KNOWN_MODELS.items():
-        known = ModelArgs(**spec)
-        if dict(known.to_dict(), block_size=0) == dict(args.to_dict(), block_size=0):
-            return name
-    return None
 
 
 class Transformer(nn.Module):

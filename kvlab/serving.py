@@ -16,14 +16,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from generate import cache_slots, decode_one_token, sample, setup_caches, sync
-from model import Transformer
-from paged import PagedKV, PoolExhausted
+from kvlab.build import cache_slots, setup_caches
+from kvlab.config import CacheSpec
+from kvlab.engine import GREEDY, Sampling, decode_one_token, sample, sync
+from kvlab.model import Transformer
+from kvlab.paged import PagedKV, PoolExhausted
 
 
 @dataclass
@@ -54,19 +55,21 @@ def serve(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     max_batch: int,
-    cache_length: int | float,
-    cache_options: dict[str, Any],
+    spec: CacheSpec,
     stop_ids: Sequence[int] = (),
-    temperature: float = 0.0,
-    top_k: int | None = None,
+    sampling: Sampling = GREEDY,
     decode_step: Callable[..., Tensor] = decode_one_token,
     max_seq_length: int | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
 ) -> ServeResult:
     """Generate for every prompt with at most `max_batch` sequences decoding at once and a KV-Compress
-    cache (`cache_options`: kvc_* settings, kvc_pool_blocks the KV memory). `cache_length` is each
-    sequence's budget per layer and KV head: a slot count or a fraction of its own prompt +
-    max_new_tokens. `on_finish(index, tokens)` is called as each request completes."""
+    cache (`spec`: every layer kvcompress; its kvc_* options, kvc_pool_blocks the KV memory). The spec's
+    cache length is each sequence's budget per layer and KV head: a slot count or a fraction of its own
+    prompt + max_new_tokens. `on_finish(index, tokens)` is called as each request completes."""
+    if set(spec.strategies) != {"kvcompress"} or len(set(spec.lengths)) != 1:
+        raise ValueError(f"serving needs kvcompress with one cache length on every layer; got {sorted(set(spec.strategies))}")
+    cache_length = spec.lengths[0]
+    temperature, top_k = sampling.temperature, sampling.top_k
     if max_new_tokens < 1 or max_batch < 1 or not prompts or any(len(p) < 1 for p in prompts):
         raise ValueError(
             f"serve needs prompts of >= 1 token, max_new_tokens >= 1 and max_batch >= 1; got max_new_tokens={max_new_tokens}, max_batch={max_batch}"
@@ -78,7 +81,7 @@ def serve(
         raise ValueError(
             f"max_seq_length={max_seq_length} must lie between the longest prompt + max_new_tokens ({longest}) and the context length ({cfg.block_size})"
         )
-    caches = setup_caches(model, ["kvcompress"] * cfg.n_layer, max_batch, [max_seq_length] * cfg.n_layer, {**cache_options, "history": max_seq_length})
+    caches = setup_caches(model, spec, max_batch, [max_seq_length] * cfg.n_layer, max_seq_length)
     paged: PagedKV = caches[0].paged
     heads, bs = cfg.n_layer * cfg.n_local_heads, paged.block_size
 

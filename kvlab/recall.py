@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cache_base import KVCache
+from kvlab.cache import KVCache
+from kvlab.options import choice, integer
 
 RECALL_SELECT = ("kv_head", "query_head")
 SLOW_TIERS = ("device", "host")
@@ -78,9 +79,25 @@ class RecallableCache(KVCache):
     (`_scores`, [B, H_sel, history], higher = attend)."""
 
     positions_per_head = False  # the slow tier: position p in slot p for every head
-    takes_history = True  # make_caches passes `history` (the longest sequence) and `n_heads`
+    keeps_history = True  # the builder passes `history` (the longest sequence) and `n_heads`
     default_sink_tokens = 16
-    options = ("sink_tokens", "recall_select", "reuse_steps", "slow_tier", "history", "n_heads")
+    options = (
+        integer("sink_tokens", None, "clusterkv/quest: first tokens always attended, attention sinks", minimum=0, default_help="16"),
+        choice(
+            "recall_select",
+            RECALL_SELECT,
+            "kv_head",
+            "clusterkv/quest: choose the attended tokens per KV head (query scores summed over its group) or per query head",
+        ),
+        integer("reuse_steps", 1, "clusterkv/quest: count a selected token as a hit when selected in the last N steps too"),
+        choice(
+            "slow_tier",
+            SLOW_TIERS,
+            "device",
+            "clusterkv/quest: where the full history lives: a store on the compute device, or host memory (pinned on CUDA) with only the last "
+            "step's attended KVs on the device, copying just the newly selected ones each step (eager only)",
+        ),
+    )
 
     def __init__(
         self,
@@ -245,7 +262,13 @@ class ClusterKVCache(RecallableCache):
     prompt_length / `tokens_per_cluster` clusters per KV head; every `cluster_every` decode steps the
     tokens decoded since are clustered into `new_clusters` more (`maintain`, between decode steps)."""
 
-    options = (*RecallableCache.options, "tokens_per_cluster", "cluster_every", "new_clusters", "kmeans_iterations")
+    options = (
+        *RecallableCache.options,
+        integer("tokens_per_cluster", 80, "clusterkv: prompt tokens per cluster, C0 = prompt / N clusters per KV head"),
+        integer("cluster_every", 320, "clusterkv: cluster the decoded tokens every N steps"),
+        integer("new_clusters", 8, "clusterkv: clusters made from each cluster_every decoded tokens"),
+        integer("kmeans_iterations", 20, "clusterkv: k-means iterations"),
+    )
 
     def __init__(
         self,
@@ -319,7 +342,7 @@ class QuestCache(RecallableCache):
     max(q_d min_d, q_d max_d). Page bounds widen as tokens arrive; the unfinished page is attended whole
     (its tokens are the "recent" ones), like ClusterKV's unclustered tokens."""
 
-    options = (*RecallableCache.options, "page_size")
+    options = (*RecallableCache.options, integer("page_size", 16, "quest: tokens per page"))
 
     def __init__(self, *args, page_size: int = 16, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -35,11 +35,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from cache_base import KVCache
-from prompt_compression import prompt_attention
+from kvlab.cache import KVCache
+from kvlab.options import by_name, choice, fraction, integer, switch
+from kvlab.scores import pool_keys, prompt_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
@@ -214,19 +214,11 @@ class PagedKV(nn.Module):
     def _prompt_metric(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
         """[b, H_kv, T]: KVC-w (the last `window` queries, max-pooled) or KVC-full (every query, pairs
         closer than `skip` positions left out)."""
-        T = k.shape[2]
-        last = input_pos.max(dim=-1, keepdim=True).values  # [b, 1]
         if not self.full:
-            w = min(self.window, T)
-            query_pos = last - w + 1 + torch.arange(w, device=k.device)
-            query_pos = torch.where(query_pos >= 0, query_pos, -1)
-            q_obs = q.gather(2, query_pos.clamp(min=0)[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
-            metric = self._metric(prompt_attention(q_obs, k, input_pos, query_pos))
-            b, H = metric.shape[:2]
-            return F.max_pool1d(metric.view(b * H, 1, T), self.kernel, stride=1, padding=self.kernel // 2).view(b, H, T)
+            return pool_keys(self._metric(window_attention(input_pos, k, q, self.window)), self.kernel)
         metric = torch.zeros(k.shape[:3], device=k.device)
         chunk = 256
-        for start in range(0, T, chunk):
+        for start in range(0, k.shape[2], chunk):
             query_pos = input_pos[:, start : start + chunk]
             probs = prompt_attention(q[:, :, start : start + chunk], k, input_pos, query_pos)
             near = query_pos[:, :, None] - input_pos[:, None, :] < self.skip  # [b, t, T]
@@ -360,21 +352,43 @@ class KVCompressCache(KVCache):
     positions_per_head = True
     needs_attention = True  # continual compression learns from decode attention (off with kvc_compress_every=0)
     shares_pool = True
-    default_global_tokens = 0
     default_recent_window = 8  # the protected window, for layer budget planners' floors
     options = (
-        "kvc_block_size",
-        "kvc_pool_blocks",
-        "kvc_window",
-        "kvc_kernel",
-        "kvc_full",
-        "kvc_skip",
-        "kvc_protect",
-        "kvc_metric",
-        "kvc_scope",
-        "kvc_head_floor",
-        "kvc_compress_every",
-        "history",
+        integer("kvc_block_size", 16, "kvcompress: KVs per block of one (layer, KV head); eviction frees whole blocks", param="block_size"),
+        integer(
+            "kvc_pool_blocks",
+            None,
+            "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory",
+            default_help="enough for every sequence uncompressed",
+            param="pool_blocks",
+        ),
+        integer("kvc_window", 8, "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt", param="window"),
+        integer("kvc_kernel", 7, "kvcompress (KVC-w): max-pooling kernel over the prompt metric", odd=True, param="kernel"),
+        switch("kvc_full", "kvcompress (KVC-full): score the prompt with every prompt query instead of the last kvc_window", param="full"),
+        integer("kvc_skip", 10, "kvcompress (KVC-full): leave out query-key pairs closer than this many positions", minimum=0, param="skip"),
+        integer("kvc_protect", None, "kvcompress: newest tokens never evicted", minimum=0, default_help="kvc_window; 32 with kvc_full", param="protect"),
+        choice("kvc_metric", KVC_METRICS, "squared", "kvcompress: sum squared attention probabilities (KV-Compress) or the probabilities (l1)", param="metric"),
+        choice(
+            "kvc_scope",
+            KVC_SCOPES,
+            "model",
+            "kvcompress: one budget over all layers and heads of a sequence (model: KV-Compress) or one per layer shared by its heads (layer: Ada-KV)",
+            param="scope",
+        ),
+        fraction(
+            "kvc_head_floor",
+            0.0,
+            "kvcompress: every head keeps its best KVs up to this share of its layer's per-head budget (Ada-KV's floor)",
+            closed=True,
+            param="head_floor",
+        ),
+        integer(
+            "kvc_compress_every",
+            1,
+            "kvcompress: compress again every N decode steps with the accumulated decode attention; 0: at prefill only",
+            minimum=0,
+            param="compress_every",
+        ),
     )
 
     def __init__(self, paged: PagedKV, layer: int) -> None:
@@ -385,12 +399,21 @@ class KVCompressCache(KVCache):
 
     @classmethod
     def for_layers(
-        cls, n_layer: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None, **options
+        cls,
+        n_layer: int,
+        batch_size: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        history: int | None = None,
+        **options,
     ) -> list[KVCompressCache]:
-        """Caches for `n_layer` layers sharing one pool; options are the kvc_* settings (and `history`,
-        the longest sequence, else `capacity`)."""
-        settings = {k.removeprefix("kvc_"): v for k, v in options.items() if k.startswith("kvc_")}
-        paged = PagedKV(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, options.get("history", capacity), **settings)
+        """Caches for `n_layer` layers sharing one pool; options are the kvc_* settings by flag name,
+        `history` the longest sequence (default `capacity`)."""
+        declared = by_name(cls.options)
+        paged = PagedKV(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, history or capacity, **{declared[k].keyword: v for k, v in options.items()})
         return [cls(paged, layer) for layer in range(n_layer)]
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:

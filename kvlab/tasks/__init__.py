@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizer import Tokenizer
+from kvlab.tokenizer import Tokenizer
 
 
 @dataclass

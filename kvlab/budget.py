@@ -25,11 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Transformer
+from kvlab.model import Transformer
+from kvlab.options import choice, fraction, integer
 
 LAYER_BUDGETS = ("uniform", "pyramid", "funnel", "squeeze")
 DEFAULT_SQUEEZE_P = 0.35
 DEFAULT_PYRAMID_BETA = 20
+LAYER_BUDGET_OPTION = choice(
+    "layer_budget",
+    LAYER_BUDGETS,
+    "uniform",
+    "split each sequence's total budget (max_cache_length x compressing layers) over the layers at prefill, per prompt: uniform "
+    "(as configured), pyramid (PyramidKV), funnel (pyramid reversed) or squeeze (SqueezeAttention)",
+)
+SQUEEZE_P = fraction("squeeze_p", DEFAULT_SQUEEZE_P, "layer_budget squeeze: the least important layers' share of the uniform budget")
+PYRAMID_BETA = integer("pyramid_beta", DEFAULT_PYRAMID_BETA, "layer_budget pyramid/funnel: the smallest layer keeps 1/beta of the average's unprotected slots")
+PLANNER_OPTIONS = {"squeeze": (SQUEEZE_P,), "pyramid": (PYRAMID_BETA,), "funnel": (PYRAMID_BETA,)}  # the settings each planner takes
 
 
 def split_budget(weights: Sequence[float], total: int, floor: Sequence[int], ceiling: Sequence[int]) -> list[int]:

@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks import Document, PerplexityTask
-from tokenizer import Tokenizer
+from kvlab.tasks import Document, PerplexityTask
+from kvlab.tokenizer import Tokenizer
 
 PG19_REPO = "emozilla/pg19-test"
 CHECKPOINT_EVERY = 500  # tokens between reported perplexities (ppl@500, ppl@1000, ...)

@@ -19,12 +19,10 @@ import functools
 import itertools
 import json
 import re
-import shutil
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
-import gguf
 import sentencepiece as spm
 import tiktoken
 
@@ -449,118 +447,3 @@ def _chat_config(template: str | None) -> dict:
     family = chat_template_family(template)
     match = _CHATML_DEFAULT_SYSTEM.search(template) if family == "chatml" else None
     return {"chat_template": family, "default_system_prompt": match.group(1) if match else None}
-
-
-def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
-    """Write out_dir/tokenizer.json for a GGUF's byte-level BPE vocabulary; return the config's "tokenizer" section."""
-    fields = reader.fields
-    model = fields["tokenizer.ggml.model"].contents()
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: 'gpt2' (byte-level BPE)")
-    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
-    if pre not in GGUF_PRE_PATTERNS:
-        raise ValueError(f"unknown GGUF tokenizer.ggml.pre {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    types = fields["tokenizer.ggml.token_type"].contents()
-    special_types = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
-    added = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-        for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
-        if ty in special_types
-    ]
-    tokenizer_json = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": GGUF_PRE_PATTERNS[pre]}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-            ],
-        },
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {t: i for i, t in enumerate(tokens)},
-            "merges": fields["tokenizer.ggml.merges"].contents(),
-        },
-    }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
-
-    def token(key: str) -> str | None:
-        return tokens[fields[key].contents()] if key in fields else None
-
-    template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
-    return {
-        "kind": "bpe",
-        "file": "tokenizer.json",
-        **_chat_config(template),
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False,
-    }
-
-
-def _special_token_text(value: str | dict | None) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
-    """Copy a Hugging Face model directory's tokenizer into out_dir; return the config's "tokenizer" section.
-
-    Prefers a byte-level BPE tokenizer.json; otherwise tokenizer.model, as SentencePiece or tiktoken. (Llama-2
-    directories also hold a tokenizer.json, but not a byte-level one, so their SentencePiece model is used.)
-    """
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    tok_config_path = hf_dir / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text(encoding="utf-8")) if tok_config_path.exists() else {}
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if template is None and (hf_dir / "chat_template.jinja").exists():
-        template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    chat = _chat_config(template)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    json_path = hf_dir / "tokenizer.json"
-    if json_path.exists():
-        data = json.loads(json_path.read_text(encoding="utf-8"))
-        if data["model"].get("type") == "BPE" and (data.get("decoder") or {}).get("type") == "ByteLevel":
-            _pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
-            shutil.copyfile(json_path, out_dir / "tokenizer.json")
-            bos = _special_token_text(tok_config.get("bos_token"))
-            eos = _special_token_text(tok_config.get("eos_token"))
-            # Llama-3 adds BOS through the tokenizer.json post-processor rather than add_bos_token.
-            add_bos = tok_config.get("add_bos_token", bos is not None and bos in json.dumps(data.get("post_processor")))
-            return {"kind": "bpe", "file": "tokenizer.json", **chat, "bos_token": bos, "eos_token": eos, "add_bos": bool(add_bos)}
-
-    model_path = hf_dir / "tokenizer.model"
-    if model_path.exists():
-        raw = model_path.read_bytes()
-        if re.match(rb"[A-Za-z0-9+/]+=* \d+\r?\n", raw):
-            kind = "tiktoken"
-        else:
-            try:
-                spm.SentencePieceProcessor(model_proto=raw)
-            except RuntimeError as e:
-                raise ValueError(f"{model_path} is neither a SentencePiece model nor a tiktoken file ({e})") from None
-            kind = "sentencepiece"
-        shutil.copyfile(model_path, out_dir / "tokenizer.model")
-        add_bos = bool(tok_config.get("add_bos_token", True))
-        return {"kind": kind, "file": "tokenizer.model", **chat, "bos_token": None, "eos_token": None, "add_bos": add_bos}
-
-    raise ValueError(f"no usable tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model (SentencePiece or tiktoken)")

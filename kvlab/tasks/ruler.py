@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import Example, GenerationTask, render_prompt
-from tokenizer import Tokenizer
+from kvlab.tasks import Example, GenerationTask, render_prompt
+from kvlab.tokenizer import Tokenizer
 
 # templates: RULER, Apache-2.0 (data/synthetic/constants.py; "assgined" sic)
 NIAH_TEMPLATE = (

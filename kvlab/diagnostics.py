@@ -17,17 +17,17 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from cache import FullCache, KVCache
+from kvlab.cache import FullCache, KVCache
 
 
-class AttentionLossProbe(nn.Module):
+class AttentionLossProbe(KVCache):
     """Wraps any cache, with the same interface: the model attends over the wrapped (compressed) cache
     exactly as without the probe, while a full cache of every token measures what compression lost.
     Records per decode step the loss and the top-B recall, averaged over query heads, [B] each. Eager
     only (it keeps Python lists)."""
 
     def __init__(self, inner: KVCache, full: FullCache) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # no storage of its own: it wraps one
         self.inner, self.full = inner, full
         self.needs_attention, self.needs_tokens = inner.needs_attention, inner.needs_tokens
         self.capacity = inner.capacity

@@ -30,8 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from tasks import Example, GenerationTask, render_prompt
-from tokenizer import Tokenizer
+from kvlab.tasks import Example, GenerationTask, render_prompt
+from kvlab.tokenizer import Tokenizer
 
 try:  # LongBench's Chinese word segmenter; optional (see the module docstring)
     import jieba  # type: ignore[import-not-found]

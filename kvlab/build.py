@@ -1,0 +1,182 @@
+"""Caches from a `CacheSpec`: one cache per layer, buffers sized for the batch (static shapes), each
+sequence limited to its own budget, and layer budgets planned per prompt (budget.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvlab.budget import plan_budgets
+from kvlab.cache import DEFAULT_ADAKV_FLOOR, KVCache, adakv_slots
+from kvlab.config import CacheSpec, strategy_options
+from kvlab.model import Transformer
+from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, make_prompt_compressor
+
+
+def make_caches(
+    strategy: str,
+    n_layer: int,
+    batch_size: int,
+    n_kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    n_heads: int | None = None,
+    history: int | None = None,
+    token_classes: dict[str, tuple[int, ...]] | None = None,
+    **options: Any,
+) -> list[KVCache]:
+    """One cache per layer for a named strategy, with the settings it declares (by flag name: storage,
+    eviction, its prompt compressor's and its own). The builder passes what a cache's capabilities ask
+    for: `history` (the longest sequence) and `n_heads` to caches that keep every token, the tokenizer's
+    `token_classes` to caches that read token ids; snapkv_gqa=query needs `n_heads` (KVs per query head)."""
+    if strategy not in CACHE_STRATEGIES:
+        raise ValueError(f"unknown cache strategy {strategy!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
+    cls = CACHE_STRATEGIES[strategy]
+    accepted = strategy_options(cls)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"cache strategy {strategy!r} does not take {', '.join(unknown)}; it takes: {', '.join(accepted)}")
+    if cls.shares_pool:  # one block pool for all the layers
+        return cls.for_layers(n_layer, batch_size, n_kv_heads, capacity, head_dim, dtype, device, history, **options)
+    kwargs: dict[str, Any] = {}
+    if cls.takes_prompt_compressor:
+        compressor_options = {k: options.pop(k) for k in list(options) if k in COMPRESSOR_OPTIONS}
+        name = options.pop("prompt_compression_strategy", None)
+        if compressor_options and name is None:
+            raise ValueError(f"{', '.join(compressor_options)} apply to --prompt_compression_strategy {', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}")
+        if name is not None:
+            kwargs["prompt_compressor"] = make_prompt_compressor(name, **compressor_options)
+        if compressor_options.get("snapkv_gqa") == "query":
+            if n_heads is None:
+                raise ValueError("snapkv_gqa='query' keeps tokens per query head: make_caches needs n_heads")
+            kwargs["kv_repeat"] = n_heads // n_kv_heads
+    kwargs |= {accepted[k].keyword: v for k, v in options.items()}
+    if cls.keeps_history:
+        kwargs |= dict(history=history, n_heads=n_heads)
+    if cls.needs_tokens:
+        kwargs |= token_classes or {}
+    return [cls(batch_size, n_kv_heads, capacity, head_dim, dtype, device, **kwargs) for _ in range(n_layer)]
+
+
+def layer_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a layer of this strategy takes (a mixed config's options may be meant for its other layers)."""
+    accepted = strategy_options(CACHE_STRATEGIES[strategy])
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def cache_slots(length: int | float | None, max_seq_length: int) -> int:
+    """Slots for a cache length: a count, a fraction of max_seq_length, or None (every token)."""
+    if length is None:
+        return max_seq_length
+    return min(round(length * max_seq_length) if isinstance(length, float) else length, max_seq_length)
+
+
+def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacities: list[int], history: int) -> list[KVCache]:
+    """Attach one cache per layer (strategies per layer; each layer takes the options its strategy declares).
+    Reuses the model's caches when they were built for the same spec, so a compiled decode step is not
+    recompiled between calls."""
+    cfg, weight = model.config, model.tok_embeddings.weight
+    key = (tuple(spec.strategies), batch_size, tuple(capacities), history, weight.dtype, sorted(spec.options.items()), sorted(spec.token_classes.items()))
+    current = [layer.attention.kv_cache for layer in model.layers]
+    if getattr(model, "cache_key", None) == key:
+        for c in current:
+            c.reset()
+        return current
+    caches: list[KVCache | None] = [None] * len(spec.strategies)
+    shape = (batch_size, cfg.n_local_heads)
+    for s in dict.fromkeys(spec.strategies):
+        layers = [i for i, name in enumerate(spec.strategies) if name == s]
+        common = dict(n_heads=cfg.n_head, history=history, token_classes=spec.token_classes, **layer_options(s, spec.options))
+        if CACHE_STRATEGIES[s].shares_pool:  # these layers share one block pool
+            built = make_caches(s, len(layers), *shape, capacities[layers[0]], cfg.head_dim, weight.dtype, weight.device, **common)
+        else:
+            built = [make_caches(s, 1, *shape, capacities[i], cfg.head_dim, weight.dtype, weight.device, **common)[0] for i in layers]
+        for i, cache in zip(layers, built, strict=True):
+            caches[i] = cache
+    model.setup_caches(caches)
+    model.cache_key = key
+    return caches
+
+
+def build_caches(
+    model: Transformer, spec: CacheSpec, prompt_lengths: Sequence[int], max_new_tokens: int, max_seq_length: int, budgets: Tensor | None = None
+) -> list[KVCache]:
+    """Caches for sequences of these prompt lengths: buffers sized by max_seq_length, and each sequence
+    limited to its own fraction of prompt + max_new_tokens. With `budgets` [B, n_layer] (a planner's
+    slots per sequence and layer, `plan_layer_budgets`), each compressing layer's buffer is sized to its
+    largest row budget instead."""
+    n_layer = model.config.n_layer
+    if len(spec.strategies) != n_layer or len(spec.lengths) != n_layer:
+        raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(spec.strategies)} strategies and {len(spec.lengths)} lengths")
+    if any(length is not None and s == "full" for s, length in zip(spec.strategies, spec.lengths, strict=True)):
+        raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
+    if budgets is None:
+        slots = [cache_slots(n, max_seq_length) for n in spec.lengths]
+    else:
+        largest = budgets.max(dim=0).values.tolist()
+        slots = [max_seq_length if n is None else min(m, max_seq_length) for n, m in zip(spec.lengths, largest, strict=True)]
+    capacities = [
+        s if n is None else min(head_slots(model, s, layer_options(strategy, spec.options)), max_seq_length)
+        for strategy, s, n in zip(spec.strategies, slots, spec.lengths, strict=True)
+    ]
+    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max_seq_length)
+    for layer, (cache, length, most) in enumerate(zip(caches, spec.lengths, slots, strict=True)):
+        if budgets is not None and length is not None:
+            mark_slots_dynamic(cache)
+            own = budgets[:, layer].tolist()
+        elif budgets is not None:
+            own = [most] * len(prompt_lengths)
+        else:
+            own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else most for n in prompt_lengths]
+        cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
+    return caches
+
+
+def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
+    """Buffer slots a compressing layer needs for a per-head `budget`: the budget itself, or with
+    head_budget=adakv the largest share Ada-KV may give one head (heads are query heads when snapkv_gqa=query)."""
+    if options.get("head_budget", "uniform") == "uniform":
+        return budget
+    cfg = model.config
+    heads = cfg.n_head if options.get("snapkv_gqa") == "query" else cfg.n_local_heads
+    return adakv_slots(budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR))
+
+
+def mark_slots_dynamic(cache: KVCache) -> None:
+    """Planned capacities change with every prompt: let the compiler treat the slot axis (dim 2 of every
+    per-slot buffer) as symbolic, so one compiled decode step serves every plan instead of recompiling
+    for each (tested: one graph for several plans)."""
+    if cache.shares_pool:  # block tables: no slot axis sized by the plan
+        return
+    for buffer in cache.buffers():
+        if buffer.dim() >= 3 and buffer.shape[2] == cache.capacity:
+            torch._dynamo.mark_dynamic(buffer, 2)
+
+
+def layer_floor(strategy: str, options: dict[str, Any]) -> int:
+    """The fewest slots a layer of this strategy can work with: its protected tokens + 1."""
+    cls = CACHE_STRATEGIES[strategy]
+    return options.get("global_tokens", cls.default_global_tokens) + options.get("recent_window", cls.default_recent_window) + 1
+
+
+def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: int, similarity: Tensor) -> Tensor:
+    """[B, n_layer] slots per sequence and layer: each sequence's total over the compressing layers (as
+    configured) split by `spec.layer_budget`; full layers get 0 (they keep every token anyway).
+    similarity [B, n_layer] is the squeeze measure of every layer for every sequence."""
+    compressing = [i for i, n in enumerate(spec.lengths) if n is not None]
+    floor = [layer_floor(spec.strategies[i], spec.options) for i in compressing]
+    rows = []
+    for row, n in enumerate(lengths):
+        own = n + max_new_tokens
+        total = sum(cache_slots(spec.lengths[i], own) for i in compressing)
+        planned = plan_budgets(spec.layer_budget, total, own, floor, similarity[row, compressing], **spec.budget_options)
+        budgets = [0] * len(spec.lengths)
+        for i, slots in zip(compressing, planned, strict=True):
+            budgets[i] = slots
+        rows.append(budgets)
+    return torch.tensor(rows)

