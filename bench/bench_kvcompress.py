@@ -19,53 +19,47 @@ Writes bench/results/kvcompress_<device>.md.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_generate import bench_text  # noqa: E402
-from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
-from generate import RecordedPrefill, generate, resolve_device_dtype, sync  # noqa: E402
-from serving import serve  # noqa: E402
+from common import Bench, bench_parser, load_bench, mean, parse_bench_args, report, table, write_results
+from kvlab.engine import RecordedPrefill, generate, sync
+from kvlab.serving import serve
 
 SNAPKV = dict(prompt_compression_strategy="snapkv")
 
 
-def bytes_table(model, prompt: list[int], new_tokens: int, rates: list[int]) -> list[str]:
+def bytes_table(bench: Bench, prompt: list[int], new_tokens: int, rates: list[int]) -> list[str]:
     shared = RecordedPrefill()
-    full = generate(model, [prompt], new_tokens, "full", recorded=shared)
+    model = bench.model
+    full = generate(model, [prompt], new_tokens, recorded=shared)
     rows = []
     for rate in rates:
         length = 1.0 / rate
-        paged = generate(model, [prompt], new_tokens, "kvcompress", cache_length=length, recorded=shared)
+        paged = generate(model, [prompt], new_tokens, bench.spec("kvcompress", length), recorded=shared)
         blocks = paged.cache_stats["kvcompress: blocks in use"]
         dense = [
-            generate(model, [prompt], new_tokens, "heavy_hitter", cache_length=length, cache_options=o, recorded=shared)
+            generate(model, [prompt], new_tokens, bench.spec("heavy_hitter", length, **o), recorded=shared)
             for o in (SNAPKV, {**SNAPKV, "head_budget": "adakv"})
         ]
-        held = sum(paged.tokens_held) / len(paged.tokens_held)
+        held = mean(paged.tokens_held)
         spread = f"{min(paged.tokens_held):.0f}-{max(paged.tokens_held):.0f}"
-        rows.append(
+        report(
+            rows,
             f"| {rate}x | {held:.0f} ({spread}) | {blocks} | {paged.kv_cache_bytes / 2**20:.1f} | {full.full_cache_bytes / paged.kv_cache_bytes:.2f}x | "
-            f"{dense[0].kv_cache_bytes / 2**20:.1f} | {dense[1].kv_cache_bytes / 2**20:.1f} |"
+            f"{dense[0].kv_cache_bytes / 2**20:.1f} | {dense[1].kv_cache_bytes / 2**20:.1f} |",
         )
-        print(rows[-1], file=sys.stderr)
     return [
         f"## Physical KV bytes, one {len(prompt)}-token prompt + {new_tokens} tokens (full cache: {full.full_cache_bytes / 2**20:.1f} MiB)",
         "",
-        "| rate | tokens held per layer and head (layer range) | blocks in use | kvcompress MiB | full / kvcompress | dense SnapKV MiB | dense Ada-SnapKV MiB |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
+        *table(
+            "rate | tokens held per layer and head (layer range) | blocks in use | kvcompress MiB | full / kvcompress | dense SnapKV MiB | dense Ada-SnapKV MiB",
+            rows,
+        ),
     ]
 
 
-def throughput_table(model, prompts: list[list[int]], new_tokens: int, memory_sequences: int, max_batch: int) -> list[str]:
+def throughput_table(bench: Bench, prompts: list[list[int]], new_tokens: int, memory_sequences: int, max_batch: int) -> list[str]:
+    model = bench.model
     cfg = model.config
     block = 16
     seq = len(prompts[0]) + new_tokens
@@ -74,24 +68,24 @@ def throughput_table(model, prompts: list[list[int]], new_tokens: int, memory_se
     generated = decoded = 0
     decode_seconds = 0.0
     for start in range(0, len(prompts), memory_sequences):
-        result = generate(model, prompts[start : start + memory_sequences], new_tokens, "full", max_seq_length=seq)
+        result = generate(model, prompts[start : start + memory_sequences], new_tokens, max_seq_length=seq)
         generated += sum(map(len, result.tokens))
         decoded += len(result.tokens) * result.decode_steps
         decode_seconds += result.first_step_seconds + result.decode_seconds
     sync(model.tok_embeddings.weight.device)
     full_speed, full_decode = generated / (time.perf_counter() - t0), decoded / decode_seconds
-    rows = [f"| full cache, static batches | {memory_sequences} | {memory_sequences} | {full_decode:.1f} | 1.00x | {full_speed:.1f} | 1.00x | 0 |"]
-    print(rows[-1], file=sys.stderr)
+    rows = []
+    report(rows, f"| full cache, static batches | {memory_sequences} | {memory_sequences} | {full_decode:.1f} | 1.00x | {full_speed:.1f} | 1.00x | 0 |")
     for rate in (1, 4, 8):
-        options = dict(kvc_pool_blocks=pool, kvc_block_size=block, kvc_compress_every=block)
-        result = serve(model, prompts, new_tokens, max_batch, 1.0 / rate, options, max_seq_length=seq)
+        spec = bench.spec("kvcompress", 1.0 / rate, kvc_pool_blocks=pool, kvc_block_size=block, kvc_compress_every=block)
+        result = serve(model, prompts, new_tokens, max_batch, spec, max_seq_length=seq)
         flight = result.rows_in_flight
         speed, decode = result.generated / result.seconds, sum(flight) / result.decode_seconds
-        rows.append(
-            f"| kvcompress {rate}x, continuous batching | {sum(flight) / len(flight):.1f} | {max(flight)} | {decode:.1f} | {decode / full_decode:.2f}x | "
-            f"{speed:.1f} | {speed / full_speed:.2f}x | {result.preemptions} |"
+        report(
+            rows,
+            f"| kvcompress {rate}x, continuous batching | {mean(flight):.1f} | {max(flight)} | {decode:.1f} | {decode / full_decode:.2f}x | "
+            f"{speed:.1f} | {speed / full_speed:.2f}x | {result.preemptions} |",
         )
-        print(rows[-1], file=sys.stderr)
     return [
         f"## Throughput with the KV memory of {memory_sequences} full sequences ({pool} blocks of {block})",
         "",
@@ -99,42 +93,33 @@ def throughput_table(model, prompts: list[list[int]], new_tokens: int, memory_se
         "tokens produced by decode steps over their time (compression and block allocation included); overall: every generated token "
         "over the whole run, prefills included (kvcompress prefills one admitted request at a time, the full cache a batch).",
         "",
-        "| engine | sequences in flight (mean) | at most | decode tokens/s | vs full | overall tokens/s | vs full | preempted |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
+        *table("engine | sequences in flight (mean) | at most | decode tokens/s | vs full | overall tokens/s | vs full | preempted", rows),
     ]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto: bfloat16 on CUDA, float32 on CPU)")
+    p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=2000, help="prompt tokens per request (default: 2000)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens generated per request (default: 64)")
     p.add_argument("--rates", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="compression rates for the bytes table (default: 1 2 4 8 16)")
     p.add_argument("--requests", type=int, default=16, help="requests in the throughput run (default: 16)")
     p.add_argument("--memory_sequences", type=int, default=4, help="KV memory, in full sequences (default: 4)")
     p.add_argument("--max_batch", type=int, default=32, help="most sequences kvcompress decodes at once (default: 32)")
-    p.add_argument("--out", type=Path, default=None, help="markdown output (default: bench/results/kvcompress_<device>.md)")
-    args = p.parse_args()
+    args = parse_bench_args(p, "kvcompress")
 
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    model, tokenizer, _ = load_checkpoint(default_checkpoint(), device, dtype)
-    text = tokenizer.encode(bench_text())
+    bench = load_bench(args.device, args.dtype)
+    text = bench.ids
     if len(text) < args.prompt_length * 2:
         raise SystemExit(f"the benchmark text has {len(text)} tokens, too few for --prompt_length {args.prompt_length}")
     stride = (len(text) - args.prompt_length) // max(args.requests - 1, 1)
     prompts = [text[i * stride : i * stride + args.prompt_length] for i in range(args.requests)]
     lines = [
-        f"# KV-Compress, SmolLM2-135M-Instruct, {device.type}, {str(dtype).removeprefix('torch.')}",
+        f"# KV-Compress, SmolLM2-135M-Instruct, {bench.device.type}, {bench.dtype_name}",
         "",
-        *bytes_table(model, prompts[0], args.new_tokens, args.rates),
-        *throughput_table(model, prompts, args.new_tokens, args.memory_sequences, args.max_batch),
+        *bytes_table(bench, prompts[0], args.new_tokens, args.rates),
+        *throughput_table(bench, prompts, args.new_tokens, args.memory_sequences, args.max_batch),
     ]
-    out = args.out or ROOT / "bench" / "results" / f"kvcompress_{device.type}.md"
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(lines, args.out, "kvcompress", bench.device)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def make_caches(
         compressor_options = {k: options.pop(k) for k in list(options) if k in COMPRESSOR_OPTIONS}
         name = options.pop("prompt_compression_strategy", None)
         if compressor_options and name is None:
-            raise ValueError(f"{', '.join(compressor_options)} apply to --prompt_compression_strategy {', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}")
+            raise ValueError(
+                f"{', '.join(compressor_options)} apply to --prompt_compression_strategy {', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}"
+            )
         if name is not None:
             kwargs["prompt_compressor"] = make_prompt_compressor(name, **compressor_options)
         if compressor_options.get("snapkv_gqa") == "query":

@@ -59,6 +59,7 @@ class KVCache(nn.Module):
     shares_pool: bool = False  # one object serves every layer (`for_layers`): a paged pool
     options: tuple[Option, ...] = STORAGE_OPTIONS
     default_global_tokens, default_recent_window = 0, 0  # protected tokens: a layer budget planner's floor
+    default_cache_length = 0.5  # max_cache_length when none is given (a fraction of each sequence)
 
     def __init__(
         self,

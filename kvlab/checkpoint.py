@@ -87,6 +87,7 @@ def save_checkpoint(out_dir: Path, name: str, args: ModelArgs, state: dict[str, 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
 
+
 class KnownModel(NamedTuple):
     hf_repo: str  # the Hugging Face repo `scripts/download.py` fetches for this short name
     args: dict[str, Any]  # its ModelArgs

@@ -38,10 +38,9 @@ GENERAL_OPTIONS = (
         "max_cache_length",
         (int, float),
         "a slot count >= 1 or a fraction in (0, 1]",
-        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own "
-        "prompt + max_new_tokens (0.5)",
+        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own prompt + max_new_tokens (0.5)",
         check=_is_cache_length,
-        default_help="0.5 for compressing strategies, 1.0 for hybrid",
+        default_help="0.5; 1.0 for hybrid",
     ),
     choice(
         "prompt_compression_strategy",
@@ -92,7 +91,7 @@ class CacheSpec:
 
 def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None) -> CacheSpec:
     """Validate resolved settings (YAML + flags, by flag name) and spread them over the layers. A strategy
-    that reads token ids (hybrid) takes the tokenizer's special and punctuation ids."""
+    that reads token ids (hybrid) takes the tokenizer's special and punctuation ids (none without one)."""
     for key, value in settings.items():
         if key not in CACHE_KEYS and not key.endswith("_pattern"):
             raise ValueError(f"unknown cache setting {key!r}; valid: {', '.join(CACHE_KEYS)}")
@@ -114,12 +113,10 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
         lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer)
         for length in lengths:
             CACHE_KEYS["max_cache_length"].validate(length)
-    else:  # hybrid sizes itself by its policies (min_recovery_frac); other strategies keep half
-        lengths = [1.0 if s == "hybrid" else 0.5 for s in strategies]
+    else:
+        lengths = [CACHE_STRATEGIES[s].default_cache_length for s in strategies]
     token_classes = {}
-    if any(CACHE_STRATEGIES[s].needs_tokens for s in strategies):
-        if tokenizer is None:
-            raise ValueError(f"--cache_strategy {', '.join(names)} reads token ids: cache_spec needs the tokenizer")
+    if tokenizer is not None and any(CACHE_STRATEGIES[s].needs_tokens for s in strategies):
         token_classes = dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
     full_layers = settings.get("full_layers", 0)
     if full_layers >= n_layer:
@@ -233,3 +230,7 @@ def per_layer(value: Any, pattern: str | None, n_layer: int) -> list[Any]:
     if pattern == "repeat":
         return [value[i * len(value) // n_layer] for i in range(n_layer)]
     raise ValueError(f"a list of {len(value)} values for {n_layer} layers needs a pattern: {', '.join(PATTERNS)}")
+
+
+if __name__ == "__main__":  # python -m kvlab.config > the README's table
+    print(options_table())

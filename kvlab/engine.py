@@ -7,10 +7,12 @@ shapes) and `generate` for a batch of prompts through the caches a `CacheSpec` d
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -25,9 +27,6 @@ from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
 
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
-# Dynamo treats every module buffer as static-shape unless this is off; planned caches mark their slot axis
-# dynamic (`mark_slots_dynamic`) so one compiled decode step serves every plan. Parameters stay static (they never change).
-torch._dynamo.config.force_parameter_static_shapes = False
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,19 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def compile_decode_step(device: torch.device) -> Callable[..., Tensor]:
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
-    return torch.compile(decode_one_token, mode=mode, fullgraph=True)
+def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token) -> Callable[..., Tensor]:
+    """`step` compiled whole (fullgraph; CUDA graphs on a GPU). Dynamo treats every module buffer as
+    static-shape unless force_parameter_static_shapes is off; planned caches mark their slot axis
+    dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. The setting is applied to
+    this step's calls only, not to the importing program."""
+    compiled = torch.compile(step, mode="reduce-overhead" if device.type == "cuda" else "default", fullgraph=True)
+
+    @functools.wraps(step)
+    def run(*args: Any) -> Tensor:
+        with torch._dynamo.config.patch(force_parameter_static_shapes=False):
+            return compiled(*args)
+
+    return run
 
 
 class PrefillRecorder(nn.Module):

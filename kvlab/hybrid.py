@@ -26,6 +26,7 @@ class HybridCache(AttentionScoredCache):
     needs_tokens = True
     takes_prompt_compressor = False  # the policies choose the prompt tokens
     default_recent_window = 1
+    default_cache_length = 1.0  # the policies, not a length, set the compression
     policies = ("special", "special+punct", "special+punct+heavy", "special+punct+heavy+window", "full")
     profile_queries = 32
     options = (
@@ -111,4 +112,3 @@ class HybridCache(AttentionScoredCache):
     def stats(self) -> dict[str, int]:
         counts = torch.bincount(self.policy.flatten(), minlength=len(self.policies)).tolist()
         return {f"heads {name}": c for name, c in zip(self.policies, counts, strict=True)}
-

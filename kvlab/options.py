@@ -49,9 +49,9 @@ def fraction(name: str, default: float | None, help: str, closed: bool = False, 
     return Option(name, (int, float), valid, help, default, (lambda v: 0 <= v <= 1) if closed else (lambda v: 0 < v <= 1), **kw)
 
 
-def choice(name: str, choices: Sequence[Any], default: Any, help: str, **kw: Any) -> Option:
+def choice(name: str, choices: Sequence[Any], default: Any, help: str, valid: str = "", **kw: Any) -> Option:
     types = tuple(dict.fromkeys(type(c) for c in choices))
-    return Option(name, types, f"one of {', '.join(map(str, choices))}", help, default, lambda v: v in choices, **kw)
+    return Option(name, types, valid or f"one of {', '.join(map(str, choices))}", help, default, lambda v: v in choices, **kw)
 
 
 def switch(name: str, help: str, **kw: Any) -> Option:

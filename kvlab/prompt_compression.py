@@ -74,13 +74,14 @@ class SnapKV(PromptCompressor):
     options = (
         integer("snapkv_window", 16, "snapkv: observation window of last prompt queries", param="window"),
         integer("snapkv_kernel", 7, "snapkv: odd pooling kernel size", odd=True, param="kernel"),
-        choice("snapkv_pooling", ("max", "avg"), "max", "snapkv: max or avg pooling", param="pooling"),
+        choice("snapkv_pooling", ("max", "avg"), "max", "snapkv: max or avg pooling", valid="max or avg", param="pooling"),
         choice(
             "snapkv_gqa",
             ("mean", "max", "sum", "query"),
             "mean",
             "snapkv: aggregation over the query heads of a KV head (mean, max, sum), or query: select per query head as the reference "
             "code does, repeating KVs per query head (group-size x memory)",
+            valid="mean, max, sum or query",
             param="gqa",
         ),
     )

@@ -25,6 +25,7 @@ from kvlab.config import CacheSpec
 from kvlab.engine import GREEDY, Sampling, decode_one_token, sample, sync
 from kvlab.model import Transformer
 from kvlab.paged import PagedKV, PoolExhausted
+from kvlab.strategies import CACHE_STRATEGIES
 
 
 @dataclass
@@ -66,8 +67,8 @@ def serve(
     cache (`spec`: every layer kvcompress; its kvc_* options, kvc_pool_blocks the KV memory). The spec's
     cache length is each sequence's budget per layer and KV head: a slot count or a fraction of its own
     prompt + max_new_tokens. `on_finish(index, tokens)` is called as each request completes."""
-    if set(spec.strategies) != {"kvcompress"} or len(set(spec.lengths)) != 1:
-        raise ValueError(f"serving needs kvcompress with one cache length on every layer; got {sorted(set(spec.strategies))}")
+    if not all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies) or len(set(spec.lengths)) != 1:
+        raise ValueError(f"serving needs a paged cache (kvcompress) with one cache length on every layer; got {', '.join(dict.fromkeys(spec.strategies))}")
     cache_length = spec.lengths[0]
     temperature, top_k = sampling.temperature, sampling.top_k
     if max_new_tokens < 1 or max_batch < 1 or not prompts or any(len(p) < 1 for p in prompts):

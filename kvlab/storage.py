@@ -18,7 +18,9 @@ QUANT_BITS = (8, 4, 2)
 KEY_QUANT_AXES = ("token", "channel")
 STORAGE_OPTIONS = (
     choice("cache_bits", QUANT_BITS, None, "store keys and values as packed 8, 4 or 2-bit integers, with any strategy", default_help="the model's dtype"),
-    choice("key_quant_axis", KEY_QUANT_AXES, None, "with --cache_bits: key scales per token or per channel (KIVI)", default_help="token at 8 bits, channel below"),
+    choice(
+        "key_quant_axis", KEY_QUANT_AXES, None, "with --cache_bits: key scales per token or per channel (KIVI)", default_help="token at 8 bits, channel below"
+    ),
 )
 
 

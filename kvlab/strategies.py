@@ -127,10 +127,14 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "kvcompress": KVCompressCache,
 }
 
-# Every scored strategy's own score is also a prompt compressor of the same name (window's is recent_global's).
+# Every scored strategy's own score is also a prompt compressor of the same name.
 PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
     "full": KeepAll(),
-    **{name: cls.own_prompt_compressor() for name, cls in CACHE_STRATEGIES.items() if name != "window" and issubclass(cls, (KeyScoredCache, AttentionScoredCache))},
+    **{
+        name: cls.own_prompt_compressor()
+        for name, cls in CACHE_STRATEGIES.items()
+        if cls.takes_prompt_compressor and issubclass(cls, (KeyScoredCache, AttentionScoredCache)) and name != "window"  # window's is recent_global's
+    },
     "heavy_hitter_mean": AttentionScores(per_query=True),
     "snapkv": SnapKV(),
 }
@@ -144,7 +148,8 @@ def make_prompt_compressor(name: str, **options) -> PromptCompressor:
     compressor = PROMPT_COMPRESSORS[name]
     foreign = sorted(set(options) - {o.name for o in compressor.options})
     if foreign:
-        raise ValueError(f"prompt compression strategy {name!r} does not take {', '.join(foreign)}; they apply to {', '.join({COMPRESSOR_OPTIONS[o] for o in foreign})}")
+        takes = f"takes only {', '.join(o.name for o in compressor.options)}" if compressor.options else "takes no options"
+        raise ValueError(f"prompt compression strategy {name!r} {takes}; got {foreign} (they apply to {', '.join({COMPRESSOR_OPTIONS[o] for o in foreign})})")
     if not options:
         return compressor
     return type(compressor)(**{o.keyword: options[o.name] for o in compressor.options if o.name in options})

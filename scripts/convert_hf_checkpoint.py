@@ -7,13 +7,11 @@ not, + tokenizer files) into a kvlab checkpoint.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from checkpoint import CHECKPOINTS_DIR, convert_hf_checkpoint  # noqa: E402
-from cli import ArgumentParser, run_cli  # noqa: E402
+from kvlab.checkpoint import CHECKPOINTS_DIR
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.convert import convert_hf_checkpoint
 
 
 def convert(args: argparse.Namespace) -> None:

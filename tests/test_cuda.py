@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
-from generate import compile_decode_step, generate
+from conftest import spec_for
+from kvlab.checkpoint import load_checkpoint
+from kvlab.engine import compile_decode_step, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -60,8 +61,8 @@ def test_recall_host_tier_is_pinned_and_decodes_like_the_device_tier_on_cuda(cud
     model, tokenizer, _ = cuda_smollm
     prompt = tokenizer.encode(" ".join(["The history of the printing press begins in Mainz, where Gutenberg worked."] * 30))
     options = dict(tokens_per_cluster=16, sink_tokens=4)
-    device = generate(model, [prompt], 24, "clusterkv", cache_length=96, cache_options=options)
-    host = generate(model, [prompt], 24, "clusterkv", cache_length=96, cache_options={**options, "slow_tier": "host"})
+    device = generate(model, [prompt], 24, spec_for(model, "clusterkv", 96, **options))
+    host = generate(model, [prompt], 24, spec_for(model, "clusterkv", 96, **{**options, "slow_tier": "host"}))
     cache = model.layers[0].attention.kv_cache
     assert cache.storage.k.is_pinned() and cache.fast_k.is_cuda
     assert host.tokens == device.tokens and host.cache_stats["recall: copied from the host tier"] > 0
@@ -70,8 +71,8 @@ def test_recall_host_tier_is_pinned_and_decodes_like_the_device_tier_on_cuda(cud
 def test_kvcompress_compiled_equals_eager_on_cuda_float32(smollm_dir):
     model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
     prompts = [tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)), tokenizer.encode("Water boils at")]
-    kwargs = dict(cache_length=0.25, cache_options=dict(kvc_block_size=16))
-    eager = generate(model, prompts, 32, "kvcompress", **kwargs)
+    spec = spec_for(model, "kvcompress", 0.25, kvc_block_size=16)
+    eager = generate(model, prompts, 32, spec)
     torch._dynamo.reset()
-    compiled = generate(model, prompts, 32, "kvcompress", decode_step=compile_decode_step(torch.device("cuda")), **kwargs)
+    compiled = generate(model, prompts, 32, spec, decode_step=compile_decode_step(torch.device("cuda")))
     assert compiled.tokens == eager.tokens and eager.cache_stats["kvcompress: blocks freed"] > 0

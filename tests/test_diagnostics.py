@@ -6,9 +6,11 @@ import math
 
 import torch
 
-from cache import FullCache, WindowCache
-from diagnostics import AttentionLossProbe
-from generate import generate
+from conftest import spec_for
+from kvlab.cache import FullCache
+from kvlab.diagnostics import AttentionLossProbe
+from kvlab.engine import generate
+from kvlab.strategies import WindowCache
 
 
 def test_attention_loss_is_the_full_attention_mass_on_evicted_tokens():
@@ -29,8 +31,8 @@ def test_no_eviction_means_no_attention_loss(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century")
     for strategy, cache_length in (("full", None), ("window", 64)):
-        loss = generate(model, [prompt], 8, strategy, cache_length=cache_length, attention_loss=True).attention_loss
+        loss = generate(model, [prompt], 8, spec_for(model, strategy, cache_length), attention_loss=True).attention_loss
         assert len(loss["per_layer"]) == model.config.n_layer and len(loss["per_step"]) == 7
         assert max(loss["per_layer"]) < 1e-5
-    evicting = generate(model, [prompt], 8, "window", cache_length=8, cache_options=dict(recent_window=2), attention_loss=True).attention_loss
+    evicting = generate(model, [prompt], 8, spec_for(model, "window", 8, recent_window=2), attention_loss=True).attention_loss
     assert 0.05 < sum(evicting["per_step"]) / 7 < 1

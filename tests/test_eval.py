@@ -12,14 +12,23 @@ import torch.nn.functional as F
 
 import eval as kv_eval
 from conftest import ROOT
-from generate import PrefillRecorder, cache_spec
-from prompt_compression import HeavyHitterCompressor
-from tasks import Example, GenerationTask, resolve_tasks
-from tasks.book import TASKS as BOOKS
-from tasks.book import pg19_books
+from kvlab import evaluate
+from kvlab.build import make_caches
+from kvlab.config import cache_spec
+from kvlab.engine import PrefillRecorder
+from kvlab.prompt_compression import AttentionScores
+from kvlab.tasks import Example, GenerationTask, resolve_tasks
+from kvlab.tasks.book import TASKS as BOOKS
+from kvlab.tasks.book import pg19_books
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from plot import main as plot_main  # noqa: E402
+
+
+def use_echo_task(monkeypatch) -> None:
+    """Both the CLI (which plans the jobs) and the harness (which runs them) resolve task names."""
+    for module in (kv_eval, evaluate):
+        monkeypatch.setattr(module, "resolve_tasks", lambda names: [EchoTask()])
 
 
 class EchoTask(GenerationTask):
@@ -78,19 +87,17 @@ def test_full_cache_perplexity_equals_one_forward_pass(smollm):
     model, tokenizer, _ = smollm
     doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
     spec = cache_spec({}, model.config.n_layer, tokenizer)
-    losses, held = kv_eval.document_nll(model, [doc], spec, kv_eval.score_one_token)
-    model.cache_spec = None
+    losses, held = evaluate.document_nll(model, [doc], spec, evaluate.score_one_token)
+    model.cache_key = None
     with torch.no_grad():
-        from cache import make_caches
-
         a = model.config
         model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 96, a.head_dim, torch.float32))
         logits = model(torch.tensor([doc]), torch.arange(96)[None], prefill=True, logits_at=torch.arange(95)[None])
-    model.cache_spec = None
+    model.cache_key = None
     torch.testing.assert_close(losses[0], F.cross_entropy(logits[0], torch.tensor(doc[1:]), reduction="none"), atol=2e-4, rtol=1e-4)
     assert held.tolist() == [95.0]  # the last token is predicted, never inserted
-    compressed, held = kv_eval.document_nll(
-        model, [doc], cache_spec({"cache_strategy": "recent_global", "max_cache_length": 32}, 30, tokenizer), kv_eval.score_one_token
+    compressed, held = evaluate.document_nll(
+        model, [doc], cache_spec({"cache_strategy": "recent_global", "max_cache_length": 32}, 30, tokenizer), evaluate.score_one_token
     )
     assert held.tolist() == [32.0] and not torch.allclose(compressed, losses)
 
@@ -116,8 +123,8 @@ def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monke
     (run_dir / "book_shakespeare@64.json").unlink()
     jsonl.write_text(finished[0] + "\n" + finished[1][:20])
     computed = []
-    original = kv_eval.document_nll
-    monkeypatch.setattr(kv_eval, "document_nll", lambda model, docs, *a: computed.append(len(docs)) or original(model, docs, *a))
+    original = evaluate.document_nll
+    monkeypatch.setattr(evaluate, "document_nll", lambda model, docs, *a: computed.append(len(docs)) or original(model, docs, *a))
     run_eval(tmp_path, *args)
     assert computed == [2]  # one batch (padded to 2) for the two unfinished documents; the full run was not touched
     resumed = jsonl.read_text().splitlines()
@@ -128,11 +135,11 @@ def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monke
 
 
 def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    use_echo_task(monkeypatch)
     args = ["--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "5"]
     calls = []
-    original = kv_eval.generate
-    monkeypatch.setattr(kv_eval, "generate", lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k))
+    original = evaluate.generate
+    monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k))
     run_eval(tmp_path, *args)
     records = [json.loads(line) for line in (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == [f"echo/{i}" for i in range(5)] and calls == [2, 2, 2]  # the last batch padded to 2
@@ -150,11 +157,11 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
 def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
     """Prefill once per batch for all configs and sizes, prompt scores once per compressor: the same
     predictions as separate runs, with one prefill and one H2O scoring per batch."""
-    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    use_echo_task(monkeypatch)
     recorded, scored = [], []
-    original_record, original_score = PrefillRecorder.prefill, HeavyHitterCompressor.__call__
+    original_record, original_score = PrefillRecorder.prefill, AttentionScores.__call__
     monkeypatch.setattr(PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original_record(self, *a))
-    monkeypatch.setattr(HeavyHitterCompressor, "__call__", lambda self, *a: scored.append(1) or original_score(self, *a))
+    monkeypatch.setattr(AttentionScores, "__call__", lambda self, *a: scored.append(1) or original_score(self, *a))
     configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv", "squeeze_heavy_hitter"], ["0.9", "0.8"]
     run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", *sizes, "--num_samples", "4")
     assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 9 runs (squeeze plans from the same prefill)
@@ -175,7 +182,7 @@ def test_worker_processes_share_a_job_queue(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_sweep_compiles_once_per_config_not_per_batch(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    use_echo_task(monkeypatch)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     run_eval(tmp_path, "--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "6", "--compile")
@@ -209,15 +216,15 @@ def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
     (decoded through the cache) together equal one causal forward; a compressed cache differs only after the prompt."""
     model, tokenizer, _ = smollm
     doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
-    one_token, _ = kv_eval.document_nll(model, [doc], cache_spec({}, 30, tokenizer), kv_eval.score_one_token)
-    prompted, held = kv_eval.document_nll(model, [doc], cache_spec({}, 30, tokenizer), kv_eval.score_one_token, prompt_tokens=40)
+    one_token, _ = evaluate.document_nll(model, [doc], cache_spec({}, 30, tokenizer), evaluate.score_one_token)
+    prompted, held = evaluate.document_nll(model, [doc], cache_spec({}, 30, tokenizer), evaluate.score_one_token, prompt_tokens=40)
     torch.testing.assert_close(prompted, one_token, atol=2e-4, rtol=1e-4)
     assert held.tolist() == [95.0]
-    squeezed, held = kv_eval.document_nll(
+    squeezed, held = evaluate.document_nll(
         model,
         [doc],
         cache_spec({"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "layer_budget": "squeeze"}, 30, tokenizer),
-        kv_eval.score_one_token,
+        evaluate.score_one_token,
         prompt_tokens=40,
     )
     torch.testing.assert_close(squeezed[:, :40], one_token[:, :40], atol=2e-4, rtol=1e-4)
@@ -227,7 +234,7 @@ def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
 def test_attention_metrics_record_recall_per_example(tmp_path, monkeypatch):
     """--attention_metrics: every example records its attention loss and top-B recall; a budget covering
     the sequence recalls everything; the summary carries the means."""
-    monkeypatch.setattr(kv_eval, "resolve_tasks", lambda names: [EchoTask()])
+    use_echo_task(monkeypatch)
     (tmp_path / "quest.yaml").write_text("cache_strategy: quest\nsink_tokens: 2\npage_size: 4\n")
     (tmp_path / "clusterkv.yaml").write_text("cache_strategy: clusterkv\nsink_tokens: 2\ntokens_per_cluster: 4\n")
     configs = [str(tmp_path / "quest.yaml"), str(tmp_path / "clusterkv.yaml")]

@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from cache import HybridCache
 from conftest import ROOT
-from generate import compile_decode_step, generate, read_prompts, sample
+from generate import read_prompts
+from kvlab.engine import Sampling, compile_decode_step, generate, sample
+from kvlab.hybrid import HybridCache
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -54,7 +55,7 @@ def test_sampled_generation_is_reproducible_per_seed(smollm):
     runs = []
     for seed in (7, 7, 8):
         torch.manual_seed(seed)
-        runs.append(generate(model, [prompt], 10, temperature=1.0, top_k=50).tokens)
+        runs.append(generate(model, [prompt], 10, sampling=Sampling(1.0, 50)).tokens)
     assert runs[0] == runs[1] != runs[2]
 
 

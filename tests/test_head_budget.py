@@ -9,9 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache import HeavyHitterCache, adakv_slots, make_caches
-from generate import compile_decode_step, generate
-from prompt_compression import PromptCompressor
+from conftest import spec_for
+from kvlab.build import make_caches
+from kvlab.cache import adakv_slots
+from kvlab.engine import compile_decode_step, generate
+from kvlab.prompt_compression import PromptCompressor
+from kvlab.strategies import HeavyHitterCache
 
 
 class FixedScores(PromptCompressor):
@@ -89,27 +92,27 @@ def test_make_caches_rejects_a_bad_head_budget():
 
 def test_generate_with_adakv_keeps_each_layer_total_batches_and_compiles(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
-    kwargs = dict(
-        cache_length=0.5, cache_options=dict(global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=3, head_budget="adakv")
+    spec = spec_for(
+        tiny_model, "heavy_hitter", 0.5, global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=3, head_budget="adakv"
     )
-    eager = generate(tiny_model, prompts, 16, "heavy_hitter", **kwargs)
+    eager = generate(tiny_model, prompts, 16, spec)
     cfg = tiny_model.config
     caches = [layer.attention.kv_cache for layer in tiny_model.layers]
     assert {c.capacity for c in caches} == {adakv_slots(round(0.5 * 36), cfg.n_local_heads)}  # widened for the largest share
     for row, prompt in enumerate(prompts):
         budget = round(0.5 * (len(prompt) + 16))
         assert [sum(heads) for heads in eager.head_budgets[row]] == [cfg.n_local_heads * budget] * cfg.n_layer
-        assert generate(tiny_model, [prompt], 16, "heavy_hitter", **kwargs).tokens[0] == eager.tokens[row]
+        assert generate(tiny_model, [prompt], 16, spec).tokens[0] == eager.tokens[row]
     assert any(len(set(heads)) > 1 for heads in eager.head_budgets[0])
     torch._dynamo.reset()
-    compiled = generate(tiny_model, prompts, 16, "heavy_hitter", decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    compiled = generate(tiny_model, prompts, 16, spec, decode_step=compile_decode_step(torch.device("cpu")))
     assert compiled.tokens == eager.tokens and compiled.head_budgets == eager.head_budgets
 
 
 def test_ada_pyramidkv_combines_layer_and_head_budgets(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 12)
-    options = dict(prompt_compression_strategy="snapkv", head_budget="adakv")
-    result = generate(model, [prompt], 6, "heavy_hitter", cache_length=0.25, layer_budget="pyramid", cache_options=options)
+    spec = spec_for(model, "heavy_hitter", 0.25, layer_budget="pyramid", prompt_compression_strategy="snapkv", head_budget="adakv")
+    result = generate(model, [prompt], 6, spec)
     assert [sum(heads) for heads in result.head_budgets[0]] == [model.config.n_local_heads * b for b in result.layer_budgets[0]]
     assert len(set(result.layer_budgets[0])) > 1

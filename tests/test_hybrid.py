@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cache import HybridCache
-from generate import generate
+from conftest import spec_for
+from kvlab.engine import generate
+from kvlab.hybrid import HybridCache
 
 SPECIAL, PUNCT, WORD = 1, 2, 5
 
@@ -73,7 +74,8 @@ def test_hybrid_generates_with_a_model_and_stronger_recovery_keeps_more(tiny_mod
     prompts = [[1, 9, 27, 17, 2, 25, 11, 33, 5, 40, 2, 6, 9, 12, 2, 30], [1, 21, 63, 2, 8, 7]]
     held_tokens = []
     for frac in (0.5, 0.99):
-        result = generate(tiny_model, prompts, 12, "hybrid", cache_options=dict(min_recovery_frac=frac, special_ids=(1,), punctuation_ids=(2,)))
+        spec = spec_for(tiny_model, "hybrid", token_classes=dict(special_ids=(1,), punctuation_ids=(2,)), min_recovery_frac=frac)
+        result = generate(tiny_model, prompts, 12, spec)
         assert sum(result.cache_stats.values()) == 2 * 2 * 2  # layers x sequences x KV heads
         held_tokens.append(sum(result.tokens_held))
     assert held_tokens[0] < held_tokens[1]

@@ -11,9 +11,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from tasks import Example, render_prompt
-from tasks import longbench as lb
-from tasks.longbench import TASKS, LongBenchTask, load_longbench, truncate_middle
+from kvlab.tasks import Example, render_prompt
+from kvlab.tasks import longbench as lb
+from kvlab.tasks.longbench import TASKS, LongBenchTask, load_longbench, truncate_middle
 
 # Independent copies of LongBench's eval.py dataset2metric and config/dataset2maxlen.json.
 EXPECTED = {

@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cache import FullCache, make_caches
-from checkpoint import default_gguf_path
 from conftest import paul_graham_text
-from generate import generate
-from model import KNOWN_MODELS, ModelArgs, attention_mask, grouped_attention, known_model_name
+from kvlab.build import make_caches
+from kvlab.cache import FullCache
+from kvlab.checkpoint import KNOWN_MODELS, known_model_name
+from kvlab.convert import default_gguf_path, hf_model_args
+from kvlab.engine import generate
+from kvlab.model import ModelArgs, attention_mask, grouped_attention
 
 
 def full_caches(model, batch_size: int, capacity: int, cls=FullCache):
@@ -162,7 +164,7 @@ def test_default_model_is_recognised_as_smollm2_135m(smollm):
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
 def test_known_model_configs_build(name):
-    args = ModelArgs(**KNOWN_MODELS[name])
+    args = ModelArgs(**KNOWN_MODELS[name].args)
     assert args.n_head % args.n_local_heads == 0 and args.head_dim > 0
 
 
@@ -182,7 +184,7 @@ def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
         "tie_word_embeddings": False,
         "hidden_act": "silu",
     }
-    assert ModelArgs.from_hf_config(hf) == ModelArgs(**KNOWN_MODELS["Llama-3.1-8B"])
+    assert hf_model_args(hf) == ModelArgs(**KNOWN_MODELS["Llama-3.1-8B"].args)
     qwen = {
         "model_type": "qwen2",
         "vocab_size": 151936,
@@ -196,13 +198,13 @@ def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         "tie_word_embeddings": True,
     }
-    assert ModelArgs.from_hf_config(qwen) == ModelArgs(**KNOWN_MODELS["Qwen2.5-0.5B"])
+    assert hf_model_args(qwen) == ModelArgs(**KNOWN_MODELS["Qwen2.5-0.5B"].args)
 
 
 def test_unknown_model_family_and_config_keys_are_rejected():
-    from model import ConfigError
+    from kvlab.model import ConfigError
 
     with pytest.raises(ConfigError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2"):
-        ModelArgs.from_hf_config({"model_type": "gpt2"})
+        hf_model_args({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match=r"unknown model config keys \['n_embd'\]"):
-        ModelArgs.from_dict(dict(KNOWN_MODELS["SmolLM2-135M"], n_embd=3))
+        ModelArgs.from_dict(dict(KNOWN_MODELS["SmolLM2-135M"].args, n_embd=3))

@@ -12,10 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generate import compile_decode_step, generate
-from model import grouped_attention
-from paged import PagedKV, PoolExhausted
-from serving import serve
+from conftest import spec_for
+from kvlab.engine import compile_decode_step, generate
+from kvlab.model import grouped_attention
+from kvlab.paged import PagedKV, PoolExhausted
+from kvlab.serving import serve
 from test_generate import run_cli
 
 
@@ -220,21 +221,22 @@ def test_an_exhausted_pool_says_so():
 
 def test_kvcompress_without_eviction_equals_the_full_cache(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
-    full = generate(tiny_model, prompts, 16, "full", max_seq_length=40)
-    paged = generate(tiny_model, prompts, 16, "kvcompress", max_seq_length=40, cache_length=40, cache_options=dict(kvc_block_size=4))
+    full = generate(tiny_model, prompts, 16, spec_for(tiny_model, "full"), max_seq_length=40)
+    paged = generate(tiny_model, prompts, 16, spec_for(tiny_model, "kvcompress", 40, kvc_block_size=4), max_seq_length=40)
     assert paged.tokens == full.tokens and paged.cache_stats["kvcompress: blocks freed"] == 0
 
 
 def test_kvcompress_batch_equals_one_by_one_and_compiled_equals_eager(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
-    kwargs = dict(cache_length=0.4, cache_options=dict(kvc_block_size=2, kvc_window=4, kvc_protect=3), max_seq_length=44)
-    batch = generate(tiny_model, prompts, 24, "kvcompress", **kwargs)
-    alone = [generate(tiny_model, [p], 24, "kvcompress", **kwargs) for p in prompts]
+    spec = spec_for(tiny_model, "kvcompress", 0.4, kvc_block_size=2, kvc_window=4, kvc_protect=3)
+    kwargs = dict(max_seq_length=44)
+    batch = generate(tiny_model, prompts, 24, spec, **kwargs)
+    alone = [generate(tiny_model, [p], 24, spec, **kwargs) for p in prompts]
     assert [a.tokens[0] for a in alone] == batch.tokens
     assert batch.cache_stats["kvcompress: blocks freed"] > 0
-    assert batch.tokens != generate(tiny_model, prompts, 24, "full", max_seq_length=44).tokens  # compression changed something
+    assert batch.tokens != generate(tiny_model, prompts, 24, spec_for(tiny_model, "full"), max_seq_length=44).tokens  # compression changed something
     torch._dynamo.reset()
-    compiled = generate(tiny_model, prompts, 24, "kvcompress", decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    compiled = generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
     assert compiled.tokens == batch.tokens and compiled.cache_stats == batch.cache_stats
 
 
@@ -243,8 +245,8 @@ SERVED = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13,
 
 def test_continuous_batching_equals_one_by_one_and_frees_every_block(tiny_model):
     options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3)
-    alone = [generate(tiny_model, [p], 20, "kvcompress", cache_length=0.4, cache_options=options, max_seq_length=40).tokens[0] for p in SERVED]
-    result = serve(tiny_model, SERVED, 20, 2, 0.4, options, max_seq_length=40)
+    alone = [generate(tiny_model, [p], 20, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40).tokens[0] for p in SERVED]
+    result = serve(tiny_model, SERVED, 20, 2, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40)
     assert result.tokens == alone and result.preemptions == 0
     assert max(result.rows_in_flight) == 2 and result.rows_in_flight[-1] == 1  # the third request joined when a row freed
     paged = tiny_model.layers[0].attention.kv_cache.paged
@@ -254,12 +256,13 @@ def test_continuous_batching_equals_one_by_one_and_frees_every_block(tiny_model)
 def test_a_fixed_pool_holds_more_compressed_sequences_and_preempts_when_it_runs_out(tiny_model):
     prompts = SERVED * 2
     options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3, kvc_pool_blocks=120)
-    full, compressed = (serve(tiny_model, prompts, 16, 6, length, options, max_seq_length=40) for length in (1.0, 0.25))
+    full, compressed = (serve(tiny_model, prompts, 16, 6, spec_for(tiny_model, "kvcompress", length, **options), max_seq_length=40) for length in (1.0, 0.25))
     assert max(compressed.rows_in_flight) > max(full.rows_in_flight) and full.peak_blocks <= 120 >= compressed.peak_blocks
-    uncompressible = serve(tiny_model, prompts, 16, 6, 0.25, {**options, "kvc_protect": 40, "kvc_pool_blocks": 90}, max_seq_length=40)
+    protected = spec_for(tiny_model, "kvcompress", 0.25, **{**options, "kvc_protect": 40, "kvc_pool_blocks": 90})
+    uncompressible = serve(tiny_model, prompts, 16, 6, protected, max_seq_length=40)
     assert uncompressible.preemptions > 0 and [len(t) for t in uncompressible.tokens] == [16] * len(prompts)  # every KV protected: they outgrow the pool
     with pytest.raises(ValueError, match=r"request 0 \(20 prompt tokens\) needs 48 blocks; the pool has 30"):
-        serve(tiny_model, prompts, 4, 2, 1.0, {**options, "kvc_pool_blocks": 30}, max_seq_length=40)
+        serve(tiny_model, prompts, 4, 2, spec_for(tiny_model, "kvcompress", 1.0, **{**options, "kvc_pool_blocks": 30}), max_seq_length=40)
 
 
 def test_cli_serves_a_prompts_file(tmp_path):

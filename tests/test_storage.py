@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cache import make_caches
 from conftest import paul_graham_text
-from storage import QuantizedKVStorage
+from kvlab.build import make_caches
+from kvlab.storage import QuantizedKVStorage
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -53,7 +53,7 @@ def test_memory_is_the_packed_size(bits, key_axis):
 def teacher_forced_logits(model, ids, n_prompt, **options):
     a = model.config
     model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32, **options))
-    model.cache_spec = None
+    model.cache_key = None
     with torch.no_grad():
         model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], prefill=True)
         return torch.cat([model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(n_prompt, len(ids))])

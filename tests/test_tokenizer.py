@@ -16,15 +16,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from tokenizer import (
-    LLAMA3_PATTERN,
-    LLAMA3_SPECIAL_NAMES,
-    QWEN2_PATTERN,
-    SentencePieceTokenizer,
-    load_tokenizer,
-    tokenizer_files_from_gguf,
-    tokenizer_files_from_hf,
-)
+from kvlab.convert import tokenizer_files_from_gguf, tokenizer_files_from_hf
+from kvlab.tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL_NAMES, QWEN2_PATTERN, SentencePieceTokenizer, load_tokenizer
 
 
 def package_dir(name: str) -> Path | None:

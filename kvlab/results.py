@@ -1,0 +1,83 @@
+"""Results on disk: one JSON line per finished example (appended and synced as it finishes, so an
+interrupted sweep resumes where it stopped), and summaries over every finished task of a results directory."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+FULL = "full"
+
+
+def read_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished examples of a .jsonl by id; a line cut short by a kill is dropped (and redone)."""
+    records = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record["id"]] = record
+    return records
+
+
+def rewrite_complete_lines(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Drop a torn last line before appending, so the file stays one JSON object per line."""
+    if path.exists() and len(path.read_text().splitlines()) != len(records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_summary(out_dir: Path) -> list[dict[str, Any]]:
+    """summary.csv and summary.md over every finished task in out_dir, each score also relative to the
+    full cache of the same model, task and context length."""
+    rows = []
+    for path in sorted(out_dir.glob("*/*/*/*@*.json")):
+        model_name, config, size = path.parts[-4:-1]
+        task, ctx = path.stem.split("@")
+        metrics = json.loads(path.read_text())
+        rows.append(
+            dict(
+                model=model_name,
+                config=config,
+                size=size,
+                task=task,
+                context_length=int(ctx),
+                **{k: metrics[k] for k in ("metric", "value", "n", "compression")},
+                **{k: metrics.get(k) for k in ("attention_loss", "topb_recall")},
+            )
+        )
+    full = {(r["model"], r["task"], r["context_length"]): r["value"] for r in rows if r["size"] == FULL}
+    for r in rows:
+        reference = full.get((r["model"], r["task"], r["context_length"]))
+        r["relative_to_full"] = r["value"] / reference if reference else None
+    if rows:
+        with (out_dir / "summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (out_dir / "summary.md").write_text(markdown_table(rows))
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rows: task@context (metric); columns: config@size; cells: value (relative to full)."""
+    columns = list(dict.fromkeys(f"{r['config']}@{r['size']}" for r in rows))
+    cells: dict[str, dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        relative = "" if r["relative_to_full"] is None or r["size"] == FULL else f" ({r['relative_to_full']:.2f})"
+        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][f"{r['config']}@{r['size']}"] = f"{r['value']:.2f}{relative}"
+    lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
+    return "\n".join(lines) + "\n"
