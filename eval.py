@@ -15,6 +15,9 @@ compress_first_token, so even a one-token answer is computed from the compressed
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.evaluate import Evaluator, jobs_for, parse_size, run_parallel
+from kvlab.evaluate import Evaluator, jobs_for, parse_size, prepare_runs, run_parallel
 from kvlab.results import FULL, markdown_table, write_summary
 from kvlab.tasks import PerplexityTask, resolve_tasks
 
@@ -68,6 +71,26 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def locked_out_dir(out_dir: Path):
+    """Create --out_dir and hold an exclusive lock on it for the run: two sweeps writing one directory would interleave records."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out_dir {out_dir} is a file, not a directory; choose a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = (out_dir / ".lock").open("a")
+    except OSError as e:
+        raise ValueError(f"--out_dir {out_dir} is not writable ({e.strerror}); choose a writable directory") from None
+    with lock:
+        if not os.access(out_dir, os.W_OK):
+            raise ValueError(f"--out_dir {out_dir} is not writable; choose a writable directory")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another eval.py is writing to {out_dir}; wait for it, or choose another --out_dir") from None
+        yield
+
+
 def run(args: argparse.Namespace) -> None:
     if args.num_samples < 1 or args.batch_size < 1 or args.workers < 1:
         raise ValueError(f"--num_samples, --batch_size and --workers must be >= 1, got {args.num_samples}, {args.batch_size}, {args.workers}")
@@ -75,18 +98,29 @@ def run(args: argparse.Namespace) -> None:
     if args.attention_metrics and (args.compile or any(isinstance(t, PerplexityTask) for t in tasks)):
         raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
     jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
-    t0 = time.perf_counter()
-    if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):
-        run_parallel(jobs, args)
-    else:
-        Evaluator(args, args.device).run(jobs)
-    rows = write_summary(args.out_dir)
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
+    done = prepare_runs(jobs, args)  # checks the checkpoint name, context lengths and each run's key before anything is written
+    with locked_out_dir(args.out_dir):
+        if done:
+            print(f"resuming: {done} example(s) already done in {args.out_dir}, not recomputed", file=sys.stderr)
+        t0 = time.perf_counter()
+        if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):
+            run_parallel(jobs, args)
+        else:
+            Evaluator(args, args.device).run(jobs)
+        rows = write_summary(args.out_dir)
     print(markdown_table(rows), end="")
     print(f"{len(jobs)} jobs in {time.perf_counter() - t0:.0f} s; results in {args.out_dir}/ (summary.csv, summary.md)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(run, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    try:
+        run_cli(run, args)
+    except KeyboardInterrupt:
+        print("interrupted; rerun to resume", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

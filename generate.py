@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +23,7 @@ import torch
 from kvlab.build import cache_slots
 from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import ArgumentParser, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
-from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, load_cache_config, resolve_settings
+from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
 from kvlab.convert import default_checkpoint
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, prefill
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
@@ -32,21 +34,39 @@ DEFAULT_PROMPT = "The history of the printing press begins"
 
 
 def read_prompts(values: Sequence[str]) -> list[str]:
-    """Each --prompt is literal text, or a path to a .txt file whose contents are the prompt."""
+    """Each --prompt is a path to an existing text file (read, whatever its suffix), or else literal text.
+    A directory, a file that is not UTF-8 text, or a missing file ending in .txt is an error."""
     prompts = []
     for value in values:
-        if value.endswith(".txt"):
-            path = Path(value)
-            if not path.is_file():
-                raise ValueError(f"prompt file {value!r} does not exist")
-            value = path.read_text()
+        try:
+            exists = bool(value) and os.path.exists(value)
+        except (OSError, ValueError):  # e.g. a long literal prompt: too long to be a path
+            exists = False
+        if exists:
+            if os.path.isdir(value):
+                raise ValueError(f"--prompt {value!r} is a directory; give a text file or the prompt text itself")
+            try:
+                data = Path(value).read_bytes()
+                if b"\0" in data:
+                    raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+                value = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"--prompt {value!r} is not a UTF-8 text file; give a text file or the prompt text itself") from None
+            except OSError as e:
+                raise ValueError(f"--prompt {value!r} cannot be read ({e.strerror}); give a text file or the prompt text itself") from None
+        elif value.endswith(".txt"):
+            raise ValueError(f"prompt file {value!r} does not exist")
         prompts.append(value)
     return prompts
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", action="append", help=f"prompt text, or a path to a .txt file; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help=f"prompt text, or a path to a text file (read when the path exists); repeat for several prompts (default: {DEFAULT_PROMPT!r})",
+    )
     p.add_argument(
         "--prompts_file",
         type=Path,
@@ -92,6 +112,8 @@ def build_parser() -> ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
+    if not math.isfinite(args.temperature):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature} (0 means greedy)")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.compile and settings.get("slow_tier") == "host":
@@ -110,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     model, tokenizer, config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype)
-    spec = cache_spec(settings, model.config.n_layer, tokenizer)
+    spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"Loaded {config['name']} ({params:.1f}M params, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
@@ -181,7 +203,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    run_cli(run, build_parser().parse_args(argv))
+    try:
+        run_cli(run, build_parser().parse_args(argv))
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's exit status for SIGINT
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ throughput with a fixed KV memory budget (how many sequences fit, total tokens/s
 Writes bench/results/kvcompress_<device>.md.
 
 1. Bytes: one prompt, `--new_tokens` greedy tokens, per compression rate r (each sequence's budget is
-   1/r of its tokens x layers x KV heads): the blocks kvcompress holds at the end x block bytes, against
-   a full cache's bytes; beside it the dense buffers of uniform SnapKV and of dense Ada-SnapKV (whose
+   1/r of its tokens x layers x KV heads): the blocks kvcompress holds at the end x block bytes (and the
+   bytes its default pool allocates, sized from the budget), against a full cache's bytes; beside it the dense buffers of uniform SnapKV and of dense Ada-SnapKV (whose
    buffers must be as wide as the largest head's share) at the same budget.
 2. Throughput: `--requests` prompts of `--prompt_length` tokens (different stretches of one text), each
    generating `--new_tokens` tokens (stop tokens ignored), with KV memory for `--memory_sequences`
@@ -36,7 +36,7 @@ def bytes_table(bench: Bench, prompt: list[int], new_tokens: int, rates: list[in
     for rate in rates:
         length = 1.0 / rate
         paged = generate(model, [prompt], new_tokens, bench.spec("kvcompress", length), recorded=shared)
-        blocks = paged.cache_stats["kvcompress: blocks in use"]
+        blocks, in_use = paged.cache_stats["kvcompress: blocks in use"], paged.cache_stats["kvcompress: bytes in use"]
         dense = [
             generate(model, [prompt], new_tokens, bench.spec("heavy_hitter", length, **o), recorded=shared)
             for o in (SNAPKV, {**SNAPKV, "head_budget": "adakv"})
@@ -45,14 +45,15 @@ def bytes_table(bench: Bench, prompt: list[int], new_tokens: int, rates: list[in
         spread = f"{min(paged.tokens_held):.0f}-{max(paged.tokens_held):.0f}"
         report(
             rows,
-            f"| {rate}x | {held:.0f} ({spread}) | {blocks} | {paged.kv_cache_bytes / 2**20:.1f} | {full.full_cache_bytes / paged.kv_cache_bytes:.2f}x | "
+            f"| {rate}x | {held:.0f} ({spread}) | {blocks} | {in_use / 2**20:.1f} | {full.full_cache_bytes / in_use:.2f}x | {paged.kv_cache_bytes / 2**20:.1f} | "
             f"{dense[0].kv_cache_bytes / 2**20:.1f} | {dense[1].kv_cache_bytes / 2**20:.1f} |",
         )
     return [
         f"## Physical KV bytes, one {len(prompt)}-token prompt + {new_tokens} tokens (full cache: {full.full_cache_bytes / 2**20:.1f} MiB)",
         "",
         *table(
-            "rate | tokens held per layer and head (layer range) | blocks in use | kvcompress MiB | full / kvcompress | dense SnapKV MiB | dense Ada-SnapKV MiB",
+            "rate | tokens held per layer and head (layer range) | blocks in use | kvcompress MiB in use | full / kvcompress in use | "
+            "kvcompress pool MiB allocated (default pool) | dense SnapKV MiB | dense Ada-SnapKV MiB",
             rows,
         ),
     ]

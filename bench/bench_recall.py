@@ -7,14 +7,17 @@ Writes bench/results/recall_<device>.md. Recall = the share of each step's B tok
 full attention (per query head) that the cache attends, B = the tokens it attends; attention loss = the
 full attention mass on tokens it does not attend. Both from a full cache run alongside (eager), averaged
 over decode steps, layers and heads. Decode speed is measured in a separate run without the probe, in
-the same process, as a ratio to the full cache. Fast-tier bytes = what one decode step attends (budget
-x layers x heads), against the full cache's bytes; the slow tier of clusterkv/quest holds every token.
+the same process, as a ratio to the full cache. Fast-tier bytes = the key/value bytes the cache keeps on
+the device, measured from its buffers, against the full cache's (its buffers for the prompt + new tokens):
+for clusterkv/quest with --slow_tier host (the history in host memory, the device holding the fast tier:
+fast_k, fast_v and their slot ids); for evicting caches, their whole (budget-sized) storage.
 """
 
 from __future__ import annotations
 
 from common import bench_parser, decode_rate, load_bench, mean, parse_bench_args, report, table, write_results
 from kvlab.engine import RecordedPrefill, generate
+from kvlab.recall import RecallableCache
 
 RUNS = {  # name: (strategy, cache options)
     "clusterkv": ("clusterkv", {}),
@@ -22,6 +25,20 @@ RUNS = {  # name: (strategy, cache options)
     "snapkv": ("heavy_hitter", dict(prompt_compression_strategy="snapkv")),
     "heavy_hitter": ("heavy_hitter", {}),
 }
+RECALLABLE = ("clusterkv", "quest")  # the runs with a slow tier to move to host memory
+
+
+def device_bytes(bench, host_spec, prompt, shared, timed) -> int:
+    """Key/value bytes on the device: a recallable cache's fast tier (`host_spec`: its slow tier in host
+    memory), measured on a one-token run (the buffers do not depend on the run's length); for any other
+    cache (host_spec None), its storage in the timed run."""
+    if host_spec is None:
+        return timed.kv_cache_bytes
+    model = bench.model
+    generate(model, [prompt], 1, host_spec, recorded=shared)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    assert all(isinstance(c, RecallableCache) and c.slow_tier == "host" for c in caches)
+    return sum(c.device_nbytes() for c in caches)
 
 
 def main() -> None:
@@ -48,7 +65,8 @@ def main() -> None:
             timed = generate(model, [prompt], args.new_tokens, spec, recorded=shared)
             recall, loss = (mean(probed.attention_loss[k]) for k in ("recall_per_step", "per_step"))
             speed = decode_rate(timed) / decode_rate(full)
-            fast = budget / full.sequence_length
+            fast = device_bytes(bench, bench.spec(strategy, budget, **options, slow_tier="host") if name in RECALLABLE else None, prompt, shared, timed)
+            fast /= full.kv_cache_bytes
             reuse = timed.cache_stats.get("recall: also selected in the previous reuse_steps", 0) / timed.cache_stats.get("recall: selected tokens", 1)
             report(
                 rows,

@@ -187,10 +187,12 @@ class EvictionCache(KVCache):
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
         self.recent_window = self.default_recent_window if recent_window is None else recent_window
         self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
-        if self.global_tokens < 0 or self.recent_window < 1 or self.global_tokens + self.recent_window >= capacity:
+        if self.global_tokens < 0 or self.recent_window < 1:
+            raise ValueError(f"{type(self).__name__}: need --global_tokens >= 0 and --recent_window >= 1; got {self.global_tokens} and {self.recent_window}")
+        if self.global_tokens + self.recent_window >= capacity:
             raise ValueError(
-                f"{type(self).__name__}: need global_tokens >= 0, recent_window >= 1 and global_tokens + recent_window < cache length; "
-                f"got {self.global_tokens} + {self.recent_window} for a cache of {capacity} slots"
+                f"{type(self).__name__}: --max_cache_length gives {capacity} slots here; the cache needs more than "
+                f"--global_tokens {self.global_tokens} + --recent_window {self.recent_window}: raise --max_cache_length or lower --recent_window/--global_tokens"
             )
         # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
@@ -205,9 +207,9 @@ class EvictionCache(KVCache):
         smallest, largest = int(capacities.min()), int(capacities.max())
         if smallest <= self.global_tokens + self.recent_window or largest > self.capacity:
             raise ValueError(
-                f"{type(self).__name__}: per-sequence cache lengths must exceed global_tokens + recent_window "
-                f"({self.global_tokens} + {self.recent_window}) and fit the {self.capacity} slots; got {capacities.tolist()} "
-                "(raise --max_cache_length or lower --global_tokens/--recent_window)"
+                f"{type(self).__name__}: --max_cache_length gives {capacities.tolist()} slots per sequence here (at most {self.capacity}); "
+                f"each needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: "
+                "raise --max_cache_length or lower --recent_window/--global_tokens"
             )
         self.row_budget.copy_(capacities.view(-1, 1, 1))
         self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))

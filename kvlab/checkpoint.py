@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -33,6 +34,25 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing or cannot be read or converted."""
 
 
+def contained(directory: Path, name: str, what: str) -> Path:
+    """`directory / name`, refused (CheckpointError) when it resolves outside `directory` (an absolute
+    name, `..` or a symlink out): file names read from a checkpoint's or model's JSON must stay inside."""
+    directory = Path(directory)
+    path = directory / name
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{what} {name!r} lies outside {directory}; a checkpoint may only name files inside its own directory")
+    return path
+
+
+def reconvert_hint(checkpoint_dir: Path) -> str:
+    """How to get a good copy of this checkpoint back."""
+    from kvlab.convert import DEFAULT_MODEL  # convert imports this module
+
+    if Path(checkpoint_dir).resolve() == (Path(CHECKPOINTS_DIR) / DEFAULT_MODEL).resolve():
+        return f"delete {checkpoint_dir}; it is converted again on first use"
+    return f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {checkpoint_dir} and convert again)"
+
+
 def load_checkpoint(
     checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
@@ -44,21 +64,46 @@ def load_checkpoint(
             f"no kvlab checkpoint at {checkpoint_dir} (no config.json); convert one with "
             "scripts/convert_hf_checkpoint.py, or omit --checkpoint_path to use the default model"
         )
-    config = json.loads(config_path.read_text())
+    hint = reconvert_hint(checkpoint_dir)
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e}), the checkpoint is damaged; {hint}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object, got {type(config).__name__}; {hint}")
     if config.get("format") != FORMAT:
         raise CheckpointError(f"{config_path} has format {config.get('format')!r}; expected {FORMAT!r}")
-    args = ModelArgs.from_dict(config["model"])
+    for section in ("model", "tokenizer"):
+        if not isinstance(config.get(section), dict):
+            raise CheckpointError(f"{config_path}: no {section!r} section, the checkpoint is incomplete; {hint}")
+    try:
+        args = ModelArgs.from_dict(config["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: bad 'model' section ({e}); {hint}") from None
+    tok_config = config["tokenizer"]
+    if "file" in tok_config:
+        contained(checkpoint_dir, str(tok_config["file"]), f"{config_path}: tokenizer file")
     with torch.device("meta"):
         model = Transformer(args)
-    state = {k: v.to(dtype) for k, v in load_file(checkpoint_dir / "model.safetensors", device=str(device)).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    weights_path = checkpoint_dir / "model.safetensors"
+    try:
+        state = {k: v.to(dtype) for k, v in load_file(weights_path, device=str(device)).items()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights_path}: cannot be read ({e}); {hint}") from None
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:
+        shapes = " ".join(line.strip() for line in str(e).splitlines()[1:3])
+        raise CheckpointError(f"{weights_path}: weight shapes do not match {config_path} ({shapes} ...); {hint}") from None
     allowed_missing = {"output.weight"} if args.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
-        raise CheckpointError(f"{checkpoint_dir}: weights do not match the config (missing {sorted(set(missing) - allowed_missing)}, unexpected {unexpected})")
+        raise CheckpointError(
+            f"{weights_path}: weights do not match {config_path} (missing {sorted(set(missing) - allowed_missing)}, unexpected {unexpected}); {hint}"
+        )
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
-    tokenizer = load_tokenizer(checkpoint_dir, config["tokenizer"])
+    tokenizer = load_tokenizer(checkpoint_dir, tok_config)
     return model.eval(), tokenizer, config
 
 

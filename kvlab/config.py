@@ -89,9 +89,10 @@ class CacheSpec:
         return cls(["full"] * n_layer, [None] * n_layer)
 
 
-def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None) -> CacheSpec:
+def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None, source: str | None = None) -> CacheSpec:
     """Validate resolved settings (YAML + flags, by flag name) and spread them over the layers. A strategy
-    that reads token ids (hybrid) takes the tokenizer's special and punctuation ids (none without one)."""
+    that reads token ids (hybrid) takes the tokenizer's special and punctuation ids (none without one).
+    `source` (the YAML file the settings came from) is named in errors about per-layer lists, which only YAML gives."""
     for key, value in settings.items():
         if key not in CACHE_KEYS and not key.endswith("_pattern"):
             raise ValueError(f"unknown cache setting {key!r}; valid: {', '.join(CACHE_KEYS)}")
@@ -106,11 +107,11 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
         if not any(option in strategy_options(CACHE_STRATEGIES[name]) for name in names):
             takers = [name for name, cls in CACHE_STRATEGIES.items() if option in strategy_options(cls)]
             raise ValueError(f"--{option} does not apply to --cache_strategy {', '.join(names)}; it applies to: {', '.join(takers)}")
-    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer)
+    strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer, "cache_strategy", source)
     for name in strategies:
         CACHE_KEYS["cache_strategy"].validate(name)
     if "max_cache_length" in settings:
-        lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer)
+        lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer, "max_cache_length", source)
         for length in lengths:
             CACHE_KEYS["max_cache_length"].validate(length)
     else:
@@ -183,11 +184,15 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
+def config_path(name_or_path: str) -> Path:
+    """A config's file: the path itself, or for a bare name the file in configs/."""
+    path = Path(name_or_path)
+    return CONFIGS_DIR / f"{name_or_path}.yaml" if not path.suffix else path
+
+
 def load_cache_config(name_or_path: str) -> dict[str, Any]:
     """A validated config: a path to a .yaml file, or the name of one in configs/."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIGS_DIR / f"{name_or_path}.yaml"
+    path = config_path(name_or_path)
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
         raise ValueError(f"cache config {name_or_path!r} not found; give a .yaml path or one of: {known}")
@@ -218,9 +223,9 @@ def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> dict[str, A
     return {**config, **{k: v for k, v in cli.items() if v is not None}}
 
 
-def per_layer(value: Any, pattern: str | None, n_layer: int) -> list[Any]:
+def per_layer(value: Any, pattern: str | None, n_layer: int, key: str | None = None, source: str | None = None) -> list[Any]:
     """A scalar for every layer, or a list spread over the layers by `pattern` (a list of exactly
-    n_layer values needs none)."""
+    n_layer values needs none); `key` names the setting in errors, `source` its YAML file."""
     if not isinstance(value, list):
         return [value] * n_layer
     if len(value) == n_layer and pattern is None:
@@ -229,7 +234,12 @@ def per_layer(value: Any, pattern: str | None, n_layer: int) -> list[Any]:
         return [value[i % len(value)] for i in range(n_layer)]
     if pattern == "repeat":
         return [value[i * len(value) // n_layer] for i in range(n_layer)]
-    raise ValueError(f"a list of {len(value)} values for {n_layer} layers needs a pattern: {', '.join(PATTERNS)}")
+    if key is None:
+        raise ValueError(f"a list of {len(value)} values for {n_layer} layers needs a pattern: {', '.join(PATTERNS)}")
+    where = f"{source}: " if source else ""
+    raise ValueError(
+        f"{where}{key}: a list of {len(value)} values for {n_layer} layers needs {key}_pattern: {', '.join(PATTERNS)} (or exactly {n_layer} values)"
+    )
 
 
 if __name__ == "__main__":  # python -m kvlab.config > the README's table

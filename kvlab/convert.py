@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from kvlab.checkpoint import CHECKPOINTS_DIR, CheckpointError, save_checkpoint
+from kvlab.checkpoint import CHECKPOINTS_DIR, CheckpointError, contained, save_checkpoint
 from kvlab.model import ConfigError, ModelArgs
 from kvlab.tokenizer import GGUF_PRE_PATTERNS, _chat_config, _pattern_from_pre_tokenizer
 
@@ -133,6 +133,8 @@ def read_hf_safetensors(hf_dir: Path) -> dict[str, Tensor]:
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for shard in shards:
+            contained(hf_dir, shard, f"{index}: shard")
     elif (hf_dir / "model.safetensors").exists():
         shards = ["model.safetensors"]
     else:

@@ -24,15 +24,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from kvlab.build import build_caches, plan_layer_budgets
-from kvlab.checkpoint import load_checkpoint
+from kvlab.checkpoint import CheckpointError, load_checkpoint
 from kvlab.cli import resolve_device_dtype
-from kvlab.config import CacheSpec, cache_spec, check_value, load_cache_config
+from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config
 from kvlab.convert import default_checkpoint
 from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
-from kvlab.model import Transformer
+from kvlab.model import ModelArgs, Transformer
 from kvlab.results import FULL, append_record, read_records, rewrite_complete_lines
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
+from kvlab.tasks.ruler import ContextTooShortError
 from kvlab.tokenizer import Tokenizer
 
 
@@ -47,12 +48,114 @@ class Job:
     prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
 
     def run_dir(self, out_dir: Path, model_name: str) -> Path:
-        return out_dir / model_name / Path(self.config).stem / self.size
+        return out_dir / checked_model_name(model_name) / Path(self.config).stem / self.size
 
     def stem(self) -> str:
         """The results file name: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
         task = self.task if self.prompt_tokens == 1 else f"{self.task}+prompt{self.prompt_tokens}"
         return f"{task}@{self.context_length}"
+
+
+# What changes a run's results: a run directory holding results under another key is never resumed.
+KEY_FIELDS = ("cache_config", "size", "model", "checkpoint", "dtype", "seed", "chat", "ppl_prompt_tokens")
+
+
+def checked_model_name(name: Any) -> str:
+    """The checkpoint config's name, which names a directory under --out_dir: one plain path component."""
+    if not isinstance(name, str) or name in ("", ".", "..") or ".." in name or any(c in name for c in "/\\\0"):
+        raise ValueError(f"checkpoint name {name!r} (config.json \"name\") must be a plain directory name: no path separators, no '..'")
+    return name
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path:
+    return Path(args.checkpoint_path or default_checkpoint()).resolve()
+
+
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """A checkpoint's config.json, read without loading the weights."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"no kvlab checkpoint at {path} (no config.json); convert one with "
+            "scripts/convert_hf_checkpoint.py, or omit --checkpoint_path to use the default model"
+        )
+    return json.loads(config_path.read_text())
+
+
+def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Path) -> dict[str, Any]:
+    """Everything that changes a run directory's results (stored in its args.json)."""
+    _, dtype = resolve_device_dtype(args.device, args.dtype)
+    key = dict(
+        cache_config=load_cache_config(job.config),
+        size=job.size,
+        model=model_name,
+        checkpoint=str(checkpoint),
+        dtype=str(dtype).removeprefix("torch."),
+        seed=args.seed,
+        chat=not args.no_chat,
+        ppl_prompt_tokens=args.ppl_prompt_tokens,
+    )
+    return json.loads(json.dumps(key))  # as it reads back from args.json
+
+
+def check_key(run_dir: Path, key: dict[str, Any]) -> None:
+    """Refuse a run directory whose args.json was written under another key (resuming it would mix results)."""
+    path = run_dir / "args.json"
+    if not path.exists():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); remove it, or choose another --out_dir") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a JSON object; remove it, or choose another --out_dir")
+    if "key" in saved:
+        old = saved["key"] if isinstance(saved["key"], dict) else {}
+        fields = list(dict.fromkeys([*key, *old]))
+    else:  # written before keys: compare the settings it recorded
+        old, fields = saved, [k for k in KEY_FIELDS if k in saved]
+    differ = [f"{k}: {old.get(k)!r} -> {key.get(k)!r}" for k in fields if old.get(k) != key.get(k)]
+    if differ and any(p.stat().st_size for p in run_dir.glob("*.jsonl")):  # a directory with no results yet (a run that failed at once) is reused
+        raise ValueError(f"{run_dir} holds results of other settings ({'; '.join(differ)}); choose another --out_dir, or remove that directory to recompute")
+
+
+def write_args_json(run_dir: Path, job: Job, key: dict[str, Any]) -> None:
+    check_key(run_dir, key)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args_json = dict(config=job.config, cache_config=key["cache_config"], size=job.size, model=key["model"], seed=key["seed"], key=key)
+    tmp = run_dir / "args.json.tmp"
+    tmp.write_text(json.dumps(args_json, indent=1))
+    tmp.replace(run_dir / "args.json")
+
+
+def check_context_lengths(tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int, model_context: int) -> None:
+    """Every --context_lengths value fits every task and the model (before anything is written)."""
+    for ctx in context_lengths:
+        if ctx > model_context:
+            raise ValueError(f"--context_lengths {ctx} is over the model's context length of {model_context} tokens")
+        for task in tasks:
+            minimum = ppl_prompt_tokens + 1 if isinstance(task, PerplexityTask) else 1
+            if ctx < minimum:
+                raise ValueError(
+                    f"--context_lengths {ctx} is below the {minimum} tokens {task.name} needs"
+                    + (f" (--ppl_prompt_tokens {ppl_prompt_tokens} plus one to predict)" if isinstance(task, PerplexityTask) else "")
+                    + f"; valid: {minimum} to the model's context length of {model_context} tokens"
+                )
+
+
+def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
+    """Check everything eval.py is about to do before it writes anything: the checkpoint's name, the
+    context lengths, each run directory's key. Returns the examples already done (to be resumed)."""
+    checkpoint = checkpoint_dir(args)
+    config = checkpoint_config(checkpoint)
+    model_name = checked_model_name(config.get("name"))
+    check_context_lengths(resolve_tasks(args.tasks), args.context_lengths, args.ppl_prompt_tokens, ModelArgs.from_dict(config["model"]).block_size)
+    done = 0
+    for job in jobs:
+        run_dir = job.run_dir(args.out_dir, model_name)
+        check_key(run_dir, run_key(job, args, model_name, checkpoint))
+        done += len(read_records(run_dir / f"{job.stem()}.jsonl"))
+    return done
 
 
 def parse_size(text: str) -> str:
@@ -68,6 +171,12 @@ def jobs_for(
     configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int = 1
 ) -> list[Job]:
     """The full config runs once; every other config once per size."""
+    stems: dict[str, str] = {}
+    for config in configs:
+        stem = Path(config).stem
+        if stem in stems:
+            raise ValueError(f"--cache_config {stems[stem]!r} and {config!r} both write to {stem}/; give each config its own file name")
+        stems[stem] = config
     jobs = []
     for config in configs:
         strategy = load_cache_config(config).get("cache_strategy", FULL)
@@ -84,7 +193,7 @@ def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
         settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
         settings.pop("max_cache_length_pattern", None)
     settings["compress_first_token"] = True
-    return cache_spec(settings, n_layer, tokenizer)
+    return cache_spec(settings, n_layer, tokenizer, source=str(config_path(job.config)))
 
 
 def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
@@ -104,12 +213,14 @@ def run_generation(
     runs: list[tuple[Job, CacheSpec, Path]],
     args: argparse.Namespace,
     step: Callable,
+    examples: list[Any] | None = None,
 ) -> dict[Job, list[dict[str, Any]]]:
     """Decode one task's examples for several (job, cache spec, .jsonl) runs at once, batch by batch:
     each batch's prefill is computed once and shared by every run still missing one of its examples.
     Records are appended as they finish; returns each job's records for the requested examples."""
     context_length = runs[0][0].context_length
-    examples = task.examples(tokenizer, args.num_samples, args.seed, context_length, not args.no_chat)
+    if examples is None:
+        examples = task.examples(tokenizer, args.num_samples, args.seed, context_length, not args.no_chat)
     done = {job: read_records(path) for job, _, path in runs}
     for job, _, path in runs:
         rewrite_complete_lines(path, done[job])
@@ -256,22 +367,28 @@ class Evaluator:
         groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
         for job in jobs:
             groups[job.task, job.context_length].append(job)
-        for (name, _), group in tqdm(groups.items(), desc="sweep", unit="task"):
+        for (name, ctx), group in tqdm(groups.items(), desc="sweep", unit="task"):
             task = self.tasks[name]
+            examples = None
+            if isinstance(task, GenerationTask):  # built before any args.json, so a context too short for the task leaves nothing behind
+                try:
+                    examples = task.examples(self.tokenizer, self.args.num_samples, self.args.seed, ctx, not self.args.no_chat)
+                except ContextTooShortError as e:
+                    raise ValueError(
+                        f"--context_lengths {ctx} is too short for {name} ({e}); the model's context length is {self.model.config.block_size} tokens"
+                    ) from None
             runs = [(job, job_spec(job, self.model.config.n_layer, self.tokenizer), self.prepare(job)) for job in group]
             if isinstance(task, PerplexityTask):
                 records = {job: run_perplexity(self.model, self.tokenizer, task, job, spec, self.args, path, self.ppl_step) for job, spec, path in runs}
             else:
-                records = run_generation(self.model, self.tokenizer, task, runs, self.args, self.step)
+                records = run_generation(self.model, self.tokenizer, task, runs, self.args, self.step, examples)
             for job, _, path in runs:
                 path.with_suffix(".json").write_text(json.dumps(summarize_job(task, records[job]), indent=1))
 
     def prepare(self, job: Job) -> Path:
         """The job's directory with its args.json; returns the path of its .jsonl."""
         run_dir = job.run_dir(self.args.out_dir, self.config["name"])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        args_json = dict(config=job.config, cache_config=load_cache_config(job.config), size=job.size, model=self.config["name"], seed=self.args.seed)
-        (run_dir / "args.json").write_text(json.dumps(args_json, indent=1))
+        write_args_json(run_dir, job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)))
         return run_dir / f"{job.stem()}.jsonl"
 
 

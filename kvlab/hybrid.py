@@ -20,7 +20,9 @@ class HybridCache(AttentionScoredCache):
     `profile_queries` queries. special = special tokens (and the sinks), punct = punctuation tokens,
     heavy = the `heavy_hitter_frac` of the sequence with the most accumulated attention, window = the
     newest `window_frac` of the sequence. During decoding every head drops what its policy no longer
-    covers (the incoming token is always attended once), so heads differ in how many tokens they hold.
+    covers (the incoming token is always attended once), so heads differ in how many tokens they hold. Decoded
+    tokens accumulate the attention they receive like H2O (AttentionScoredCache.observe), so "heavy"
+    ranks prompt and decoded tokens alike.
     Buffers keep static shapes: a head's unused slots are empty, not freed (held tokens are reported)."""
 
     needs_tokens = True
@@ -105,9 +107,6 @@ class HybridCache(AttentionScoredCache):
         slot = (pos == input_pos[:, :, None]).to(torch.uint8).argmax(dim=-1, keepdim=True)
         self.token_class.scatter_(2, slot, self._classes(tokens).expand_as(slot))
         return keys, values, pos
-
-    def observe(self, probs: Tensor) -> None:
-        """Decoded tokens keep score 0: "heavy" ranks by the prefill profile only (kept as it was; issue 15 fixes it)."""
 
     def stats(self) -> dict[str, int]:
         counts = torch.bincount(self.policy.flatten(), minlength=len(self.policies)).tolist()

@@ -43,11 +43,22 @@ from kvlab.scores import pool_keys, prompt_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
-VIEW_ROUND = 8  # the attention view is a multiple of 8 blocks: few distinct shapes for a compiled step
+VIEW_ROUND = 8  # the attention view is VIEW_ROUND x a power of two blocks (capped): O(log) shapes for a compiled step
 
 
-class PoolExhausted(RuntimeError):
-    """The block pool cannot hold the next step's KVs even after compressing every sequence to its budget."""
+def view_width(most: int, max_blocks: int) -> int:
+    """Blocks per head the attention view gathers when the largest head holds `most`: the smallest
+    VIEW_ROUND x 2^k that fits, capped at `max_blocks`, so a compiled decode step sees at most
+    1 + ceil(log2(max_blocks / VIEW_ROUND)) widths however the heads grow."""
+    width = VIEW_ROUND
+    while width < most:
+        width *= 2
+    return min(max_blocks, width)
+
+
+class PoolExhausted(ValueError):
+    """The block pool cannot hold the next step's KVs even after compressing every sequence to its budget
+    (a ValueError: a pool too small for the run is a setting to change; the CLIs report it in one line)."""
 
 
 class BlockPool(nn.Module):
@@ -57,6 +68,9 @@ class BlockPool(nn.Module):
 
     def __init__(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
+        self._allocate(n_blocks, block_size, head_dim, dtype, device)
+
+    def _allocate(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None) -> None:
         shape = (n_blocks + 1, block_size)
         self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
@@ -69,6 +83,18 @@ class BlockPool(nn.Module):
     def n_blocks(self) -> int:
         return self.in_use.numel() - 1
 
+    def resize(self, n_blocks: int) -> None:
+        """Reallocate the (empty) pool with `n_blocks` blocks; nothing is kept. A no-op (but a reset) at the same size."""
+        if n_blocks == self.n_blocks:
+            self.reset()
+            return
+        k = self.k
+        self._allocate(n_blocks, k.shape[1], k.shape[2], k.dtype, k.device)
+
+    def allocated_bytes(self) -> int:
+        """Keys and values of every block the pool holds (the null block aside): the KV memory it allocated."""
+        return self.n_blocks * self.block_bytes()
+
     def free_blocks(self) -> int:
         return int((~self.in_use).sum())
 
@@ -76,7 +102,11 @@ class BlockPool(nn.Module):
         """Ids of n free blocks, now in use."""
         ids = (~self.in_use).nonzero().flatten()[:n]
         if ids.numel() < n:
-            raise PoolExhausted(f"the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed")
+            at_least = self.n_blocks - ids.numel() + n
+            raise PoolExhausted(
+                f"kvcompress: the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed; raise --kvc_pool_blocks to at least {at_least} "
+                "(more for the tokens still to come), compress more, or leave it unset to size the pool from the budgets"
+            )
         self.in_use[ids] = True
         return ids
 
@@ -139,8 +169,10 @@ class PagedKV(nn.Module):
         self.continual = compress_every > 0
         self.n_layer = n_layer
         self.max_blocks = math.ceil(history / block_size)  # per head: a head never holds more than the sequence
-        full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks
-        self.pool = BlockPool(full_pool if pool_blocks is None else pool_blocks, block_size, head_dim, dtype, device)
+        self.full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks  # every sequence uncompressed
+        # pool_blocks None: sized at each batch prefill from the budgets and the prompts (`size_pool`)
+        self.auto_pool = pool_blocks is None
+        self.pool = BlockPool(0 if pool_blocks is None else pool_blocks, block_size, head_dim, dtype, device)
         L, B, H = n_layer, batch_size, n_kv_heads
         self.register_buffer("table", torch.full((L, B, H, self.max_blocks), -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("length", torch.zeros(L, B, H, dtype=torch.long, device=device), persistent=False)
@@ -148,7 +180,7 @@ class PagedKV(nn.Module):
         self.register_buffer("last_pos", torch.full((B,), -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("active", torch.zeros(B, dtype=torch.bool, device=device), persistent=False)
         self.prefill_rows: Tensor | None = None
-        self.view_blocks = VIEW_ROUND  # blocks per head the attention view gathers (host-side: the most any head holds, rounded up)
+        self.view_blocks = view_width(0, self.max_blocks)  # blocks per head the attention view gathers (host-side: see view_width)
         self.steps = 0
         self.counts = {"kvcompress: compressions": 0, "kvcompress: blocks freed": 0}
 
@@ -192,6 +224,9 @@ class PagedKV(nn.Module):
         rows = torch.arange(k.shape[0], device=k.device) if self.prefill_rows is None else self.prefill_rows
         n = (input_pos >= 0).sum(dim=-1)  # [b]
         B, H, T, D = k.shape
+        if layer == 0 and self.auto_pool and self.prefill_rows is None:  # a whole batch starts: size the pool for it
+            self.release_all()
+            self.pool.resize(self.size_pool(n.tolist()))
         self._release(self.table[layer, rows])
         needed = torch.arange(self.max_blocks, device=k.device) < ((n + self.block_size - 1) // self.block_size)[:, None, None]
         table = torch.full((B, H, self.max_blocks), -1, dtype=torch.long, device=k.device)
@@ -252,8 +287,7 @@ class PagedKV(nn.Module):
         if full.any():
             where = full.nonzero(as_tuple=True)
             self.table[(*where, self.length[where] // self.block_size)] = self.pool.allocate(int(full.sum()))
-        most = int(self._blocks_held().max())
-        self.view_blocks = min(self.max_blocks, max(VIEW_ROUND, -(-most // VIEW_ROUND) * VIEW_ROUND))
+        self.view_blocks = view_width(int(self._blocks_held().max()), self.max_blocks)
 
     def compress_row(self, row: int) -> int:
         """Evict the lowest-scoring chunks of sequence `row` until its blocks fit its budget; compact the
@@ -314,6 +348,27 @@ class PagedKV(nn.Module):
         self.pool.release(table[emptied])
         self.table[:, row][heads] = table.masked_fill(emptied, -1)
 
+    def size_pool(self, prompt_lengths: list[int]) -> int:
+        """Blocks a batch of prompts (one per row, prefilled together) needs with its current budgets: the
+        larger of the prompts' transient need (every layer's prompt KVs are stored before the last layer
+        compresses them) and, per sequence, what compression keeps (its budget in blocks, or the blocks of
+        KVs it may not evict: the protected window and head floors) plus a growing block per head; never
+        more than every sequence uncompressed."""
+        L, H, bs = self.n_layer, self.length.shape[2], self.block_size
+        transient = sum(L * H * -(-n // bs) for n in prompt_lengths)
+        kept = 0
+        for row in range(len(prompt_lengths)):
+            budget = self.budget[row]
+            floor = (self.head_floor * budget.float()).ceil().long()
+            unevictable = int((H * ((self.protect + floor + 2 * bs - 2) // bs)).sum())  # per head: ceil((protected + bs - 1) / bs)
+            kept += min(L * H * self.max_blocks, max(int(budget.sum()) * H // bs, unevictable) + L * H)
+        return min(self.full_pool, max(transient, kept))
+
+    def release_all(self) -> None:
+        """Free every row's blocks."""
+        for row in range(self.table.shape[1]):
+            self.release_row(row)
+
     def release_row(self, row: int) -> None:
         """A finished sequence: free all its blocks."""
         self._release(self.table[:, row])
@@ -342,7 +397,7 @@ class PagedKV(nn.Module):
         self.last_pos.fill_(-1)
         self.active.zero_()
         self.prefill_rows = None
-        self.view_blocks, self.steps = VIEW_ROUND, 0
+        self.view_blocks, self.steps = view_width(0, self.max_blocks), 0
         self.counts = dict.fromkeys(self.counts, 0)
 
 
@@ -359,7 +414,7 @@ class KVCompressCache(KVCache):
             "kvc_pool_blocks",
             None,
             "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory",
-            default_help="enough for every sequence uncompressed",
+            default_help="sized at each prefill for the batch's budgets and prompts (serving: every sequence uncompressed)",
             param="pool_blocks",
         ),
         integer("kvc_window", 8, "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt", param="window"),
@@ -443,11 +498,18 @@ class KVCompressCache(KVCache):
     def stats(self) -> dict[str, int]:
         if self.layer != 0:
             return {}
-        return {**self.paged.counts, "kvcompress: blocks in use": self.paged.blocks_in_use(), "kvcompress: pool blocks": self.paged.pool.n_blocks}
+        paged = self.paged
+        return {
+            **paged.counts,
+            "kvcompress: blocks in use": paged.blocks_in_use(),
+            "kvcompress: pool blocks": paged.pool.n_blocks,
+            "kvcompress: bytes in use": paged.blocks_in_use() * paged.pool.block_bytes(),
+        }
 
     def reset(self) -> None:
         self.paged.reset()
 
     def nbytes(self) -> int:
-        """Bytes of this layer's blocks in use (the pool's allocation is `paged.pool`'s)."""
-        return int((self.paged.table[self.layer] >= 0).sum()) * self.paged.pool.block_bytes()
+        """The KV bytes the shared pool allocated, counted once (on layer 0); the bytes of the blocks in
+        use are `stats()["kvcompress: bytes in use"]`."""
+        return self.paged.pool.allocated_bytes() if self.layer == 0 else 0

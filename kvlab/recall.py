@@ -242,6 +242,15 @@ class RecallableCache(KVCache):
         """Tokens attended per step (the fast tier), per sequence."""
         return torch.minimum((self.pos >= 0).sum(dim=-1), self.row_budget.view(-1)).float()
 
+    def device_nbytes(self) -> int:
+        """Bytes of keys and values this cache keeps in device memory, measured from its buffers: the
+        whole history with slow_tier="device"; with slow_tier="host" only the fast tier (fast_k, fast_v
+        and their slot ids fast_slots), the history being in host memory. Selection indexes (centroids,
+        page bounds) and positions are bookkeeping, left out as for every cache's nbytes()."""
+        if self.slow_tier == "host":
+            return self.fast_k.nbytes + self.fast_v.nbytes + self.fast_slots.nbytes
+        return self.nbytes()
+
     def stats(self) -> dict[str, int]:
         _, hits, selected = self.counts.tolist()
         copies = {"recall: copied from the host tier": self.copied} if self.slow_tier == "host" else {}

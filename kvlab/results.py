@@ -14,14 +14,20 @@ FULL = "full"
 
 
 def read_records(path: Path) -> dict[str, dict[str, Any]]:
-    """Finished examples of a .jsonl by id; a line cut short by a kill is dropped (and redone)."""
+    """Finished examples of a .jsonl by id; a last line cut short by a kill is dropped (and redone). Any
+    other line that is not a JSON record with an "id" is an error: the file is not one this harness wrote."""
     records = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                if number == len(lines):
+                    continue  # torn by a kill mid-write
+                raise ValueError(f"{path} line {number}: not a JSON record ({line[:60]!r}); fix or remove the line, or the file, to redo it") from None
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError(f'{path} line {number}: a record with no "id" ({line[:60]!r}); fix or remove the line, or the file, to redo it')
             records[record["id"]] = record
     return records
 

@@ -84,6 +84,9 @@ def serve(
         )
     caches = setup_caches(model, spec, max_batch, [max_seq_length] * cfg.n_layer, max_seq_length)
     paged: PagedKV = caches[0].paged
+    if paged.auto_pool:  # no kvc_pool_blocks: room for every row's sequence uncompressed
+        paged.release_all()
+        paged.pool.resize(paged.full_pool)
     heads, bs = cfg.n_layer * cfg.n_local_heads, paged.block_size
 
     def reservation(i: int) -> int:  # blocks a sequence holds once compressed plus a growing block per head, or its whole length

@@ -417,7 +417,10 @@ def load_tokenizer(checkpoint_dir: Path, config: dict) -> Tokenizer:
     kind = config.get("kind")
     if kind not in KINDS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {KINDS}")
-    path = Path(checkpoint_dir) / config.get("file", "tokenizer.json" if kind == "bpe" else "tokenizer.model")
+    name = str(config.get("file", "tokenizer.json" if kind == "bpe" else "tokenizer.model"))
+    path = Path(checkpoint_dir) / name
+    if not path.resolve().is_relative_to(Path(checkpoint_dir).resolve()):
+        raise ValueError(f"tokenizer file {name!r} lies outside {checkpoint_dir}; a checkpoint may only name files inside its own directory")
     if kind == "bpe":
         tokenizer: Tokenizer = _load_bpe(path, config)
     elif kind == "tiktoken":

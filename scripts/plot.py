@@ -16,6 +16,31 @@ from pathlib import Path
 
 from kvlab.cli import ArgumentParser, run_cli
 
+COLUMNS = ("config", "task", "context_length", "metric", "value", "compression")
+
+
+def read_summary(summary: Path) -> list[dict[str, str]]:
+    """summary.csv's rows, checked: every column the plot reads, numbers where it needs numbers."""
+    if not summary.is_file():
+        raise ValueError(f"no {summary}: run eval.py first (it writes summary.csv into its --out_dir)")
+    with summary.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(
+                f"{summary}: missing column(s) {', '.join(missing)} (has: {', '.join(reader.fieldnames or []) or 'nothing'}); rerun eval.py to rewrite it"
+            )
+        rows = list(reader)
+    for line, r in enumerate(rows, 2):
+        for column in ("value", "compression"):
+            try:
+                float(r[column])
+            except (TypeError, ValueError):
+                raise ValueError(f"{summary} line {line}: {column} {r[column]!r} is not a number") from None
+    if not rows:
+        raise ValueError(f"{summary} has no rows: no finished task to plot")
+    return rows
+
 
 def plot(summary: Path, out: Path) -> None:
     import matplotlib
@@ -23,9 +48,7 @@ def plot(summary: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not summary.is_file():
-        raise ValueError(f"no {summary}: run eval.py first (it writes summary.csv into its --out_dir)")
-    rows = list(csv.DictReader(summary.open()))
+    rows = read_summary(summary)
     panels = sorted({(r["task"], r["context_length"], r["metric"]) for r in rows})
     configs = sorted({r["config"] for r in rows} - {"full"})
     colors = {c: plt.get_cmap("tab20")(i % 20) for i, c in enumerate(configs)}  # one colour per config in every panel

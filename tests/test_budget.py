@@ -69,7 +69,8 @@ def test_pyramid_is_uniform_on_short_sequences_and_funnel_is_its_reverse():
 def test_kmeans_1d_finds_three_separated_groups():
     values = torch.tensor([0.61, 0.99, 0.84, 0.98, 0.86, 0.985, 0.60, 0.97])
     assert kmeans_1d(values).tolist() == [0, 2, 1, 2, 1, 2, 0, 2]
-    assert kmeans_1d(values).tolist() == kmeans_1d(values).tolist()  # deterministic
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # the groups depend on the values, not their order
+    assert kmeans_1d(values[perm]).tolist() == torch.tensor([0, 2, 1, 2, 1, 2, 0, 2])[perm].tolist()
 
 
 def test_squeeze_gives_the_most_similar_group_p_of_uniform():

@@ -73,3 +73,22 @@ def test_flags_override_a_shipped_config():
     assert proc.returncode == 0, proc.stderr
     assert "KV cache (heavy_hitter): 14 of 14 tokens held per layer and KV head on average (1.00x compression)" in proc.stderr
     assert (ROOT / "configs" / "heavy_hitter.yaml").exists()
+
+
+def test_per_layer_list_of_the_wrong_length_names_the_key():
+    from kvlab.config import cache_spec
+
+    settings = {"cache_strategy": "l2", "max_cache_length": [0.5, 0.25, 0.1]}
+    with pytest.raises(ValueError, match=r"^max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern"):
+        cache_spec(settings, 30)
+
+
+def test_per_layer_list_of_the_wrong_length_names_the_file(tmp_path: Path):
+    """Only YAML gives lists, so the command line's error names the file as well as the key."""
+    path = tmp_path / "three.yaml"
+    path.write_text("cache_strategy: l2\nmax_cache_length: [0.5, 0.25, 0.1]\n")
+    proc = run_cli("--cache_config", str(path), "--max_new_tokens", "2")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {path}: max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern: tile, repeat (or exactly 30 values)"
+    )

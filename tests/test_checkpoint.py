@@ -4,6 +4,7 @@ GGUF q/k layout conversion; the download script's hub path; clear errors."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -170,3 +171,83 @@ def test_interrupted_conversion_leaves_nothing_behind(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / "ckpt", "x", args, {}, failing_tokenizer, {})
     assert list(tmp_path.iterdir()) == []
+
+
+def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
+    """A 1-layer kvlab checkpoint with the default model's tokenizer."""
+    from kvlab.checkpoint import save_checkpoint
+    from kvlab.model import Transformer
+
+    args = ModelArgs(vocab_size=49152, n_layer=1, n_head=2, n_local_heads=1, dim=16, intermediate_size=32, block_size=64, tie_embeddings=True)
+    state = dict(Transformer(args).state_dict())
+
+    def write_tokenizer(tmp):
+        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+        return {"kind": "bpe", "file": "tokenizer.json"}
+
+    save_checkpoint(out_dir, "tiny", args, {k: v for k, v in state.items() if not k.startswith("rope")}, write_tokenizer, {})
+
+
+def edit_config(ckpt, **changes) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage", ["truncated json", "no model section", "truncated weights", "shapes differ"])
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(damage, tmp_path, smollm_dir):
+    ckpt = tmp_path / "ckpt"
+    write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
+    load_checkpoint(ckpt)  # intact: loads
+    if damage == "truncated json":
+        (ckpt / "config.json").write_text((ckpt / "config.json").read_text()[:40])
+    elif damage == "no model section":
+        edit_config(ckpt, model=None)
+    elif damage == "truncated weights":
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        config = json.loads((ckpt / "config.json").read_text())
+        edit_config(ckpt, model={**config["model"], "intermediate_size": 48})
+    name = "model.safetensors" if damage in ("truncated weights", "shapes differ") else "config.json"
+    with pytest.raises(CheckpointError, match=rf"{ckpt / name}: .*reconvert") as info:
+        load_checkpoint(ckpt)
+    assert "converted again on first use" not in str(info.value)
+
+
+def test_a_damaged_default_checkpoint_says_how_to_reconvert(tmp_path, smollm_dir, monkeypatch):
+    import kvlab.checkpoint
+    from kvlab.convert import DEFAULT_MODEL
+
+    monkeypatch.setattr(kvlab.checkpoint, "CHECKPOINTS_DIR", tmp_path)
+    ckpt = tmp_path / DEFAULT_MODEL
+    write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
+    (ckpt / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match=rf"{ckpt / 'config.json'}: .*delete {ckpt}.*converted again on first use"):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/../../x.json"])
+def test_a_tokenizer_file_outside_the_checkpoint_is_refused(name, tmp_path, smollm_dir):
+    ckpt = tmp_path / "ckpt"
+    write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
+    edit_config(ckpt, tokenizer={"kind": "bpe", "file": name})
+    with pytest.raises(CheckpointError, match=rf"tokenizer file {re.escape(repr(name))} .*outside {ckpt}"):
+        load_checkpoint(ckpt)
+
+
+def test_a_shard_outside_the_model_directory_is_refused(tmp_path):
+    from kvlab.convert import read_hf_safetensors
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, tmp_path / "evil.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../evil.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard '../evil.safetensors' .*outside"):
+        read_hf_safetensors(hf)

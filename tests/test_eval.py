@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import sys
 
 import pytest
@@ -175,9 +177,12 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
 
 def test_worker_processes_share_a_job_queue(tmp_path):
     """Two CPU workers take one task group each (a group per context length) and both finish."""
-    run_eval(tmp_path, "--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "--context_lengths", "32", "48", "--workers", "2")
-    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
-    assert sorted(int(r["context_length"]) for r in rows) == [32, 48] and all(float(r["value"]) > 1 for r in rows)
+    args = ["--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "--context_lengths", "32", "48"]
+    run_eval(tmp_path / "workers", *args, "--workers", "2")
+    run_eval(tmp_path / "one", *args)
+    workers = {r["context_length"]: float(r["value"]) for r in csv.DictReader((tmp_path / "workers/summary.csv").open())}
+    one = {r["context_length"]: float(r["value"]) for r in csv.DictReader((tmp_path / "one/summary.csv").open())}
+    assert sorted(workers) == ["32", "48"] and workers == pytest.approx(one, rel=1e-5)  # the same perplexities as one process
 
 
 @pytest.mark.slow
@@ -247,3 +252,100 @@ def test_attention_metrics_record_recall_per_example(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="--attention_metrics runs eagerly on generation tasks"):
         kv_eval.main(["--tasks", "book_shakespeare", "--attention_metrics", "--out_dir", str(tmp_path)])
+
+
+KJV = ["--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "--context_lengths", "32"]
+
+
+def test_a_rerun_with_other_settings_is_refused_and_the_same_settings_resume(tmp_path, capsys):
+    run_eval(tmp_path, *KJV)
+    args_json = json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text())
+    assert args_json["key"]["seed"] == 0 and args_json["key"]["chat"] is True and args_json["key"]["dtype"] == "float32"
+    assert args_json["key"]["checkpoint"].endswith("SmolLM2-135M-Instruct") and args_json["key"]["ppl_prompt_tokens"] == 1
+    capsys.readouterr()
+    run_eval(tmp_path, *KJV)  # the same settings: resumed, nothing recomputed
+    assert "1 example(s) already done" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"seed: 0 -> 1.*another --out_dir"):
+        run_eval(tmp_path, *KJV, "--seed", "1")
+    with pytest.raises(SystemExit, match=r"chat: True -> False"):
+        run_eval(tmp_path, *KJV, "--no_chat")
+    assert json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text()) == args_json  # left as it was
+
+
+def test_two_cache_configs_with_one_stem_are_refused(tmp_path):
+    (tmp_path / "snapkv.yaml").write_text("cache_strategy: recent_global\n")
+    with pytest.raises(SystemExit, match=r"--cache_config 'snapkv' and '.*snapkv.yaml' both write to snapkv/"):
+        run_eval(tmp_path, *KJV[:2], "--cache_config", "snapkv", str(tmp_path / "snapkv.yaml"), *KJV[4:])
+
+
+def test_a_second_writer_to_one_out_dir_is_refused(tmp_path):
+    import fcntl
+
+    with (tmp_path / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match=f"another eval.py is writing to {tmp_path}"):
+            run_eval(tmp_path, *KJV)
+    assert not list(tmp_path.glob("*/*/*/args.json"))
+
+
+def test_read_records_drops_only_a_torn_last_line(tmp_path):
+    from kvlab.results import read_records
+
+    path = tmp_path / "echo@64.jsonl"
+    path.write_text('{"id": "a", "score": 1}\n{"id": "b", "sc')
+    assert list(read_records(path)) == ["a"]
+    path.write_text('{"id": "a", "score": 1}\n{"id": "b", "sc\n{"id": "c"}\n')
+    with pytest.raises(ValueError, match=f"{path} line 2: not a JSON record"):
+        read_records(path)
+    path.write_text('{"id": "a"}\n{"score": 1}\n{"id": "c"}\n')
+    with pytest.raises(ValueError, match=f'{path} line 2: .*no "id"'):
+        read_records(path)
+
+
+def test_bad_out_dir_and_context_lengths_are_one_error_before_any_args_json(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=f"--out_dir {tmp_path / 'file'} is a file"):
+        run_eval(tmp_path / "file", *KJV)
+    for bad, message in [("1", "--context_lengths 1 is below the 2 tokens book_kjv needs"), ("9000", "--context_lengths 9000 is over")]:
+        with pytest.raises(SystemExit, match=f"{message}.*context length of 8192 tokens"):
+            run_eval(tmp_path / "out", *KJV[:-1], bad)
+    assert not list(tmp_path.rglob("args.json"))
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
+    class Interrupted:
+        def __init__(self, *args):
+            pass
+
+        def run(self, jobs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(kv_eval, "Evaluator", Interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        run_eval(tmp_path, *KJV)
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip().endswith("interrupted; rerun to resume")
+
+
+def test_plot_reports_a_malformed_summary(tmp_path):
+    (tmp_path / "summary.csv").write_text("model,config,size,task,context_length,metric,value\nm,full,full,t,64,perplexity,3.0\n")
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'summary.csv'}: missing column.*compression"):
+        plot_main([str(tmp_path)])
+    (tmp_path / "summary.csv").write_text("model,config,size,task,context_length,metric,value,compression\nm,full,full,t,64,perplexity,high,1.0\n")
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'summary.csv'} line 2: value 'high' is not a number"):
+        plot_main([str(tmp_path)])
+
+
+def test_a_checkpoint_name_cannot_leave_out_dir(tmp_path, smollm_dir):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for f in smollm_dir.iterdir():  # copies: a checkpoint may not name files outside its directory
+        if f.name != "config.json":
+            try:
+                os.link(f, checkpoint / f.name)
+            except OSError:
+                shutil.copy(f, checkpoint / f.name)
+    config = json.loads((smollm_dir / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"name": "../../escaped"}))
+    with pytest.raises(SystemExit, match=r"checkpoint name '\.\./\.\./escaped'"):
+        run_eval(tmp_path / "a" / "b" / "out", *KJV, "--checkpoint_path", str(checkpoint))
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "a" / "escaped").exists()

@@ -65,6 +65,41 @@ def test_prompt_may_be_a_text_file(tmp_path):
     assert read_prompts(["literal", str(path)]) == ["literal", "from a file"]
 
 
+def test_prompt_that_names_an_existing_path_is_read_or_refused(tmp_path):
+    """An existing text file is read whatever its suffix; a directory or a binary file is an error naming it;
+    a missing .txt stays an error; anything else is literal text."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("notes in markdown")
+    assert read_prompts([str(notes), "just some words", "notes.md"]) == ["notes in markdown", "just some words", "notes.md"]
+    with pytest.raises(ValueError, match=f"--prompt {str(tmp_path)!r} is a directory"):
+        read_prompts([str(tmp_path)])
+    binary = tmp_path / "tool"
+    binary.write_bytes(b"\x7fELF\x02\x01\x00\x00\xff\xfe")
+    with pytest.raises(ValueError, match=f"--prompt {str(binary)!r} is not a UTF-8 text file"):
+        read_prompts([str(binary)])
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"--prompt {str(latin1)!r} is not a UTF-8 text file"):
+        read_prompts([str(latin1)])
+    with pytest.raises(ValueError, match="prompt file 'nowhere.txt' does not exist"):
+        read_prompts(["nowhere.txt"])
+    assert read_prompts(["", "x" * 5000]) == ["", "x" * 5000]  # not paths (too long for one): literal text
+
+
+def test_ctrl_c_says_interrupted_and_exits_130(monkeypatch, capsys):
+    import generate as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--prompt", "hello"])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted" and "Traceback" not in err
+
+
 def test_cli_generates_and_reports_stats():
     proc = run_cli("--prompt", "The capital of France is", "--max_new_tokens", "6", "--batch_size", "2")
     assert proc.returncode == 0, proc.stderr
@@ -94,7 +129,8 @@ def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats():
     proc = run_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache (full): "))
-    assert float(report.rsplit("(", 1)[1].split("x)")[0]) > 4  # packed 4-bit codes + scales vs float32
+    allocated_over_full = float(report.split("), ", 1)[1].split("x the ")[0])
+    assert 1 / allocated_over_full > 4  # packed 4-bit codes + scales vs float32
 
 
 def test_cli_reports_attention_loss_per_layer_and_over_time():
@@ -116,6 +152,10 @@ BAD_INPUTS = {
     "unknown flag": (["--cache_size", "3"], "error: unrecognized arguments: --cache_size 3 (see --help)"),
     "negative temperature": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
     "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
+    "prompt is a directory": (["--prompt", "tests/data"], "error: --prompt 'tests/data' is a directory; give a text file or the prompt text itself"),
+    "prompt is a binary file": (["--prompt", sys.executable], f"error: --prompt {sys.executable!r} is not a UTF-8 text file"),
+    "nan temperature": (["--temperature", "nan"], "error: --temperature must be a finite number >= 0, got nan"),
+    "infinite temperature": (["--temperature", "inf"], "error: --temperature must be a finite number >= 0, got inf"),
     "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
     "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length needs a compressing --cache_strategy; full keeps every token"),
     "bad cache length": (
@@ -130,7 +170,8 @@ BAD_INPUTS = {
     "eviction option for full": (["--global_tokens", "2"], "error: --global_tokens does not apply to --cache_strategy full; it applies to: window"),
     "cache too small": (
         ["--cache_strategy", "l2", "--max_cache_length", "8"],
-        "error: L2Cache: need global_tokens >= 0, recent_window >= 1 and global_tokens + recent_window < cache length; got 4 + 10 for a cache of 8 slots",
+        "error: L2Cache: --max_cache_length gives 8 slots here; the cache needs more than --global_tokens 4 + --recent_window 10: "
+        "raise --max_cache_length or lower --recent_window/--global_tokens",
     ),
     "unknown compressor": (
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "bogus"],
@@ -163,4 +204,6 @@ def test_checkpoint_of_unknown_shape_is_one_error_line(tmp_path, smollm_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = run_cli("--checkpoint_path", str(tmp_path))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == ["error: unknown model config keys ['n_embd']; valid keys: " + str(sorted(config["model"].keys() - {"n_embd"}))]
+    unknown = "unknown model config keys ['n_embd']; valid keys: " + str(sorted(config["model"].keys() - {"n_embd"}))
+    reconvert = f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {tmp_path} and convert again)"
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: bad 'model' section ({unknown}); {reconvert}"]

@@ -79,3 +79,35 @@ def test_hybrid_generates_with_a_model_and_stronger_recovery_keeps_more(tiny_mod
         assert sum(result.cache_stats.values()) == 2 * 2 * 2  # layers x sequences x KV heads
         held_tokens.append(sum(result.tokens_held))
     assert held_tokens[0] < held_tokens[1]
+
+
+def test_decoded_tokens_accumulate_the_attention_they_receive_under_a_heavy_policy():
+    """Issue 15: decoded tokens used to keep score 0, so "heavy" ranked by the prefill profile only."""
+    cache = handmade_cache()
+    cache.policy.fill_(cache.policies.index("special+punct+heavy"))
+    prompt_scores = cache.scores.clone()
+    kv = torch.zeros(1, 3, 1, 2)
+    received = {}  # decoded position -> attention mass it received, per head
+    for step, position in enumerate(range(12, 16)):
+        _, _, pos = cache.update(torch.tensor([[position]]), kv, kv, torch.zeros(1, 3, 1, 2), tokens=torch.tensor([[WORD]]))
+        # Attention that favours newer slots: weight 1 + step + position/10 on every held slot, normalised.
+        weights = torch.where(cache.pos >= 0, 1.0 + step + cache.pos.float() / 10, 0.0)
+        probs = (weights / weights.sum(dim=-1, keepdim=True))[:, :, None, None, :]  # [B, H_kv, group, 1, S]
+        cache.observe(probs)
+        for head in range(3):
+            for slot, p in enumerate(cache.pos[0, head].tolist()):
+                if p >= 12:
+                    received[(head, p)] = received.get((head, p), 0.0) + probs[0, head, 0, 0, slot].item()
+    decoded = 0
+    for head in range(3):
+        for slot, p in enumerate(cache.pos[0, head].tolist()):
+            if p >= 12:
+                decoded += 1
+                assert cache.scores[0, head, slot].item() > 0
+                assert abs(cache.scores[0, head, slot].item() - received[(head, p)]) < 1e-5
+    assert decoded > 0
+    # Prompt tokens still held also gain the decoded steps' attention on top of their prefill profile.
+    for head in range(3):
+        for slot, p in enumerate(cache.pos[0, head].tolist()):
+            if 0 <= p < 12:
+                assert cache.scores[0, head, slot].item() > prompt_scores[0, head, slot].item()

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from conftest import spec_for
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import grouped_attention
-from kvlab.paged import PagedKV, PoolExhausted
+from kvlab.paged import VIEW_ROUND, PagedKV, PoolExhausted
+from kvlab.report import cache_report
 from kvlab.serving import serve
 from test_generate import run_cli
 
@@ -258,6 +259,11 @@ def test_a_fixed_pool_holds_more_compressed_sequences_and_preempts_when_it_runs_
     options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3, kvc_pool_blocks=120)
     full, compressed = (serve(tiny_model, prompts, 16, 6, spec_for(tiny_model, "kvcompress", length, **options), max_seq_length=40) for length in (1.0, 0.25))
     assert max(compressed.rows_in_flight) > max(full.rows_in_flight) and full.peak_blocks <= 120 >= compressed.peak_blocks
+    heads = 2 * 2  # layers x KV heads
+    uncompressed = sum(heads * -(-(len(p) + 16) // 2) for p in prompts)  # blocks the six sequences need uncompressed: 352
+    budgets = sum(heads * round(0.25 * (len(p) + 16)) // 2 + heads for p in prompts)  # in blocks, + a growing block per head: 112
+    assert full.peak_blocks == 72 + 48 == 120  # two sequences uncompressed (prompts of 20 and 8 tokens + 16) fill the pool
+    assert compressed.peak_blocks == budgets < uncompressed and max(compressed.rows_in_flight) == 6  # all six at their budgets at once
     protected = spec_for(tiny_model, "kvcompress", 0.25, **{**options, "kvc_protect": 40, "kvc_pool_blocks": 90})
     uncompressible = serve(tiny_model, prompts, 16, 6, protected, max_seq_length=40)
     assert uncompressible.preemptions > 0 and [len(t) for t in uncompressible.tokens] == [16] * len(prompts)  # every KV protected: they outgrow the pool
@@ -272,3 +278,53 @@ def test_cli_serves_a_prompts_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(line.split("]")[0] for line in proc.stdout.splitlines() if line.startswith("--- [")) == ["--- [0", "--- [1", "--- [2"]
     assert "served 3 requests" in proc.stderr and "15 tokens generated" in proc.stderr and "at most 2)" in proc.stderr
+
+
+def test_compiled_decode_compiles_a_log_bounded_number_of_view_widths(tiny_model):
+    """kvc_block_size 1 without recompression: the largest head grows a block per token, so a
+    generation of 100+ tokens crosses many view widths; the compiled step must not recompile for each
+    (dynamo's recompile limit is 8) and must give eager's tokens."""
+    prompt = [[3, 9, 27, 17, 51, 25, 11, 33]]
+    spec = spec_for(tiny_model, "kvcompress", 1.0, kvc_block_size=1, kvc_compress_every=0)
+    eager = generate(tiny_model, prompt, 110, spec, max_seq_length=120)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests do not count
+    compiled = generate(tiny_model, prompt, 110, spec, max_seq_length=120, decode_step=compile_decode_step(torch.device("cpu")))
+    assert compiled.tokens == eager.tokens
+    paged = tiny_model.layers[0].attention.kv_cache.paged
+    widths = {min(paged.max_blocks, VIEW_ROUND << i) for i in range(paged.max_blocks.bit_length())}
+    assert len(widths) <= 1 + math.ceil(math.log2(paged.max_blocks / VIEW_ROUND))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(widths)
+
+
+def test_the_default_pool_is_sized_from_the_budget_and_allocates_less_than_a_full_cache(tiny_model):
+    """Without kvc_pool_blocks the pool holds each sequence's budget in blocks, a growing block per head
+    and the prompts' transient need, not every sequence uncompressed; tokens are those of the old
+    default (a pool for every sequence uncompressed), and the report tells allocation from use."""
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3)
+    sized = generate(tiny_model, prompts, 40, spec_for(tiny_model, "kvcompress", 0.25, **options), max_seq_length=60)
+    paged = tiny_model.layers[0].attention.kv_cache.paged
+    assert paged.pool.n_blocks < paged.full_pool
+    assert sized.kv_cache_bytes == paged.pool.n_blocks * paged.pool.block_bytes() < sized.full_cache_bytes
+    assert sized.cache_stats["kvcompress: bytes in use"] == sized.cache_stats["kvcompress: blocks in use"] * paged.pool.block_bytes() <= sized.kv_cache_bytes
+    old = generate(tiny_model, prompts, 40, spec_for(tiny_model, "kvcompress", 0.25, **options, kvc_pool_blocks=paged.full_pool), max_seq_length=60)
+    assert old.tokens == sized.tokens and old.kv_cache_bytes > sized.full_cache_bytes
+    text = cache_report("kvcompress", sized)
+    mib = sized.kv_cache_bytes / 2**20
+    assert f"{mib:.1f} MiB allocated (a block pool; {sized.cache_stats['kvcompress: bytes in use'] / 2**20:.1f} MiB in blocks in use)" in text
+    assert f"{sized.kv_cache_bytes / sized.full_cache_bytes:.2f}x the" in text and "bytes in use" not in text.split("\n", 1)[1]
+    dense = generate(tiny_model, prompts, 4, spec_for(tiny_model, "full"), max_seq_length=60)
+    assert "MiB allocated (buffers sized by max_seq_length), " in cache_report("full", dense)
+
+
+def test_an_exhausted_pool_is_a_user_error_naming_the_blocks_and_the_flag(tiny_model):
+    spec = spec_for(tiny_model, "kvcompress", 0.5, kvc_block_size=2, kvc_pool_blocks=1)
+    with pytest.raises(ValueError, match=r"the pool has 1 free blocks of 1, 10 needed; raise --kvc_pool_blocks to at least 10"):
+        generate(tiny_model, [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40]], 4, spec)
+
+
+def test_cli_reports_an_exhausted_pool_in_one_line():
+    proc = run_cli("--cache_strategy", "kvcompress", "--kvc_pool_blocks", "1", "--max_new_tokens", "2")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: kvcompress: the pool has 1 free blocks of 1") and "--kvc_pool_blocks" in proc.stderr

@@ -405,3 +405,10 @@ def test_hf_dir_errors(smollm, tmp_path):
     whitespace = write_bpe_json(smollm[0] / "tokenizer.json", tmp_path / "ws", pre_tokenizer={"type": "Whitespace"})
     with pytest.raises(ValueError, match="unsupported pre_tokenizer.*Whitespace"):
         tokenizer_files_from_hf(whitespace, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/../../x.json"])
+def test_a_tokenizer_file_outside_the_checkpoint_directory_is_refused(name, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ValueError, match=rf"tokenizer file '{name}' lies outside .*ckpt"):
+        load_tokenizer(tmp_path / "ckpt", {"kind": "bpe", "file": name})
