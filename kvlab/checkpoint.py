@@ -53,10 +53,8 @@ def reconvert_hint(checkpoint_dir: Path) -> str:
     return f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {checkpoint_dir} and convert again)"
 
 
-def load_checkpoint(
-    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
-    """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint."""
+def read_config(checkpoint_dir: Path) -> dict[str, Any]:
+    """A checkpoint's config.json, checked (format, sections), without loading the weights."""
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / "config.json"
     if not config_path.exists():
@@ -76,6 +74,17 @@ def load_checkpoint(
     for section in ("model", "tokenizer"):
         if not isinstance(config.get(section), dict):
             raise CheckpointError(f"{config_path}: no {section!r} section, the checkpoint is incomplete; {hint}")
+    return config
+
+
+def load_checkpoint(
+    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / "config.json"
+    hint = reconvert_hint(checkpoint_dir)
+    config = read_config(checkpoint_dir)
     try:
         args = ModelArgs.from_dict(config["model"])
     except (TypeError, ValueError) as e:

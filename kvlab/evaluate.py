@@ -24,7 +24,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from kvlab.build import build_caches, plan_layer_budgets
-from kvlab.checkpoint import CheckpointError, load_checkpoint
+from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config
 from kvlab.convert import default_checkpoint
@@ -69,17 +69,6 @@ def checked_model_name(name: Any) -> str:
 
 def checkpoint_dir(args: argparse.Namespace) -> Path:
     return Path(args.checkpoint_path or default_checkpoint()).resolve()
-
-
-def checkpoint_config(path: Path) -> dict[str, Any]:
-    """A checkpoint's config.json, read without loading the weights."""
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(
-            f"no kvlab checkpoint at {path} (no config.json); convert one with "
-            "scripts/convert_hf_checkpoint.py, or omit --checkpoint_path to use the default model"
-        )
-    return json.loads(config_path.read_text())
 
 
 def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Path) -> dict[str, Any]:
@@ -147,7 +136,7 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
     """Check everything eval.py is about to do before it writes anything: the checkpoint's name, the
     context lengths, each run directory's key. Returns the examples already done (to be resumed)."""
     checkpoint = checkpoint_dir(args)
-    config = checkpoint_config(checkpoint)
+    config = read_config(checkpoint)
     model_name = checked_model_name(config.get("name"))
     check_context_lengths(resolve_tasks(args.tasks), args.context_lengths, args.ppl_prompt_tokens, ModelArgs.from_dict(config["model"]).block_size)
     done = 0

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from kvlab.cache import KVCache
 from kvlab.options import by_name, choice, fraction, integer, switch
+from kvlab.pool import BlockPool
 from kvlab.scores import pool_keys, prompt_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
@@ -54,76 +55,6 @@ def view_width(most: int, max_blocks: int) -> int:
     while width < most:
         width *= 2
     return min(max_blocks, width)
-
-
-class PoolExhausted(ValueError):
-    """The block pool cannot hold the next step's KVs even after compressing every sequence to its budget
-    (a ValueError: a pool too small for the run is a setting to change; the CLIs report it in one line)."""
-
-
-class BlockPool(nn.Module):
-    """`n_blocks` blocks of `block_size` slots (keys, values, positions, metrics). Block 0 is the null
-    block: never handed out, it is what an unused table entry (-1) reads (its positions stay -1, so it
-    is masked) and where rows without a token this step write."""
-
-    def __init__(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
-        super().__init__()
-        self._allocate(n_blocks, block_size, head_dim, dtype, device)
-
-    def _allocate(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None) -> None:
-        shape = (n_blocks + 1, block_size)
-        self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("metric", torch.zeros(shape, device=device), persistent=False)
-        self.register_buffer("in_use", torch.zeros(n_blocks + 1, dtype=torch.bool, device=device), persistent=False)
-        self.in_use[0] = True
-
-    @property
-    def n_blocks(self) -> int:
-        return self.in_use.numel() - 1
-
-    def resize(self, n_blocks: int) -> None:
-        """Reallocate the (empty) pool with `n_blocks` blocks; nothing is kept. A no-op (but a reset) at the same size."""
-        if n_blocks == self.n_blocks:
-            self.reset()
-            return
-        k = self.k
-        self._allocate(n_blocks, k.shape[1], k.shape[2], k.dtype, k.device)
-
-    def allocated_bytes(self) -> int:
-        """Keys and values of every block the pool holds (the null block aside): the KV memory it allocated."""
-        return self.n_blocks * self.block_bytes()
-
-    def free_blocks(self) -> int:
-        return int((~self.in_use).sum())
-
-    def allocate(self, n: int) -> Tensor:
-        """Ids of n free blocks, now in use."""
-        ids = (~self.in_use).nonzero().flatten()[:n]
-        if ids.numel() < n:
-            at_least = self.n_blocks - ids.numel() + n
-            raise PoolExhausted(
-                f"kvcompress: the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed; raise --kvc_pool_blocks to at least {at_least} "
-                "(more for the tokens still to come), compress more, or leave it unset to size the pool from the budgets"
-            )
-        self.in_use[ids] = True
-        return ids
-
-    def release(self, ids: Tensor) -> None:
-        self.in_use[ids] = False
-        self.pos[ids] = -1
-        self.metric[ids] = 0.0
-
-    def reset(self) -> None:
-        self.in_use.zero_()
-        self.in_use[0] = True
-        self.pos.fill_(-1)
-        self.metric.zero_()
-
-    def block_bytes(self) -> int:
-        """Keys and values of one block (positions and metrics are bookkeeping, as in any paged server)."""
-        return 2 * self.k[0].nbytes
 
 
 class PagedKV(nn.Module):

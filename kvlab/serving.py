@@ -24,7 +24,8 @@ from kvlab.build import cache_slots, setup_caches
 from kvlab.config import CacheSpec
 from kvlab.engine import GREEDY, Sampling, decode_one_token, sample, sync
 from kvlab.model import Transformer
-from kvlab.paged import PagedKV, PoolExhausted
+from kvlab.paged import PagedKV
+from kvlab.pool import PoolExhausted
 from kvlab.strategies import CACHE_STRATEGIES
 
 

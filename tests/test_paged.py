@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from conftest import spec_for
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import grouped_attention
-from kvlab.paged import VIEW_ROUND, PagedKV, PoolExhausted
+from kvlab.paged import VIEW_ROUND, PagedKV
+from kvlab.pool import PoolExhausted
 from kvlab.report import cache_report
 from kvlab.serving import serve
 from test_generate import run_cli
