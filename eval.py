@@ -10,6 +10,10 @@ Under --out_dir (default results/), one directory per (model, config, cache size
 and summary.csv / summary.md over everything in --out_dir. An interrupted sweep resumes where it
 stopped: finished examples are read back, never recomputed. Every example is decoded with
 compress_first_token, so even a one-token answer is computed from the compressed cache.
+
+Under torchrun, the ranks share the sweep's batches out, on one machine or several (docs/scaling.md);
+each rank appends to its own <task>@<ctx>.rank<r>.jsonl, and a sweep resumes with any number of ranks:
+    torchrun --standalone --nproc_per_node 4 eval.py --tasks ruler --cache_config full snapkv
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import fcntl
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
-import torch
-
-from kvlab.cli import ArgumentParser, run_cli
-from kvlab.evaluate import Evaluator, jobs_for, parse_size, prepare_runs, run_parallel
+from kvlab import parallel
+from kvlab.cli import ArgumentParser, resolve_device_dtype, run_cli
+from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_size, prepare_runs
 from kvlab.results import FULL, markdown_table, write_summary
 from kvlab.tasks import PerplexityTask, resolve_tasks
 
@@ -62,12 +66,17 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: auto)")
     p.add_argument("--compile", action="store_true", help="compile the decode step (static shapes: one compilation per job, none between examples)")
     p.add_argument(
+        "--tensor_parallel",
+        action="store_true",
+        help="under torchrun: shard the model over the ranks (a model too large for one device), which then run every job together; "
+        "without it the ranks share out the sweep's jobs, each with the whole model (docs/scaling.md)",
+    )
+    p.add_argument(
         "--attention_metrics",
         action="store_true",
         help="generation tasks: also record per example the attention loss and the top-B attention recall (B = the tokens the cache "
         "attends), from a full cache run alongside (eager; about twice the decode time)",
     )
-    p.add_argument("--workers", type=int, default=1, help="CPU worker processes (one per GPU on CUDA) (default: 1)")
     return p
 
 
@@ -91,24 +100,39 @@ def locked_out_dir(out_dir: Path):
         yield
 
 
-def run(args: argparse.Namespace) -> None:
-    if args.num_samples < 1 or args.batch_size < 1 or args.workers < 1:
-        raise ValueError(f"--num_samples, --batch_size and --workers must be >= 1, got {args.num_samples}, {args.batch_size}, {args.workers}")
-    tasks = resolve_tasks(args.tasks)
-    if args.attention_metrics and (args.compile or any(isinstance(t, PerplexityTask) for t in tasks)):
-        raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
-    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
+SWEEP_TIMEOUT = timedelta(hours=48)  # ranks that finish early wait this long for the slowest
+
+
+def open_out_dir(jobs: list[Job], args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
+    """Rank 0's part before a sweep: check everything, then lock --out_dir for the sweep (held by `stack`).
+    Returns the examples already done."""
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
     done = prepare_runs(jobs, args)  # checks the checkpoint name, context lengths and each run's key before anything is written
-    with locked_out_dir(args.out_dir):
+    stack.enter_context(locked_out_dir(args.out_dir))
+    return done
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.num_samples < 1 or args.batch_size < 1:
+        raise ValueError(f"--num_samples and --batch_size must be >= 1, got {args.num_samples}, {args.batch_size}")
+    tasks = resolve_tasks(args.tasks)
+    if args.attention_metrics and (args.compile or any(isinstance(t, PerplexityTask) for t in tasks)):
+        raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
+    if args.tensor_parallel and args.attention_metrics:
+        raise ValueError("--attention_metrics measures every head in one process; drop --tensor_parallel")
+    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
+    device = parallel.init(resolve_device_dtype(args.device, args.dtype)[0], timeout=SWEEP_TIMEOUT)
+    with contextlib.ExitStack() as stack:
+        done = on_rank0(lambda: open_out_dir(jobs, args, stack))
         if done:
             print(f"resuming: {done} example(s) already done in {args.out_dir}, not recomputed", file=sys.stderr)
         t0 = time.perf_counter()
-        if args.workers > 1 or (args.device in ("auto", "cuda") and torch.cuda.device_count() > 1):
-            run_parallel(jobs, args)
-        else:
-            Evaluator(args, args.device).run(jobs)
+        threads = parallel.cpu_threads() if parallel.launched() and device.type == "cpu" else None
+        shard = (0, 1) if args.tensor_parallel else (parallel.rank(), parallel.world_size())  # one sharded model runs every job
+        Evaluator(args, str(device), threads, shard=shard).run(jobs)
+        if parallel.rank() != 0:
+            return
         rows = write_summary(args.out_dir)
     print(markdown_table(rows), end="")
     print(f"{len(jobs)} jobs in {time.perf_counter() - t0:.0f} s; results in {args.out_dir}/ (summary.csv, summary.md)", file=sys.stderr)

@@ -5,6 +5,7 @@ that `--compile` compiles with static shapes.
     python generate.py --chat --prompt "What is the capital of France?"
     python generate.py --cache_strategy heavy_hitter --max_cache_length 0.5
     python generate.py --cache_config kvcompress --prompts_file prompts.txt --batch_size 8   # continuous batching
+    torchrun --nproc_per_node 2 generate.py --cache_strategy heavy_hitter   # tensor parallel over 2 ranks
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from kvlab import parallel
 from kvlab.build import cache_slots
 from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import ArgumentParser, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
 from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
 from kvlab.convert import default_checkpoint
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, prefill
+from kvlab.quantize import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
 from kvlab.strategies import CACHE_STRATEGIES
@@ -121,6 +124,11 @@ def run(args: argparse.Namespace) -> None:
     if args.attention_loss and (args.compile or args.compile_prefill):
         raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
+    tensor_parallel = parallel.launched()  # torchrun --nproc_per_node N: one model sharded over the N ranks
+    if tensor_parallel and args.attention_loss:
+        raise ValueError("--attention_loss measures every head of one process; run it without torchrun")
+    device = parallel.init(device)
+    parallel.quiet_other_ranks()
     texts = read_prompts(args.prompt or ([] if args.prompts_file else [DEFAULT_PROMPT]))
     if args.prompts_file:
         if not args.prompts_file.is_file():
@@ -131,10 +139,14 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    model, tokenizer, config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype)
+    model, tokenizer, config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype, tensor_parallel)
     spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"Loaded {config['name']} ({params:.1f}M params, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if "quantization" in config:  # its matrices are integer buffers, not parameters
+        size = f"{config['quantization']['mode']} weights, {weight_bytes(model) / 1e6:.0f} MB"
+    else:
+        size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
+    ranks = f", tensor parallel over {parallel.world_size()} ranks (rank 0's share)" if tensor_parallel else ""
+    print(f"Loaded {config['name']} ({size}{ranks}, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     if args.chat:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -149,6 +161,8 @@ def run(args: argparse.Namespace) -> None:
 
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
     if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
+        if tensor_parallel:
+            raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
         if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss:
             raise ValueError(
                 "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token or --attention_loss"
@@ -197,7 +211,12 @@ def run(args: argparse.Namespace) -> None:
         f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
         f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
         f"batch {batch_size}); first step{' (compile)' if args.compile else ''}: {totals['first_s']:.2f} s\n"
-        f"{cache_report(args.cache_config or spec.strategies, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB",
+        f"{cache_report(args.cache_config or spec.strategies, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB"
+        + (
+            f"\n(KV cache and memory: rank 0's, which holds {model.layers[0].attention.n_local_heads} of {model.config.n_local_heads} KV heads)"
+            if tensor_parallel
+            else ""
+        ),
         file=sys.stderr,
     )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -128,11 +129,20 @@ def table(header: str, rows: Iterable[str], align: str = "---") -> list[str]:
     return [f"| {header} |", "|" + f"{align}|" * (header.count(" | ") + 1), *rows, ""]
 
 
+def load_note() -> str:
+    """The machine's load as the table is written: timings taken while other work shared the CPU read low,
+    and ratios between runs of one table shift with the load."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()
+    shared = "other work shared the CPU: timings are understated and their ratios noisy" if load[1] > cores + 0.5 else "no other work of note"
+    return f"Load average when written: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cores} cores: {shared}."
+
+
 def write_results(lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True) -> None:
     """Write a benchmark's markdown to `out`, by default bench/results/<name>_<device>.md, and print it
     (or, with show=False, where it went)."""
     out = out or RESULTS / f"{name}_{device.type}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = "\n".join(lines)
+    text = "\n".join([*lines, load_note(), ""])
     out.write_text(text)
     print(text if show else f"wrote {out}")

@@ -82,7 +82,7 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
     """Attach one cache per layer (strategies per layer; each layer takes the options its strategy declares).
     Reuses the model's caches when they were built for the same spec, so a compiled decode step is not
     recompiled between calls."""
-    cfg, weight = model.config, model.tok_embeddings.weight
+    weight, attention = model.norm.weight, model.layers[0].attention  # the model's dtype (quantized weights are integers); this rank's heads
     key = (tuple(spec.strategies), batch_size, tuple(capacities), history, weight.dtype, sorted(spec.options.items()), sorted(spec.token_classes.items()))
     current = [layer.attention.kv_cache for layer in model.layers]
     if getattr(model, "cache_key", None) == key:
@@ -90,14 +90,14 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             c.reset()
         return current
     caches: list[KVCache | None] = [None] * len(spec.strategies)
-    shape = (batch_size, cfg.n_local_heads)
+    shape = (batch_size, attention.n_local_heads)
     for s in dict.fromkeys(spec.strategies):
         layers = [i for i, name in enumerate(spec.strategies) if name == s]
-        common = dict(n_heads=cfg.n_head, history=history, token_classes=spec.token_classes, **layer_options(s, spec.options))
+        common = dict(n_heads=attention.n_head, history=history, token_classes=spec.token_classes, **layer_options(s, spec.options))
         if CACHE_STRATEGIES[s].shares_pool:  # these layers share one block pool
-            built = make_caches(s, len(layers), *shape, capacities[layers[0]], cfg.head_dim, weight.dtype, weight.device, **common)
+            built = make_caches(s, len(layers), *shape, capacities[layers[0]], attention.head_dim, weight.dtype, weight.device, **common)
         else:
-            built = [make_caches(s, 1, *shape, capacities[i], cfg.head_dim, weight.dtype, weight.device, **common)[0] for i in layers]
+            built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, **common)[0] for i in layers]
         for i, cache in zip(layers, built, strict=True):
             caches[i] = cache
     model.setup_caches(caches)

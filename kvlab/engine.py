@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.build import build_caches, make_caches, plan_layer_budgets
 from kvlab.cache import KVCache
@@ -48,7 +49,7 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = torch.where(logits < kth, float("-inf"), logits)
     probs = torch.softmax(logits.float(), dim=-1)
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+    return parallel.same_tokens((probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1))
 
 
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
@@ -207,6 +208,7 @@ def generate(
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
     waits for Python between steps."""
     cfg = model.config
+    kv_heads = model.layers[0].attention.n_local_heads  # this rank's, under tensor parallelism
     spec = spec or CacheSpec.full(cfg.n_layer)
     temperature, top_k = sampling.temperature, sampling.top_k
     compress_first_token = spec.compress_first_token
@@ -244,7 +246,7 @@ def generate(
     caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets)
     probes = None
     if attention_loss:
-        full = make_caches("full", cfg.n_layer, len(prompts), cfg.n_local_heads, max_seq_length, cfg.head_dim, model.tok_embeddings.weight.dtype, device)
+        full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, max_seq_length, cfg.head_dim, model.norm.weight.dtype, device)
         probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
         model.setup_caches(probes)
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
@@ -284,7 +286,7 @@ def generate(
     sync(device)
     decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
     rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
-    full_bytes = 2 * cfg.n_layer * len(prompts) * cfg.n_local_heads * (T + n - 1) * cfg.head_dim * model.tok_embeddings.weight.element_size()
+    full_bytes = 2 * cfg.n_layer * len(prompts) * kv_heads * (T + n - 1) * cfg.head_dim * model.norm.weight.element_size()
     return Generation(
         [r[0] for r in rows],
         [r[1] for r in rows],

@@ -1,7 +1,7 @@
 """The evaluation harness behind `eval.py`: a sweep of tasks x cache configs x cache sizes as `Job`s,
 run by an `Evaluator` (one loaded model; generation tasks share each batch's prefill between configs),
-in one process or a queue of worker processes. Every example is decoded with compress_first_token,
-so even a one-token answer is computed from the compressed cache."""
+in one process or in several launched by torchrun, each running its share of the batches. Every example
+is decoded with compress_first_token, so even a one-token answer is computed from the compressed cache."""
 
 from __future__ import annotations
 
@@ -9,31 +9,31 @@ import argparse
 import dataclasses
 import json
 import math
-import multiprocessing
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from kvlab import parallel
 from kvlab.build import build_caches, plan_layer_budgets
 from kvlab.checkpoint import load_checkpoint, read_config
-from kvlab.cli import resolve_device_dtype
+from kvlab.cli import USER_ERRORS, resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config
 from kvlab.convert import default_checkpoint
 from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
 from kvlab.model import ModelArgs, Transformer
-from kvlab.results import FULL, append_record, read_records, rewrite_complete_lines
+from kvlab.results import FULL, append_record, rank_file, read_job_records, read_records, rewrite_complete_lines
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
-from kvlab.tasks.ruler import ContextTooShortError
+from kvlab.tasks.ruler import ContextTooShortError, minimum_context_length
 from kvlab.tokenizer import Tokenizer
 
 
@@ -143,7 +143,7 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
     for job in jobs:
         run_dir = job.run_dir(args.out_dir, model_name)
         check_key(run_dir, run_key(job, args, model_name, checkpoint))
-        done += len(read_records(run_dir / f"{job.stem()}.jsonl"))
+        done += len(read_job_records(run_dir / f"{job.stem()}.jsonl"))
     return done
 
 
@@ -195,65 +195,6 @@ def rows_held(model: Transformer) -> Tensor:
     return torch.stack([layer.attention.kv_cache.tokens_held().float() for layer in model.layers]).mean(dim=0)
 
 
-def run_generation(
-    model: Transformer,
-    tokenizer: Tokenizer,
-    task: GenerationTask,
-    runs: list[tuple[Job, CacheSpec, Path]],
-    args: argparse.Namespace,
-    step: Callable,
-    examples: list[Any] | None = None,
-) -> dict[Job, list[dict[str, Any]]]:
-    """Decode one task's examples for several (job, cache spec, .jsonl) runs at once, batch by batch:
-    each batch's prefill is computed once and shared by every run still missing one of its examples.
-    Records are appended as they finish; returns each job's records for the requested examples."""
-    context_length = runs[0][0].context_length
-    if examples is None:
-        examples = task.examples(tokenizer, args.num_samples, args.seed, context_length, not args.no_chat)
-    done = {job: read_records(path) for job, _, path in runs}
-    for job, _, path in runs:
-        rewrite_complete_lines(path, done[job])
-    max_new = max(e.max_new_tokens for e in examples)
-    max_seq_length = max(len(e.input_ids) for e in examples) + max_new  # fixed for the task: no recompiles between batches
-    for batch in tqdm(list(batches(examples, args.batch_size)), desc=f"{task.name}@{context_length} ({len(runs)} runs)", unit="batch", leave=False):
-        pending = [(job, spec, path) for job, spec, path in runs if any(e.id not in done[job] for e in batch)]
-        padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
-        shared = RecordedPrefill()
-        for job, spec, path in pending:
-            t0 = time.perf_counter()
-            result = generate(
-                model,
-                [e.input_ids for e in padded],
-                max_new,
-                dataclasses.replace(spec, compress_first_token=True),
-                stop_ids=tokenizer.stop_ids,
-                decode_step=step,
-                max_seq_length=max_seq_length,
-                recorded=shared,
-                attention_loss=args.attention_metrics,
-            )
-            seconds = (time.perf_counter() - t0) / len(batch)
-            held = rows_held(model).tolist()
-            for i, example in enumerate(batch):
-                if example.id in done[job]:
-                    continue
-                prediction = tokenizer.decode(result.tokens[i][: example.max_new_tokens])
-                record = dict(
-                    id=example.id,
-                    score=task.score(prediction, example),
-                    prediction=prediction,
-                    answers=example.answers,
-                    prompt_tokens=len(example.input_ids),
-                    compression=(len(example.input_ids) + result.decode_steps) / held[i],
-                    seconds=round(seconds, 3),
-                )
-                if result.attention_loss is not None:
-                    record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
-                append_record(path, record)
-                done[job][example.id] = record
-    return {job: [done[job][e.id] for e in examples] for job, _, _ in runs}
-
-
 def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target: Tensor) -> Tensor:
     """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for perplexity."""
     logits = model(token, input_pos)
@@ -285,48 +226,16 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     return torch.cat(losses, dim=1), rows_held(model)
 
 
-def run_perplexity(
-    model: Transformer, tokenizer: Tokenizer, task: PerplexityTask, job: Job, spec: CacheSpec, args: argparse.Namespace, path: Path, step: Callable
-) -> list[dict[str, Any]]:
-    """Score the job's documents not yet in `path` (as `run_generation`)."""
-    if spec.layer_budget != "uniform" and job.prompt_tokens == 1:
-        raise ValueError(
-            f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
-            "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
-        )
-    documents = task.documents(tokenizer, args.num_samples, job.context_length)
-    done = read_records(path)
-    rewrite_complete_lines(path, done)
-    todo = [d for d in documents if d.id not in done]
-    for batch in tqdm(list(batches(todo, args.batch_size)), desc=f"{Path(job.config).stem}@{job.size} {job.stem()}", unit="batch", leave=False):
-        padded = batch + batch[-1:] * (args.batch_size - len(batch))
-        t0 = time.perf_counter()
-        losses, held = document_nll(model, [d.input_ids for d in padded], spec, step, job.prompt_tokens)
-        seconds = (time.perf_counter() - t0) / len(batch)
-        for i, doc in enumerate(batch):
-            nll = losses[i].tolist()
-            record = dict(
-                id=doc.id,
-                nll_sum=sum(nll),
-                tokens=len(nll),
-                perplexity=math.exp(sum(nll) / len(nll)),
-                checkpoints={str(c): math.exp(sum(nll[:c]) / c) for c in doc.checkpoints},
-                compression=len(doc.input_ids) / float(held[i]),
-                seconds=round(seconds, 3),
-            )
-            append_record(path, record)
-            done[doc.id] = record
-    return [done[d.id] for d in documents]
-
-
 def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A task's metrics from its examples: mean score (x100), or perplexity over all scored tokens."""
+    """A task's metrics from its examples: mean score (x100) and needle digits (%), or perplexity over all scored tokens."""
     metrics: dict[str, Any] = dict(metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records))
     if isinstance(task, PerplexityTask):
         metrics["value"] = math.exp(sum(r["nll_sum"] for r in records) / sum(r["tokens"] for r in records))
         metrics["checkpoints"] = {c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]}
     else:
         metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
+        if all("needle_digits" in r for r in records):  # RULER's numeric needles, in % as the score
+            metrics["needle_digits"] = 100 * sum(r["needle_digits"] for r in records) / len(records)
     for key in ("attention_loss", "topb_recall"):  # with --attention_metrics
         if all(key in r for r in records):
             metrics[key] = sum(r[key] for r in records) / len(records)
@@ -334,16 +243,69 @@ def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str,
     return metrics
 
 
-class Evaluator:
-    """A loaded model that runs jobs; each finished job leaves its metrics file (and is skipped next time)."""
+@dataclass
+class Group:
+    """One task at one context length with all its (config, size) jobs: they share each batch of its
+    examples, and in generation tasks the batch's prefill."""
 
-    def __init__(self, args: argparse.Namespace, device_name: str, threads: int | None = None) -> None:
+    task: GenerationTask | PerplexityTask
+    examples: list[Any]  # Examples, or a perplexity task's Documents
+    runs: list[tuple[Job, CacheSpec, Path]]  # each job's cache spec and .jsonl (results.rank_file: this process's file beside it)
+    done: dict[Job, dict[str, dict[str, Any]]]  # each job's finished examples by id, from every rank's file
+
+    def todo(self) -> list[Any]:
+        """The examples some job still misses, in order."""
+        return [e for e in self.examples if any(e.id not in self.done[job] for job, _, _ in self.runs)]
+
+    def pending(self, batch: list[Any]) -> list[tuple[Job, CacheSpec, Path]]:
+        """The runs missing one of `batch`'s examples."""
+        return [(job, spec, path) for job, spec, path in self.runs if any(e.id not in self.done[job] for e in batch)]
+
+
+T = TypeVar("T")
+
+
+def on_rank0(fn: Callable[[], T]) -> T | None:
+    """Run `fn` on rank 0 alone (the checks and writes one process must do) while the other ranks wait;
+    its error is raised on every rank, so none waits for a sweep that will not start. Returns `fn`'s
+    result on rank 0, None on the others."""
+
+    def rank0_error(message: str | None) -> str | None:
+        box = [message]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    if parallel.rank() == 0:
+        try:
+            result = fn()
+        except USER_ERRORS as e:
+            rank0_error(str(e))
+            raise
+        rank0_error(None)
+        return result
+    if (error := rank0_error(None)) is not None:
+        raise ValueError(error)
+    return None
+
+
+class Evaluator:
+    """A loaded model that runs jobs, one batch of a task's examples (for all its configs and sizes) at a
+    time. `shard=(index, count)`: this evaluator runs batches index, index + count, ... of the sweep;
+    under torchrun each rank passes (rank, world size). Every rank lists the same batches, the examples
+    not yet done when the sweep starts, so a batch is run once whatever the number of ranks."""
+
+    def __init__(self, args: argparse.Namespace, device_name: str, threads: int | None = None, shard: tuple[int, int] = (0, 1)) -> None:
         if threads:
             torch.set_num_threads(threads)
         torch._dynamo.config.cache_size_limit = 64  # one decode graph per cache config; the default 8 would fall back to eager
         device, dtype = resolve_device_dtype(device_name, args.dtype)
         self.args = args
-        self.model, self.tokenizer, self.config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype)
+        self.shard = shard
+        # Several shards: each process appends to its own files. One shared by every rank (tensor parallelism): rank 0 alone.
+        self.writes = shard[1] > 1 or parallel.rank() == 0
+        tensor_parallel = args.tensor_parallel and parallel.launched()
+        self.model, self.tokenizer, self.config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype, tensor_parallel)
         self.tasks = {t.name: t for t in resolve_tasks(args.tasks)}
         if args.longbench_dir is not None:
             set_longbench_dir(args.longbench_dir)
@@ -351,61 +313,134 @@ class Evaluator:
         self.ppl_step = compile_decode_step(device, score_one_token) if args.compile else score_one_token
 
     def run(self, jobs: list[Job]) -> None:
-        """Finish the jobs' missing examples, then (re)write each job's metrics over exactly the requested
-        examples. Jobs of one generation task and context length run together, sharing prefills."""
-        groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
+        """Finish this evaluator's share of the jobs' missing examples; then rank 0 (re)writes each job's
+        metrics over exactly the requested examples, from every rank's records."""
+        by_task: dict[tuple[str, int], list[Job]] = defaultdict(list)
         for job in jobs:
-            groups[job.task, job.context_length].append(job)
-        for (name, ctx), group in tqdm(groups.items(), desc="sweep", unit="task"):
-            task = self.tasks[name]
-            examples = None
-            if isinstance(task, GenerationTask):  # built before any args.json, so a context too short for the task leaves nothing behind
-                try:
-                    examples = task.examples(self.tokenizer, self.args.num_samples, self.args.seed, ctx, not self.args.no_chat)
-                except ContextTooShortError as e:
-                    raise ValueError(
-                        f"--context_lengths {ctx} is too short for {name} ({e}); the model's context length is {self.model.config.block_size} tokens"
-                    ) from None
-            runs = [(job, job_spec(job, self.model.config.n_layer, self.tokenizer), self.prepare(job)) for job in group]
-            if isinstance(task, PerplexityTask):
-                records = {job: run_perplexity(self.model, self.tokenizer, task, job, spec, self.args, path, self.ppl_step) for job, spec, path in runs}
+            by_task[job.task, job.context_length].append(job)
+        groups = [self.group(name, ctx, group) for (name, ctx), group in by_task.items()]
+        lead = parallel.rank() == 0
+        if lead:
+            for group in groups:
+                for job, _, _ in group.runs:
+                    self.prepare(job)
+        parallel.barrier()  # the run directories exist, and every rank has read what was done, before any rank appends
+        index, count = self.shard
+        units = [(group, batch) for group in groups for batch in batches(group.todo(), self.args.batch_size)]
+        for group, batch in tqdm(units[index::count], desc="sweep", unit="batch", disable=not lead):
+            if isinstance(group.task, PerplexityTask):
+                self.score_documents(group, batch)
             else:
-                records = run_generation(self.model, self.tokenizer, task, runs, self.args, self.step, examples)
-            for job, _, path in runs:
-                path.with_suffix(".json").write_text(json.dumps(summarize_job(task, records[job]), indent=1))
+                self.generate(group, batch)
+        parallel.barrier()  # every rank's records are on disk
+        if lead:
+            for group in groups:
+                for _, _, path in group.runs:
+                    records = read_job_records(path)
+                    path.with_suffix(".json").write_text(json.dumps(summarize_job(group.task, [records[e.id] for e in group.examples]), indent=1))
 
-    def prepare(self, job: Job) -> Path:
-        """The job's directory with its args.json; returns the path of its .jsonl."""
-        run_dir = job.run_dir(self.args.out_dir, self.config["name"])
-        write_args_json(run_dir, job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)))
-        return run_dir / f"{job.stem()}.jsonl"
+    def group(self, name: str, ctx: int, jobs: list[Job]) -> Group:
+        """A task's examples at one context length with its jobs' specs and records: built alike on every
+        rank before any args.json, so a bad setting fails on every rank and leaves nothing behind."""
+        task = self.tasks[name]
+        if isinstance(task, PerplexityTask):
+            examples = task.documents(self.tokenizer, self.args.num_samples, ctx)
+        else:
+            try:
+                examples = task.examples(self.tokenizer, self.args.num_samples, self.args.seed, ctx, not self.args.no_chat)
+            except ContextTooShortError:
+                limit = self.model.config.block_size
+                minimum = minimum_context_length(task, self.tokenizer, self.args.num_samples, self.args.seed, not self.args.no_chat, ctx, limit)
+                if minimum is None:
+                    raise ValueError(f"--context_lengths {ctx} is too short for {name}, and so is the model's context length of {limit} tokens") from None
+                raise ValueError(
+                    f"--context_lengths {ctx} is below the {minimum} tokens {name} needs (prompt and answer); "
+                    f"valid: {minimum} to the model's context length of {limit} tokens"
+                ) from None
+        runs = []
+        for job in jobs:
+            spec = job_spec(job, self.model.config.n_layer, self.tokenizer)
+            if isinstance(task, PerplexityTask) and spec.layer_budget != "uniform" and job.prompt_tokens == 1:
+                raise ValueError(
+                    f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
+                    "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
+                )
+            path = job.run_dir(self.args.out_dir, self.config["name"]) / f"{job.stem()}.jsonl"
+            if self.writes:  # a torn last line of this process's own file goes before it appends
+                mine = rank_file(path, *self.shard)
+                rewrite_complete_lines(mine, read_records(mine))
+            runs.append((job, spec, path))
+        return Group(task, examples, runs, {job: read_job_records(path) for job, _, path in runs})
 
+    def prepare(self, job: Job) -> None:
+        """The job's directory with its args.json."""
+        write_args_json(job.run_dir(self.args.out_dir, self.config["name"]), job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)))
 
-def worker(jobs: multiprocessing.Queue, args: argparse.Namespace, device_name: str, threads: int | None) -> None:
-    evaluator = Evaluator(args, device_name, threads)
-    while (group := jobs.get()) is not None:
-        evaluator.run(group)
+    def keep(self, group: Group, job: Job, path: Path, record: dict[str, Any]) -> None:
+        """A finished example: appended to this process's file of the job, and done."""
+        if self.writes:
+            append_record(rank_file(path, *self.shard), record)
+        group.done[job][record["id"]] = record
 
+    def generate(self, group: Group, batch: list[Any]) -> None:
+        """Decode a batch of a generation task's examples for every run still missing one of them, from
+        one prefill shared by all."""
+        task, args = group.task, self.args
+        max_new = max(e.max_new_tokens for e in group.examples)
+        max_seq_length = max(len(e.input_ids) for e in group.examples) + max_new  # fixed for the task: no recompiles between batches
+        padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
+        shared = RecordedPrefill()
+        for job, spec, path in group.pending(batch):
+            t0 = time.perf_counter()
+            result = generate(
+                self.model,
+                [e.input_ids for e in padded],
+                max_new,
+                dataclasses.replace(spec, compress_first_token=True),
+                stop_ids=self.tokenizer.stop_ids,
+                decode_step=self.step,
+                max_seq_length=max_seq_length,
+                recorded=shared,
+                attention_loss=args.attention_metrics,
+            )
+            seconds = (time.perf_counter() - t0) / len(batch)
+            held = rows_held(self.model).tolist()
+            for i, example in enumerate(batch):
+                if example.id in group.done[job]:
+                    continue
+                prediction = self.tokenizer.decode(result.tokens[i][: example.max_new_tokens])
+                record = dict(
+                    id=example.id,
+                    score=task.score(prediction, example),
+                    **task.extra_scores(prediction, example),
+                    prediction=prediction,
+                    answers=example.answers,
+                    prompt_tokens=len(example.input_ids),
+                    compression=(len(example.input_ids) + result.decode_steps) / held[i],
+                    seconds=round(seconds, 3),
+                )
+                if result.attention_loss is not None:
+                    record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
+                self.keep(group, job, path, record)
 
-def run_parallel(jobs: list[Job], args: argparse.Namespace) -> None:
-    """One worker process per GPU, or `--workers` CPU processes sharing the cores, pulling from one job queue."""
-    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
-    devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"] * args.workers
-    threads = None if gpus else max(1, (os.cpu_count() or 1) // len(devices))
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    groups: dict[tuple[str, int], list[Job]] = defaultdict(list)
-    for job in jobs:  # a task's runs stay together so they share prefills
-        groups[job.task, job.context_length].append(job)
-    for group in groups.values():
-        queue.put(group)
-    for _ in devices:
-        queue.put(None)
-    processes = [context.Process(target=worker, args=(queue, args, d, threads)) for d in devices]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join()
-    failed = [p.exitcode for p in processes if p.exitcode]
-    if failed:
-        raise RuntimeError(f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume the unfinished jobs")
+    def score_documents(self, group: Group, batch: list[Any]) -> None:
+        """Score a batch of a perplexity task's documents for every run still missing one of them."""
+        padded = batch + batch[-1:] * (self.args.batch_size - len(batch))
+        for job, spec, path in group.pending(batch):
+            t0 = time.perf_counter()
+            losses, held = document_nll(self.model, [d.input_ids for d in padded], spec, self.ppl_step, job.prompt_tokens)
+            seconds = (time.perf_counter() - t0) / len(batch)
+            for i, doc in enumerate(batch):
+                if doc.id in group.done[job]:
+                    continue
+                nll = losses[i].tolist()
+                record = dict(
+                    id=doc.id,
+                    nll_sum=sum(nll),
+                    tokens=len(nll),
+                    perplexity=math.exp(sum(nll) / len(nll)),
+                    checkpoints={str(c): math.exp(sum(nll[:c]) / c) for c in doc.checkpoints},
+                    compression=len(doc.input_ids) / float(held[i]),
+                    seconds=round(seconds, 3),
+                )
+                self.keep(group, job, path, record)

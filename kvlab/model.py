@@ -78,10 +78,15 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+            self.tie_weights()
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """The LM head shares the embedding's tensors: its weight, and a quantized one's scales too."""
+        for name, tensor in [*self.tok_embeddings.named_parameters(recurse=False), *self.tok_embeddings.named_buffers(recurse=False)]:
+            setattr(self.output, name, tensor)
 
     def setup_caches(self, caches: list[KVCache]) -> None:
         """Attach one cache per layer (see `cache.make_caches`)."""
@@ -94,9 +99,9 @@ class Transformer(nn.Module):
         exact causal attention over the prompt itself. `logits_at` [B, K] picks which columns get logits
         (e.g. each row's last prompt token), so a long prefill need not build [B, T, vocab] logits."""
         positions = input_pos.clamp(min=0)
-        cos = self.rope_cos[positions].unsqueeze(1).to(self.tok_embeddings.weight.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(self.tok_embeddings.weight.dtype)
         x = self.tok_embeddings(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for layer in self.layers:
             x = layer(x, tokens, input_pos, cos, sin, prefill)
         if logits_at is not None:

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.options import by_name, choice, fraction, integer, switch
 from kvlab.pool import BlockPool
@@ -211,7 +212,7 @@ class PagedKV(nn.Module):
         """Allocate a block for every head of an active row whose blocks are full; compress every sequence
         to its budget first when the pool is short (PoolExhausted if even that is not enough)."""
         full = (self.length == self._blocks_held() * self.block_size) & self.active[None, :, None]
-        if int(full.sum()) > self.pool.free_blocks():
+        if parallel.any_rank(int(full.sum()) > self.pool.free_blocks()):  # compression reaches every rank's heads
             for row in self.active.nonzero().flatten().tolist():
                 self.compress_row(row)
             full = (self.length == self._blocks_held() * self.block_size) & self.active[None, :, None]
@@ -223,15 +224,17 @@ class PagedKV(nn.Module):
     def compress_row(self, row: int) -> int:
         """Evict the lowest-scoring chunks of sequence `row` until its blocks fit its budget; compact the
         survivors and free the emptied blocks. Returns the number of blocks freed."""
-        bs, L, H = self.block_size, self.n_layer, self.length.shape[2]
+        bs, L = self.block_size, self.n_layer
         table = self.table[:, row]  # [L, H, M]
         n = self.length[:, row]  # [L, H]
         before = self._blocks_held()[:, row]
         held = (n + bs - 1) // bs  # blocks holding KVs (make_room's empty block for the next token does not count)
+        every_held = parallel.gather_heads(held)  # under tensor parallelism, every rank's heads compete as in one process
+        H = every_held.shape[1]
         if self.scope == "layer":  # each layer's blocks within its own budget
-            over = held.sum(dim=-1) - self.budget[row] * H // bs
+            over = every_held.sum(dim=-1) - self.budget[row] * H // bs
         else:
-            over = (held.sum() - self.budget[row].sum() * H // bs).view(1)
+            over = (every_held.sum() - self.budget[row].sum() * H // bs).view(1)
         if int(over.clamp(min=0).sum()) == 0:
             return 0
         slots = self._slot_ids(table)  # [L, H, S]
@@ -246,9 +249,10 @@ class PagedKV(nn.Module):
         chunk = torch.arange(self.max_blocks, device=n.device)
         ends = first[..., None] + chunk * bs  # [L, H, M]
         score = ascending.gather(-1, (ends - 1).clamp(0, slots.shape[-1] - 1)).masked_fill(chunk >= held[..., None], float("inf"))
-        groups = score.view(L, -1) if self.scope == "layer" else score.view(1, -1)  # chunks competing for one budget
+        every_score = parallel.gather_heads(score)
+        groups = every_score.view(L, -1) if self.scope == "layer" else every_score.view(1, -1)  # chunks competing for one budget
         rank = groups.argsort(dim=-1, stable=True).argsort(dim=-1)
-        evicted = ((rank < over[:, None]) & groups.isfinite()).view(L, H, -1).sum(dim=-1)  # chunks per head, lowest first
+        evicted = parallel.local_heads(((rank < over[:, None]) & groups.isfinite()).view(L, H, -1).sum(dim=-1))  # chunks per head, lowest first
         dropped = torch.where(evicted > 0, first + (evicted - 1) * bs, 0)
         keep = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, order, torch.arange(slots.shape[-1], device=n.device) >= dropped[..., None])
         changed = dropped > 0  # only these heads move anything
@@ -286,13 +290,14 @@ class PagedKV(nn.Module):
         KVs it may not evict: the protected window and head floors) plus a growing block per head; never
         more than every sequence uncompressed."""
         L, H, bs = self.n_layer, self.length.shape[2], self.block_size
+        every = parallel.all_heads(H)  # under tensor parallelism a rank's heads may win the whole budget
         transient = sum(L * H * -(-n // bs) for n in prompt_lengths)
         kept = 0
         for row in range(len(prompt_lengths)):
             budget = self.budget[row]
             floor = (self.head_floor * budget.float()).ceil().long()
             unevictable = int((H * ((self.protect + floor + 2 * bs - 2) // bs)).sum())  # per head: ceil((protected + bs - 1) / bs)
-            kept += min(L * H * self.max_blocks, max(int(budget.sum()) * H // bs, unevictable) + L * H)
+            kept += min(L * H * self.max_blocks, max(int(budget.sum()) * every // bs, unevictable) + L * H)
         return min(self.full_pool, max(transient, kept))
 
     def release_all(self) -> None:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.options import choice, integer
 
@@ -36,16 +37,19 @@ RECALL_SELECT = ("kv_head", "query_head")
 SLOW_TIERS = ("device", "host")
 
 
-def cosine_kmeans(x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: int = 0, used: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def cosine_kmeans(
+    x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: int = 0, used: Tensor | None = None, first_row: int = 0
+) -> tuple[Tensor, Tensor]:
     """Batched k-means with cosine distance: x [..., N, D] points, valid [..., N] which points count,
     `used` [..., 1] how many of the k clusters each row uses (default all: rows of a batch may need fewer).
     Centroids start at k distinct valid points drawn pseudo-randomly from `seed` (a hash of each point's
-    index and row, so a sequence clusters the same alone or in a batch); each iteration assigns every
+    index and row, so a sequence clusters the same alone or in a batch; rows count from `first_row`, a
+    rank's first KV head under tensor parallelism); each iteration assigns every
     point to its most cosine-similar centroid and moves each centroid to the mean of its members (an
     empty cluster keeps its centroid). Returns centroids [..., k, D] (means of the raw points, so q . c
     is the members' mean q . k) and labels [..., N] (-1 for invalid points), from a final assignment."""
     x = x.float()
-    draw = _hash_uniform(valid.shape, seed, x.device).masked_fill(~valid, -1.0)
+    draw = _hash_uniform(valid.shape, seed, x.device, first_row).masked_fill(~valid, -1.0)
     start = draw.topk(k, dim=-1).indices  # k distinct points; rows with fewer valid points repeat invalid ones
     centroids = x.gather(-2, start[..., None].expand(*start.shape, x.shape[-1]))
     unit = F.normalize(x, dim=-1)
@@ -59,11 +63,11 @@ def cosine_kmeans(x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: 
     return centroids, _assign(unit, centroids, valid, usable)
 
 
-def _hash_uniform(shape: torch.Size, seed: int, device: torch.device) -> Tensor:
+def _hash_uniform(shape: torch.Size, seed: int, device: torch.device, first_row: int = 0) -> Tensor:
     """Deterministic values in [0, 1) for each index of the last axis and each row of the second-to-last
-    (heads), the same whatever the leading (batch) size."""
+    (heads, numbered from `first_row`), the same whatever the leading (batch) size."""
     point = torch.arange(shape[-1], device=device, dtype=torch.float64)
-    row = torch.arange(shape[-2], device=device, dtype=torch.float64)[:, None] if len(shape) > 1 else 0.0
+    row = torch.arange(first_row, first_row + shape[-2], device=device, dtype=torch.float64)[:, None] if len(shape) > 1 else 0.0
     return (torch.sin(point * 12.9898 + row * 78.233 + seed * 37.719) * 43758.5453).frac().abs().float().expand(shape)
 
 
@@ -314,7 +318,7 @@ class ClusterKVCache(RecallableCache):
         keys = self._history_keys(positions)
         valid = valid[:, None, :].expand(keys.shape[:3])
         used = None if used is None else used[:, None, None]
-        centroids, labels = cosine_kmeans(keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used)
+        centroids, labels = cosine_kmeans(keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used, first_row=parallel.first_head())
         first = self.n_clusters
         self.centroids[:, :, first : first + k] = centroids
         self.labels.scatter_(2, positions[:, None, :].expand(labels.shape), torch.where(valid, labels + first, 0))

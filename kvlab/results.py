@@ -32,10 +32,28 @@ def read_records(path: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
+def rank_file(path: Path, rank: int, world: int) -> Path:
+    """The .jsonl one process appends a job's records to: the job's `path` itself in a sweep run by one
+    process, `<task>@<ctx>.rank<r>.jsonl` beside it when `world` processes share the sweep (one writer per file)."""
+    return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}.jsonl")
+
+
+def read_job_records(path: Path) -> dict[str, dict[str, Any]]:
+    """A job's finished examples from its `path` and every rank's file beside it, whatever the number of
+    processes that wrote them, so a sweep resumes with any number of ranks."""
+    records = read_records(path)
+    for part in sorted(path.parent.glob(f"{path.stem}.rank*.jsonl")):
+        records |= read_records(part)
+    return records
+
+
 def rewrite_complete_lines(path: Path, records: dict[str, dict[str, Any]]) -> None:
-    """Drop a torn last line before appending, so the file stays one JSON object per line."""
+    """Drop a torn last line before appending, so the file stays one JSON object per line. Replaced in one
+    step: another rank may be reading the file for its own resume."""
     if path.exists() and len(path.read_text().splitlines()) != len(records):
-        path.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+        tmp.replace(path)
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
@@ -60,7 +78,9 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
                 size=size,
                 task=task,
                 context_length=int(ctx),
-                **{k: metrics[k] for k in ("metric", "value", "n", "compression")},
+                **{k: metrics[k] for k in ("metric", "value")},
+                needle_digits=metrics.get("needle_digits"),
+                **{k: metrics[k] for k in ("n", "compression")},
                 **{k: metrics.get(k) for k in ("attention_loss", "topb_recall")},
             )
         )
@@ -78,12 +98,13 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows: task@context (metric); columns: config@size; cells: value (relative to full)."""
+    """Rows: task@context (metric); columns: config@size; cells: value (relative to full), and the needle digits reproduced (%) where recorded."""
     columns = list(dict.fromkeys(f"{r['config']}@{r['size']}" for r in rows))
     cells: dict[str, dict[str, str]] = defaultdict(dict)
     for r in rows:
         relative = "" if r["relative_to_full"] is None or r["size"] == FULL else f" ({r['relative_to_full']:.2f})"
-        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][f"{r['config']}@{r['size']}"] = f"{r['value']:.2f}{relative}"
+        digits = "" if r["needle_digits"] is None else f", digits {r['needle_digits']:.1f}%"
+        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][f"{r['config']}@{r['size']}"] = f"{r['value']:.2f}{relative}{digits}"
     lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
     return "\n".join(lines) + "\n"

@@ -41,15 +41,20 @@ def smollm(smollm_dir):
     return load_checkpoint(smollm_dir, "cpu", torch.float32)
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
-    """A 2-layer random model with GQA (4 query heads, 2 KV heads): fast enough to compile in every test."""
+def make_tiny_model() -> Transformer:
+    """A 2-layer random model with GQA (4 query heads, 2 KV heads): fast enough to compile in every test.
+    Seeded, so every process (a tensor-parallel rank too) builds the same weights."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=64, block_size=128)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return make_tiny_model()
 
 
 def spec_for(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -19,9 +22,11 @@ from kvlab.build import make_caches
 from kvlab.config import cache_spec
 from kvlab.engine import PrefillRecorder
 from kvlab.prompt_compression import AttentionScores
+from kvlab.results import read_job_records, read_records
 from kvlab.tasks import Example, GenerationTask, resolve_tasks
 from kvlab.tasks.book import TASKS as BOOKS
 from kvlab.tasks.book import pg19_books
+from kvlab.tasks.ruler import TASKS, ContextTooShortError, needle_digits
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from plot import main as plot_main  # noqa: E402
@@ -149,11 +154,11 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     metrics = json.loads((tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json").read_text())
     assert metrics["n"] == 5 and metrics["value"] == 100 * sum(r["score"] for r in records) / 5
     metrics_path = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json"
-    run_eval(tmp_path, *args[:-1], "7")  # more samples: the first five are kept; batches (4, 5) and (6,) hold the two new ones
+    run_eval(tmp_path, *args[:-1], "7")  # more samples: the first five are kept; one batch holds the two new ones
     lines = (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()
-    assert calls == [2, 2, 2, 2, 2] and len(lines) == 7 and json.loads(metrics_path.read_text())["n"] == 7
+    assert calls == [2, 2, 2, 2] and len(lines) == 7 and json.loads(metrics_path.read_text())["n"] == 7
     run_eval(tmp_path, *args)  # fewer again: nothing to compute, metrics over the first five
-    assert calls == [2, 2, 2, 2, 2] and json.loads(metrics_path.read_text())["value"] == metrics["value"]
+    assert calls == [2, 2, 2, 2] and json.loads(metrics_path.read_text())["value"] == metrics["value"]
 
 
 def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
@@ -175,14 +180,97 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
             assert [json.loads(x)["prediction"] for x in together] == [json.loads(x)["prediction"] for x in alone]
 
 
-def test_worker_processes_share_a_job_queue(tmp_path):
-    """Two CPU workers take one task group each (a group per context length) and both finish."""
-    args = ["--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "--context_lengths", "32", "48"]
-    run_eval(tmp_path / "workers", *args, "--workers", "2")
-    run_eval(tmp_path / "one", *args)
-    workers = {r["context_length"]: float(r["value"]) for r in csv.DictReader((tmp_path / "workers/summary.csv").open())}
-    one = {r["context_length"]: float(r["value"]) for r in csv.DictReader((tmp_path / "one/summary.csv").open())}
-    assert sorted(workers) == ["32", "48"] and workers == pytest.approx(one, rel=1e-5)  # the same perplexities as one process
+# A generation and a perplexity task, two configs, two batches of one example each per task: four units.
+SWEEP = ["--tasks", "qa_1", "book_kjv", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "2", "--batch_size", "1"]
+SWEEP += ["--context_lengths", "256", "--ppl_prompt_tokens", "240"]
+
+
+def torchrun_eval(out_dir, *args) -> subprocess.CompletedProcess:
+    """eval.py under `torchrun --standalone --nproc_per_node 2` (gloo on the CPU, a free port per run)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval.py", "--out_dir", str(out_dir), *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def without_seconds(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "seconds"}
+
+
+@pytest.fixture(scope="module")
+def two_rank_sweep(tmp_path_factory):
+    pytest.importorskip("long_context_eval")
+    out = tmp_path_factory.mktemp("two_ranks")
+    proc = torchrun_eval(out, *SWEEP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_two_ranks_share_a_sweep_out_and_equal_one_process(two_rank_sweep, tmp_path):
+    """Each rank runs every other batch, with all configs, into its own files; together they hold the
+    records, metrics and summary one process writes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # the threads each rank has: the same float sums
+    try:
+        run_eval(tmp_path, *SWEEP)
+    finally:
+        torch.set_num_threads(threads)
+    runs = sorted(p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*/*.jsonl"))
+    assert [r.as_posix() for r in runs] == [
+        f"SmolLM2-135M-Instruct/{run}/{task}.jsonl" for run in ("full/full", "recent_global/0.5") for task in ("book_kjv+prompt240@256", "qa_1@256")
+    ]
+    for run in runs:
+        one = {id: without_seconds(r) for id, r in read_records(tmp_path / run).items()}
+        ranks = [read_records(two_rank_sweep / run.with_name(f"{run.stem}.rank{rank}.jsonl")) for rank in (0, 1)]
+        assert [list(records) for records in ranks] == [[id] for id in one]  # batch 0 on rank 0, batch 1 on rank 1
+        assert {id: without_seconds(r) for records in ranks for id, r in records.items()} == one
+        assert not (two_rank_sweep / run).exists()
+        metrics = [json.loads((out / run.with_suffix(".json")).read_text()) for out in (tmp_path, two_rank_sweep)]
+        assert without_seconds(metrics[0]) == without_seconds(metrics[1])
+    assert (two_rank_sweep / "summary.csv").read_text() == (tmp_path / "summary.csv").read_text()
+
+
+def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, monkeypatch, capsys):
+    """The ranks' files count as done for a rerun with another number of processes: nothing is recomputed
+    but a missing example, which goes to the one process's own file."""
+    shutil.copytree(two_rank_sweep, tmp_path, dirs_exist_ok=True)
+    run_dir = tmp_path / "SmolLM2-135M-Instruct/recent_global/0.5"
+    removed = read_records(run_dir / "qa_1@256.rank1.jsonl")
+    (run_dir / "qa_1@256.rank1.jsonl").unlink()
+    generated, scored = [], []
+    original_generate, original_nll = evaluate.generate, evaluate.document_nll
+    monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: generated.append(len(prompts)) or original_generate(model, prompts, *a, **k))
+    monkeypatch.setattr(evaluate, "document_nll", lambda model, docs, *a: scored.append(len(docs)) or original_nll(model, docs, *a))
+    capsys.readouterr()
+    run_eval(tmp_path, *SWEEP)
+    assert "resuming: 7 example(s) already done" in capsys.readouterr().err
+    assert generated == [1] and scored == []  # the missing example, for its config alone
+    assert list(read_records(run_dir / "qa_1@256.jsonl")) == list(removed)
+    assert [p.name for p in tmp_path.glob("*/*/*/*@256.jsonl")] == ["qa_1@256.jsonl"]
+    assert json.loads((run_dir / "qa_1@256.json").read_text())["n"] == 2
+
+
+def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_path):
+    """--tensor_parallel: the ranks shard one model and run every job together; rank 0 alone writes the
+    plain files, with the predictions of one process (here: those the 2-rank sweep made) and perplexities
+    equal up to the sharded sums' rounding."""
+    proc = torchrun_eval(tmp_path, *SWEEP, "--tensor_parallel")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("*/*/*/*.rank*.jsonl"))
+    for run in sorted(p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*/*.jsonl")):
+        sharded = read_records(tmp_path / run)
+        alone = read_job_records(two_rank_sweep / run)
+        assert list(sharded) == sorted(alone)
+        for id, record in sharded.items():
+            if "prediction" in record:
+                assert record["prediction"] == alone[id]["prediction"]
+            else:
+                assert record["perplexity"] == pytest.approx(alone[id]["perplexity"], rel=1e-4) and record["tokens"] == alone[id]["tokens"]
+
+
+def test_an_error_on_rank_0_stops_every_rank_at_once(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = torchrun_eval(tmp_path / "file", *KJV)  # a hang would wait out the timeout
+    error = f"error: --out_dir {tmp_path / 'file'} is a file, not a directory; choose a directory"
+    assert proc.returncode != 0 and [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [error, error]
 
 
 @pytest.mark.slow
@@ -289,8 +377,6 @@ def test_a_second_writer_to_one_out_dir_is_refused(tmp_path):
 
 
 def test_read_records_drops_only_a_torn_last_line(tmp_path):
-    from kvlab.results import read_records
-
     path = tmp_path / "echo@64.jsonl"
     path.write_text('{"id": "a", "score": 1}\n{"id": "b", "sc')
     assert list(read_records(path)) == ["a"]
@@ -312,9 +398,58 @@ def test_bad_out_dir_and_context_lengths_are_one_error_before_any_args_json(tmp_
     assert not list(tmp_path.rglob("args.json"))
 
 
+def drop_write_override() -> None:
+    """In a child run as root: take CAP_DAC_OVERRIDE out of its bounding set, so the program it executes
+    obeys file modes (a root process otherwise writes into a 0o555 directory)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_DAC_OVERRIDE
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def test_a_read_only_out_dir_is_one_error_naming_it(tmp_path):
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    command = [sys.executable, "eval.py", *KJV, "--out_dir", str(out)]
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, preexec_fn=drop_write_override if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError:
+        pytest.skip("running as root without CAP_SETPCAP: cannot make a directory read-only for the child")
+    finally:
+        out.chmod(0o755)
+    assert proc.returncode == 1 and not list(out.iterdir())
+    assert proc.stderr.strip() == f"error: --out_dir {out} is not writable (Permission denied); choose a writable directory"  # one line, no traceback
+
+
+def test_a_context_too_short_for_a_ruler_task_is_one_error_naming_its_minimum(tmp_path, smollm):
+    pytest.importorskip("long_context_eval")
+    with pytest.raises(SystemExit, match=r"--context_lengths 10 is below the \d+ tokens niah_single_2 needs.*context length of 8192 tokens") as error:
+        run_eval(tmp_path, "--tasks", "niah_single_2", "--num_samples", "2", "--context_lengths", "10")
+    minimum = int(re.search(r"below the (\d+) tokens", str(error.value)).group(1))
+    assert f"valid: {minimum} to the model's context length of 8192 tokens" in str(error.value)
+    task, tokenizer = resolve_tasks(["niah_single_2"])[0], smollm[1]
+    assert [len(e.input_ids) + e.max_new_tokens <= minimum for e in task.examples(tokenizer, 2, 0, minimum)] == [True, True]
+    with pytest.raises(ContextTooShortError):  # the minimum: one token fewer does not fit
+        task.examples(tokenizer, 2, 0, minimum - 1)
+    assert not list(tmp_path.rglob("args.json"))
+
+
+def test_numeric_needles_record_and_summarise_the_needle_digits(tmp_path, monkeypatch):
+    pytest.importorskip("long_context_eval")
+    monkeypatch.setattr(TASKS["niah_single_2"], "max_new_tokens", 16)  # room for the 7 digits; RULER's 128 cost minutes here
+    run_eval(tmp_path, "--tasks", "niah_single_2", "--num_samples", "2", "--context_lengths", "200")
+    run_dir = tmp_path / "SmolLM2-135M-Instruct/full/full"
+    records = [json.loads(line) for line in (run_dir / "niah_single_2@200.jsonl").read_text().splitlines()]
+    assert [list(r)[:3] for r in records] == [["id", "score", "needle_digits"]] * 2  # next to the score
+    assert [r["needle_digits"] for r in records] == [needle_digits(r["prediction"], r["answers"]) for r in records]
+    mean = 100 * sum(r["needle_digits"] for r in records) / 2
+    assert json.loads((run_dir / "niah_single_2@200.json").read_text())["needle_digits"] == mean
+    assert float(next(csv.DictReader((tmp_path / "summary.csv").open()))["needle_digits"]) == mean
+    assert f"digits {mean:.1f}%" in (tmp_path / "summary.md").read_text()
+
+
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
     class Interrupted:
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             pass
 
         def run(self, jobs):

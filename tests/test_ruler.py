@@ -11,7 +11,7 @@ import pytest
 from kvlab.convert import default_checkpoint
 from kvlab.tasks import Example
 from kvlab.tasks.haystack import qa_data
-from kvlab.tasks.ruler import TASKS, ContextTooShortError, string_match_all, string_match_part
+from kvlab.tasks.ruler import TASKS, ContextTooShortError, needle_digits, string_match_all, string_match_part
 from kvlab.tokenizer import load_tokenizer
 
 if importlib.util.find_spec("long_context_eval") is None:
@@ -240,3 +240,25 @@ def test_metrics():
     assert TASKS["qa_1"].score("france, of course", example) == 1.0
     assert TASKS["niah_multivalue"].score("france, of course", example) == 0.5
     assert TASKS["vt"].score("PARIS and France", example) == 1.0
+
+
+def test_needle_digits_share_of_leading_digits():
+    needle = ["9294187"]
+    assert needle_digits(" 9294187.", needle) == 1.0
+    assert needle_digits(" 9.", needle) == 1 / 7  # the first digit, then stops
+    assert needle_digits(" 9294967295", needle) == 4 / 7  # a prefix, however long the number goes on
+    assert needle_digits(" 1929418", needle) == 0.0  # the digits must lead: a shifted copy scores nothing
+    assert needle_digits(' "9294187". This is', needle) == 1.0  # wrapped in quotes
+    assert needle_digits(":\n\nThe special magic number for bees-ashtrays is: 92941", needle) == 5 / 7  # restated, then answered
+    assert needle_digits(" The 4th edition of 9294187", needle) == 1.0  # found whole: never below string_match_all
+    assert needle_digits(" The 9th of the 9294100th", needle) == 1 / 7  # the first number is the answer, not the best one
+    assert needle_digits(" no number at all", needle) == 0.0
+    # k needles: each against the answer's first k numbers, mean over needles
+    assert needle_digits("7654000, 1200000", ["1234567", "7654321"]) == (2 / 7 + 4 / 7) / 2
+    assert needle_digits(" 11, 22, 7654321", ["7654321", "2299999"]) == (1.0 + 2 / 7) / 2  # 7654321 found whole
+    assert needle_digits(" 11, 22, 7654000", ["7654321", "2299999"]) == (0 + 2 / 7) / 2  # a third number is not an answer
+
+    example = Example("x", [1], needle, 128)
+    assert TASKS["niah_single_2"].extra_scores(" 92.", example) == {"needle_digits": 2 / 7}
+    assert TASKS["niah_multikey_3"].extra_scores(" 92.", example) == {}  # uuid needles: no digits to count
+    assert TASKS["vt"].extra_scores(" 92.", example) == {}

@@ -35,6 +35,10 @@ class GenerationTask:
     def score(self, prediction: str, example: Example) -> float:
         raise NotImplementedError
 
+    def extra_scores(self, prediction: str, example: Example) -> dict[str, float]:
+        """Further per-example metrics in [0, 1], recorded next to the score (RULER's needle_digits)."""
+        return {}
+
 
 class PerplexityTask:
     name: str

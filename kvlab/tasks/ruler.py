@@ -27,6 +27,7 @@ tokens. That, and RULER's dependencies, cause the only departures from its gener
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import string
@@ -97,6 +98,23 @@ def string_match_part(prediction: str, references: list[str]) -> float:
     return max(float(r.lower() in prediction.lower()) for r in references)
 
 
+def needle_digits(prediction: str, references: list[str]) -> float:
+    """The share of numeric needles' leading digits reproduced: partial credit where string_match_all gives
+    a needle 0 unless every digit is right (a small model often answers "9." or "9294967295" for 9294187).
+
+    A needle found whole in the prediction scores 1, as in string_match_all, so the share is never below the
+    exact-match score. Otherwise, with k needles, the prediction's first k numbers (runs of digits, wherever
+    they are) are its answers, and the needle scores the longest prefix it shares with one of them, over its
+    length; the result is the mean over needles. With one needle: the first number anywhere in the answer.
+    Anywhere, because the model wraps or restates its answer (' "3584427".', ': 85.', 'The special magic
+    number for bees-ashtrays is: 85321'), which a number-at-the-start rule would score 0. The first k, not the
+    best of all numbers, because a degenerate answer ("2018-2023-2024-...") would collect chance prefixes.
+    """
+    numbers = re.findall(r"[0-9]+", prediction)[: len(references)]
+    shares = [1.0 if r in prediction else max((len(os.path.commonprefix([n, r])) for n in numbers), default=0) / len(r) for r in references]
+    return sum(shares) / len(shares)
+
+
 METRICS: dict[str, Callable[[str, list[str]], float]] = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
 
@@ -113,6 +131,30 @@ def fit(length: Callable[[int], int], budget: int, hi: int, lo: int = 0) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def minimum_context_length(task: GenerationTask, tokenizer: Tokenizer, num_samples: int, seed: int, chat: bool, too_short: int, limit: int) -> int | None:
+    """The smallest context length in (too_short, limit] at which `task` builds its first `num_samples`
+    examples, or None when even `limit` is too short. Examples are drawn per context length, so fitting
+    need not grow monotonically with it: doubling, then bisection, finds a length that fits and whose
+    predecessor does not."""
+
+    def fits(context_length: int) -> bool:
+        try:
+            task.examples(tokenizer, num_samples, seed, context_length, chat)
+        except ContextTooShortError:
+            return False
+        return True
+
+    lo, hi = too_short, min(2 * too_short, limit)
+    while not fits(hi):
+        if hi == limit:
+            return None
+        lo, hi = hi, min(2 * hi, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 @dataclass
@@ -208,6 +250,10 @@ class NeedleInAHaystack(RulerTask):
         )
         placed = [{"text": t, "depth": d / 100, "token_position": token_position(budget.tokenizer, ids, t)} for t, d in zip(needles, depths, strict=True)]
         return ids, answers, {"haystack": self.haystack, "haystack_units": n, "queries": queries, "needles": placed}
+
+    def extra_scores(self, prediction: str, example: Example) -> dict[str, float]:
+        """Numeric needles: also the share of their leading digits reproduced (`needle_digits`)."""
+        return {"needle_digits": needle_digits(prediction, example.answers)} if self.value_type == "numbers" else {}
 
     def haystack_units(self, rng: random.Random, budget: int, keys: list[str]) -> tuple[Callable[[int], list[str]], str, int]:
         """The haystack as units(n) -> n units' pieces (needles go between pieces), their separator, and a

@@ -1,0 +1,274 @@
+"""Weight-only quantization in GPT-Fast's manner: int8 per output channel, int4 in groups along the input.
+
+Every Linear of the decoder is quantized in the chosen mode, the embedding and LM head in int8; norms and
+biases stay in the model's dtype, and so do activations (weights are dequantized inside the matmul).
+
+    int8   w ~ q * scale,                    q in [-127, 127], one scale per output row (symmetric: the
+                                             int8 kernel takes scales only, and 255 levels leave little to gain)
+    int4   w ~ (q - 8) * scale + zero,       q in [0, 15], one (scale, zero) per `groupsize` inputs of a row
+                                             (asymmetric: 16 levels span each group's [min, max], none wasted
+                                             on a side the group does not reach; the zero is free in the
+                                             fused kernels, whose format this is)
+
+Rows whose length is not a multiple of the group (SmolLM2's dim 576 with g=128) are zero-padded to one.
+
+Checkpoint layout (device independent; `scripts/quantize.py` writes it): `<name>.weight` int8 [N, K], or
+uint8 [N, K_pad / 2] for int4 (two codes a byte, the even column in the high nibble); `<name>.scales`
+[N] or [N, groups]; int4 also `<name>.zeros` [N, groups]. `prepare` turns it into what the chosen kernel
+wants on the model's device, once, at load.
+
+The embedding and the LM head (one matrix when tied, as in SmolLM2) are int8 per row in both modes: the
+head multiplies by it, the lookup dequantizes only the looked-up rows. Quantizing the embedding pays: a
+float copy beside a quantized head would cost 113 MB, more than int8's whole decoder. int4 leaves them in
+int8 because the head is the most sensitive matrix: at 4 bits (g=32) it cost SmolLM2 6% perplexity and
+top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 MB (21 MB with float32
+scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
+
+Kernels: torch's fused ops (`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU,
+`_weight_int4pack_mm` on CUDA, bfloat16 only) or dequantize-then-matmul, per device as FUSED says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvlab.model import Transformer
+
+MODES = ("int8", "int4")
+GROUPSIZES = (32, 64, 128)
+DEFAULT_GROUPSIZE = 32  # SmolLM2's GGUF is Q4_1, in groups of 32: g=128 costs it 52% perplexity
+
+# Which path each (device type, mode) runs: True = torch's fused kernel, False = dequantize-then-matmul.
+# CPU: measured (docs/results.md#weight-only-quantization-issue-16-first-part): on this AVX2 CPU both fused
+# kernels cost about 2 ms per input row of a 1536 x 576 matrix, linear in the rows (40-70x dequantize-then-
+# matmul at 256 rows: a 1,024-token prefill takes minutes); at one row int8's is 2.6-4x slower, int4's about
+# the same. CUDA: GPT-Fast's choices (int8: dequantize-then-matmul, which Inductor fuses; int4: tinygemm,
+# bfloat16 only), not measured here.
+FUSED = {("cpu", "int8"): False, ("cpu", "int4"): False, ("cuda", "int8"): False, ("cuda", "int4"): True}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's "quantization" entry: the mode, and for int4 the group size."""
+
+    mode: str
+    groupsize: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown quantization mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        if self.mode == "int4" and self.groupsize not in GROUPSIZES:
+            raise ValueError(f"int4 group size must be one of {', '.join(map(str, GROUPSIZES))}, got {self.groupsize}")
+        if self.mode == "int8" and self.groupsize is not None:
+            raise ValueError("int8 is quantized per output channel and takes no group size; group sizes are for int4")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Quantization:
+        return cls(d["mode"], d.get("groupsize"))
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "groupsize": self.groupsize}
+
+
+INT8 = Quantization("int8")
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> int8 codes [N, K], float scales [N] (symmetric per row)."""
+    scales = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = (w.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales.to(w.dtype)
+
+
+def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
+    return q.to(scales.dtype) * scales[..., None]
+
+
+def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
+    """w [N, K] -> packed codes uint8 [N, K_pad / 2], scales and zeros [N, K_pad / groupsize]."""
+    N, K = w.shape
+    groups = F.pad(w.float(), (0, -K % groupsize)).view(N, -1, groupsize)
+    lo, hi = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-6) / 15
+    q = ((groups - lo) / scales).round().clamp(0, 15).to(torch.uint8).view(N, -1)
+    zeros = lo + 8 * scales
+    return q[:, ::2] << 4 | q[:, 1::2], scales.squeeze(-1).to(w.dtype), zeros.squeeze(-1).to(w.dtype)
+
+
+def int4_codes(packed: Tensor) -> Tensor:
+    """uint8 [..., K_pad / 2] -> the codes, [..., K_pad] in 0..15."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """[..., K_pad] in the scales' dtype (the padding columns included)."""
+    codes = int4_codes(packed).unflatten(-1, (scales.shape[-1], -1)).to(scales.dtype)
+    return torch.addcmul((zeros - 8 * scales)[..., None], codes, scales[..., None]).flatten(-2)  # one pass
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * scales)^T + bias, q int8 per output channel."""
+
+    mode = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.fused = False
+
+    def prepare(self, fused: bool) -> None:
+        self.fused = fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales  # GPT-Fast's form: the scale after the matmul
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int8(self.weight, self.scales)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + bias, W in 4-bit codes with a (scale, zero) per group of `groupsize` inputs."""
+
+    mode = "int4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, groupsize: int = DEFAULT_GROUPSIZE) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        padded = in_features + -in_features % groupsize
+        self.register_buffer("weight", torch.empty(out_features, padded // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, padded // groupsize))
+        self.register_buffer("zeros", torch.empty(out_features, padded // groupsize))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_buffer("packed", None, persistent=False)  # the fused kernel's layout, made by prepare()
+        self.register_buffer("scales_and_zeros", None, persistent=False)
+
+    def prepare(self, fused: bool) -> None:
+        """Repack for the fused kernel of the weight's device, once; the plain codes are then dropped.
+        The kernels take whole tiles of 16 output rows; other shapes keep dequantize-then-matmul."""
+        if not fused or self.out_features % 16:
+            return
+        if self.weight.device.type == "cuda":
+            padded = self.weight.shape[1] * 2
+            inner_k_tiles = next(t for t in (8, 4, 2) if padded % (16 * t) == 0)
+            self.packed = torch._convert_weight_to_int4pack(self.weight, inner_k_tiles)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(int4_codes(self.weight).int(), 1)
+        self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()
+        self.weight = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            padded = F.pad(x.reshape(-1, self.in_features), (0, self.scales.shape[1] * self.groupsize - self.in_features))
+            mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
+            y = mm(padded, self.packed, self.groupsize, self.scales_and_zeros).view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.dequantize())
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int4(self.weight, self.scales, self.zeros)[:, : self.in_features]
+
+
+class Int8Embedding(Int8Linear):
+    """The embedding as an int8 [vocab, dim] matrix: a lookup dequantizes only its rows."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return dequantize_int8(self.weight[tokens], self.scales[tokens])
+
+
+def linear_class(quant: Quantization) -> Callable[..., nn.Module]:
+    """The quantized Linear of a quantization, constructed as (in_features, out_features, bias)."""
+    return Int8Linear if quant.mode == "int8" else partial(Int4Linear, groupsize=quant.groupsize)
+
+
+def matrix_quantization(name: str, quant: Quantization) -> Quantization:
+    """int8 for the embedding and the LM head whatever the mode (see the module docstring), else `quant`."""
+    return INT8 if name.split(".")[0] in ("tok_embeddings", "output") else quant
+
+
+def convert_modules(model: Transformer, quant: Quantization) -> None:
+    """Swap every nn.Linear and the embedding for empty quantized modules of the same shapes (on the meta
+    device: the weights are then loaded with `load_state_dict(..., assign=True)`, and `tie_weights`)."""
+    with torch.device("meta"):
+        for parent_name, parent in list(model.named_modules()):
+            for name, child in parent.named_children():
+                if isinstance(child, nn.Linear):
+                    linear = linear_class(matrix_quantization(f"{parent_name}.{name}".lstrip("."), quant))
+                    setattr(parent, name, linear(child.in_features, child.out_features, child.bias is not None))
+                elif isinstance(child, nn.Embedding):
+                    setattr(parent, name, Int8Embedding(child.embedding_dim, child.num_embeddings))
+
+
+def quantize_state(state: dict[str, Tensor], quant: Quantization) -> dict[str, Tensor]:
+    """A float state dict -> the quantized checkpoint's tensors: every matrix (Linear and embedding
+    weights) quantized, everything else as it was."""
+    out = {}
+    for name, tensor in state.items():
+        if tensor.dim() != 2:
+            out[name] = tensor
+            continue
+        prefix = name.removesuffix("weight")
+        if matrix_quantization(name, quant).mode == "int8":
+            out[name], out[prefix + "scales"] = quantize_int8(tensor)
+        else:
+            out[name], out[prefix + "scales"], out[prefix + "zeros"] = quantize_int4(tensor, quant.groupsize)
+    return out
+
+
+def quantize_linear(linear: nn.Linear, quant: Quantization) -> nn.Module:
+    """One Linear quantized, on the dequantize-then-matmul path until `prepare`."""
+    module = linear_class(quant)(linear.in_features, linear.out_features, linear.bias is not None)
+    module.load_state_dict(quantize_state(linear.state_dict(), quant))
+    return module
+
+
+def prepare(model: Transformer) -> None:
+    """Set every quantized module on the path FUSED picks for its device and dtype (at load, once)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear | Int4Linear):
+            device, dtype = module.weight.device.type, module.scales.dtype
+            module.prepare(FUSED.get((device, module.mode), False) and (device != "cuda" or dtype == torch.bfloat16))
+
+
+def quantized_state(model: Transformer, quant: Quantization) -> dict[str, Tensor]:
+    """A float model's quantized checkpoint tensors; a tied LM head is left out (it is the embedding)."""
+    tied = model.config.tie_embeddings
+    return quantize_state({k: v for k, v in model.state_dict().items() if not (tied and k.startswith("output."))}, quant)
+
+
+def quantize_model(model: Transformer, quant: Quantization) -> Transformer:
+    """Quantize a loaded float model in place, as loading its quantized checkpoint would build it."""
+    tied = model.config.tie_embeddings
+    state = quantized_state(model, quant)
+    convert_modules(model, quant)
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.tie_weights()
+    prepare(model)
+    return model
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights: every submodule's parameters and buffers, each shared tensor counted once,
+    but neither the root's RoPE tables nor attached KV caches."""
+    seen = {
+        t.data_ptr(): t.numel() * t.element_size()
+        for name, module in model.named_modules()
+        if name and "kv_cache" not in name.split(".")
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    }
+    return sum(seen.values())

@@ -1,0 +1,54 @@
+"""The share of the needle's leading digits reproduced (`needle_digits`, kvlab/tasks/ruler.py), recomputed
+from the predictions stored in eval.py results, for every RULER task with numeric needles.
+
+    python scripts/needle_digits.py docs/sweeps/smollm2_2k docs/sweeps/smollm2_4k
+
+eval.py records the metric per example and averages it in summary.csv; this script recomputes it for
+results written before it did (docs/sweeps), and prints one table per results directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.results import read_job_records
+from kvlab.tasks import Example
+from kvlab.tasks.ruler import TASKS
+
+
+def table(results: Path) -> str:
+    """One row per run and task: examples, exact-match score and needle digits, both in %."""
+    lines = ["| model | config | size | task | n | score | needle digits (%) |", "|---|---|---|---|---|---|---|"]
+    jobs = {path.with_name(re.sub(r"\.rank\d+$", "", path.stem) + ".jsonl") for path in results.glob("*/*/*/*@*.jsonl")}  # rank files join their job
+    for path in sorted(jobs):
+        model_name, config, size = path.parts[-4:-1]
+        task = TASKS.get(path.stem.split("@")[0])
+        records = list(read_job_records(path).values())
+        if task is None or not records:
+            continue
+        digits = [task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits") for r in records]
+        if None in digits:  # not a task with numeric needles
+            continue
+        score = 100 * sum(r["score"] for r in records) / len(records)
+        lines.append(f"| {model_name} | {config} | {size} | {path.stem} | {len(records)} | {score:.0f} | {100 * sum(digits) / len(digits):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> None:
+    for results in args.results:
+        if not results.is_dir():
+            raise ValueError(f"no directory {results}: give eval.py --out_dir directories")
+        print(f"{results}:\n\n{table(results)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path, nargs="+", help="eval.py --out_dir directories")
+    run_cli(run, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

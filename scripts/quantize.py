@@ -1,0 +1,70 @@
+"""Quantize a kvlab checkpoint's weights once, GPT-Fast style, into a new checkpoint beside it.
+
+    python scripts/quantize.py --mode int8                     # the default model -> checkpoints/SmolLM2-135M-Instruct-int8/
+    python scripts/quantize.py --checkpoint_path checkpoints/NAME --mode int4 --groupsize 64   # -> checkpoints/NAME-int4-g64/
+    python generate.py --checkpoint_path checkpoints/NAME-int8
+
+int8: one scale per output channel; int4: a scale and zero per group of --groupsize inputs. Every Linear,
+the LM head and the embedding are quantized (kvlab/quantize.py has the formats and kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from kvlab.checkpoint import CheckpointError, contained, load_checkpoint, read_config, save_checkpoint
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.convert import default_checkpoint
+from kvlab.model import ModelArgs
+from kvlab.quantize import DEFAULT_GROUPSIZE, GROUPSIZES, MODES, Quantization, quantized_state
+
+
+def quantized_dir(checkpoint_dir: Path, quant: Quantization) -> Path:
+    suffix = quant.mode if quant.mode == "int8" else f"{quant.mode}-g{quant.groupsize}"
+    return checkpoint_dir.with_name(f"{checkpoint_dir.name}-{suffix}")
+
+
+def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path | None = None) -> Path:
+    """Write the quantized checkpoint (default: quantized_dir) and return its directory."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = read_config(checkpoint_dir)
+    if "quantization" in config:
+        raise CheckpointError(f"{checkpoint_dir} is already quantized ({config['quantization']}); quantize the float checkpoint")
+    model, _, config = load_checkpoint(checkpoint_dir, "cpu", torch.float32)
+    tok_config = config["tokenizer"]
+
+    def copy_tokenizer(out: Path) -> dict:
+        if "file" in tok_config:
+            shutil.copy2(contained(checkpoint_dir, tok_config["file"], "tokenizer file"), out / tok_config["file"])
+        return tok_config
+
+    out_dir = out_dir or quantized_dir(checkpoint_dir, quant)
+    name = f"{config['name']}-{out_dir.name.removeprefix(checkpoint_dir.name + '-')}"
+    source = {**config["source"], "quantized_from": str(checkpoint_dir)}
+    save_checkpoint(out_dir, name, ModelArgs.from_dict(config["model"]), quantized_state(model, quant), copy_tokenizer, source, quant.to_dict())
+    return out_dir
+
+
+def convert(args: argparse.Namespace) -> None:
+    quant = Quantization(args.mode, args.groupsize or (DEFAULT_GROUPSIZE if args.mode == "int4" else None))
+    out_dir = quantize_checkpoint(args.checkpoint_path or default_checkpoint(), quant, args.out_dir)
+    print(f"wrote {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, help="float kvlab checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
+    p.add_argument(
+        "--groupsize", type=int, help=f"int4 only: inputs per scale and zero, one of {', '.join(map(str, GROUPSIZES))} (default: {DEFAULT_GROUPSIZE})"
+    )
+    p.add_argument("--out_dir", type=Path, help="output directory (default: beside the checkpoint, NAME-int8 or NAME-int4-gG)")
+    run_cli(convert, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

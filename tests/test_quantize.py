@@ -1,0 +1,154 @@
+"""Weight-only int8/int4 quantization (kvlab/quantize.py, scripts/quantize.py): error bounds, quality on
+the default model, the quantized checkpoint, fused kernels against dequantize-then-matmul, compiled."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, paul_graham_text
+from kvlab.build import make_caches
+from kvlab.checkpoint import load_checkpoint
+from kvlab.quantize import (
+    Int4Linear,
+    Int8Linear,
+    Quantization,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_linear,
+    quantize_model,
+)
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from quantize import main as quantize_main  # noqa: E402
+from quantize import quantize_checkpoint  # noqa: E402
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    """Prefill logits of every position: one sequence through a full cache."""
+    a = model.config
+    model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32))
+    with torch.no_grad():
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None], prefill=True)[0]
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    return F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
+
+
+@pytest.fixture(scope="module")
+def essay_ids(smollm) -> list[int]:
+    return smollm[1].encode(paul_graham_text()[:6000])[:256]
+
+
+@pytest.fixture(scope="module")
+def float_logits(smollm, essay_ids) -> torch.Tensor:
+    return logits_of(smollm[0], essay_ids)
+
+
+def test_quantize_dequantize_error_is_at_most_half_a_step():
+    """Rounding to the nearest level: every weight within half a quantization step of its value, int8
+    per row (step = the row's scale), int4 per group (padding columns aside)."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 80) * torch.rand(48, 1) * 3
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (48,)
+    assert ((dequantize_int8(q, scales) - w).abs() <= scales[:, None] / 2 + 1e-6).all()
+    packed, scales, zeros = quantize_int4(w, 32)  # 80 -> 96 columns: 3 groups, the last one padded
+    assert packed.shape == (48, 48) and packed.dtype == torch.uint8 and scales.shape == zeros.shape == (48, 3)
+    error = (dequantize_int4(packed, scales, zeros)[:, :80] - w).abs()
+    assert (error <= scales.repeat_interleave(32, dim=1)[:, :80] / 2 + 1e-6).all()
+
+
+def test_int8_logits_stay_close_to_float32(smollm, float_logits, essay_ids):
+    """int8 per-channel weights, 256 essay tokens. Measured: mean |logit change| 0.20 against a logit
+    spread (std) of 5.9, max 1.43, correlation 0.9991, perplexity -0.03%. Bounds: mean < 0.3, max < 2.5,
+    r >= 0.998, and perplexity within 1% (the issue's target for int8)."""
+    model = quantize_model(copy.deepcopy(smollm[0]), Quantization("int8"))
+    logits = logits_of(model, essay_ids)
+    diff = (logits - float_logits).abs()
+    assert diff.mean() < 0.3 and diff.max() < 2.5
+    assert torch.corrcoef(torch.stack([logits.flatten(), float_logits.flatten()]))[0, 1] >= 0.998
+    assert abs(perplexity(logits, essay_ids) / perplexity(float_logits, essay_ids) - 1) < 0.01
+
+
+def test_int4_top1_agrees_with_float32(smollm, float_logits, essay_ids):
+    """int4 g=32 (the default): the next-token argmax equals float32's at >= 95% of 256 essay positions
+    (measured 98.4%: the GGUF's layers are Q4_1 in groups of 32, which g=32 nearly reproduces; int8 gives
+    94%), and perplexity stays within 2% (measured -0.1%; the issue's target for int4 is 5%)."""
+    model = quantize_model(copy.deepcopy(smollm[0]), Quantization("int4", 32))
+    logits = logits_of(model, essay_ids)
+    assert (logits.argmax(-1) == float_logits.argmax(-1)).float().mean() >= 0.95
+    assert abs(perplexity(logits, essay_ids) / perplexity(float_logits, essay_ids) - 1) < 0.02
+
+
+@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 128)], ids=["int8", "int4-g128"])
+def test_quantized_checkpoint_round_trips(smollm, smollm_dir, essay_ids, tmp_path, quant):
+    """scripts/quantize.py's checkpoint loads back to the same integer tensors and the same logits as
+    quantizing the float model in memory; the tokenizer and the tied int8 head come along (g=128 pads
+    the 576 inputs to 640)."""
+    out = quantize_checkpoint(smollm_dir, quant, tmp_path / "q")
+    loaded, tokenizer, config = load_checkpoint(out)
+    assert config["quantization"] == quant.to_dict() and tokenizer.encode("Paris") == smollm[1].encode("Paris")
+    in_memory = quantize_model(copy.deepcopy(smollm[0]), quant)
+    assert loaded.output.scales is loaded.tok_embeddings.scales
+    state, expected = loaded.state_dict(), in_memory.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+    assert torch.equal(logits_of(loaded, essay_ids[:32]), logits_of(in_memory, essay_ids[:32]))
+
+
+@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64)], ids=["int8", "int4-g32", "int4-g64"])
+def test_fused_kernel_equals_dequantize_then_matmul(quant):
+    """torch's fused CPU kernel and the plain path give the same product (K=96 is padded to 128 for g=64)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 48, bias=True)
+    x = torch.randn(2, 3, 96)
+    plain, fused = quantize_linear(linear, quant), quantize_linear(linear, quant)
+    fused.prepare(True)
+    if isinstance(fused, Int4Linear):
+        assert fused.packed is not None and fused.weight is None
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain(x), F.linear(x, plain.dequantize(), linear.bias))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True], ids=["dequantize", "fused"])
+@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32)], ids=["int8", "int4"])
+def test_compiled_step_equals_eager(tiny_model, quant, fused):
+    """A compiled decode step of the quantized tiny model gives eager's logits, on either kernel path."""
+    model = quantize_model(copy.deepcopy(tiny_model), quant)
+    for module in model.modules():
+        if isinstance(module, Int8Linear | Int4Linear):
+            module.prepare(fused)  # the embedding's prepare is a no-op: it always dequantizes its rows
+    a = model.config
+    model.setup_caches(make_caches("full", a.n_layer, 2, a.n_local_heads, 16, a.head_dim, torch.float32))
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 6)), torch.arange(6).expand(2, -1), prefill=True)
+        token, pos = torch.randint(0, 64, (2, 1)), torch.full((2, 1), 6)
+        eager = model(token, pos)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)(token, pos)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mode", "int3"], "error: unknown quantization mode 'int3'; valid modes: int8, int4"),
+        (["--mode", "int4", "--groupsize", "48"], "error: int4 group size must be one of 32, 64, 128, got 48"),
+        (["--mode", "int8", "--groupsize", "64"], "error: int8 is quantized per output channel and takes no group size; group sizes are for int4"),
+    ],
+)
+def test_bad_mode_or_groupsize_is_one_clear_error(argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        quantize_main(argv)
+    assert exit_info.value.code == message
