@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvlab import parallel
 from kvlab.cli import ArgumentParser, resolve_device_dtype, run_cli
-from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_size, prepare_runs
+from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
 from kvlab.results import FULL, markdown_table, write_summary
 from kvlab.tasks import PerplexityTask, resolve_tasks
 
@@ -42,8 +42,23 @@ def build_parser() -> ArgumentParser:
         "--cache_sizes",
         nargs="+",
         type=parse_size,
-        default=["0.5"],
-        help="cache sizes for every compressing config: fractions of each example's own length, or slot counts (default: 0.5)",
+        default=None,
+        help="cache sizes for every compressing config: fractions of each example's own length, or slot counts (default: 0.5, or none "
+        "when --compression_ratios is given)",
+    )
+    p.add_argument(
+        "--compression_ratios",
+        nargs="+",
+        type=parse_ratio,
+        default=[],
+        help="kvpress's protocol, beside or instead of --cache_sizes: remove this share of each prompt (the context, with "
+        "--query_agnostic) at prefill and keep every token after it; e.g. 0.25 0.5 0.75 0.875 (results under ratio<r>/)",
+    )
+    p.add_argument(
+        "--query_agnostic",
+        action="store_true",
+        help="compress the context before the question is seen, then decode the question and the answer through the compressed "
+        "cache (kvpress's default; RULER tasks); results go to <size>+query_agnostic/, apart from the query-aware runs",
     )
     p.add_argument(
         "--context_lengths", nargs="+", type=int, default=[2048], help="RULER context / book document / LongBench truncation lengths in tokens (default: 2048)"
@@ -121,7 +136,10 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
     if args.tensor_parallel and args.attention_metrics:
         raise ValueError("--attention_metrics measures every head in one process; drop --tensor_parallel")
-    jobs = jobs_for(args.cache_config, args.cache_sizes, tasks, args.context_lengths, args.ppl_prompt_tokens)
+    sizes = (args.cache_sizes or ([] if args.compression_ratios else ["0.5"])) + args.compression_ratios
+    if args.query_agnostic and any(isinstance(t, PerplexityTask) for t in tasks):
+        raise ValueError("--query_agnostic compresses a context before its question; the perplexity tasks (book_*) have no question")
+    jobs = jobs_for(args.cache_config, sizes, tasks, args.context_lengths, args.ppl_prompt_tokens, args.query_agnostic)
     device = parallel.init(resolve_device_dtype(args.device, args.dtype)[0], timeout=SWEEP_TIMEOUT)
     with contextlib.ExitStack() as stack:
         done = on_rank0(lambda: open_out_dir(jobs, args, stack))

@@ -28,12 +28,15 @@ def make_caches(
     n_heads: int | None = None,
     history: int | None = None,
     token_classes: dict[str, tuple[int, ...]] | None = None,
+    rope: tuple[Tensor, Tensor] | None = None,
+    first_layer: int = 0,
     **options: Any,
 ) -> list[KVCache]:
     """One cache per layer for a named strategy, with the settings it declares (by flag name: storage,
     eviction, its prompt compressor's and its own). The builder passes what a cache's capabilities ask
     for: `history` (the longest sequence) and `n_heads` to caches that keep every token, the tokenizer's
-    `token_classes` to caches that read token ids; snapkv_gqa=query needs `n_heads` (KVs per query head)."""
+    `token_classes` to caches that read token ids, its layer (from `first_layer`) to caches whose heads are
+    calibrated per layer; snapkv_gqa=query needs `n_heads` (KVs per query head)."""
     if strategy not in CACHE_STRATEGIES:
         raise ValueError(f"unknown cache strategy {strategy!r}; choose from: {', '.join(CACHE_STRATEGIES)}")
     cls = CACHE_STRATEGIES[strategy]
@@ -45,6 +48,7 @@ def make_caches(
         return cls.for_layers(n_layer, batch_size, n_kv_heads, capacity, head_dim, dtype, device, history, **options)
     kwargs: dict[str, Any] = {}
     if cls.takes_prompt_compressor:
+        kwargs["rope"] = rope  # the model's RoPE cos/sin tables, for compressors that read positions from queries
         compressor_options = {k: options.pop(k) for k in list(options) if k in COMPRESSOR_OPTIONS}
         name = options.pop("prompt_compression_strategy", None)
         if compressor_options and name is None:
@@ -62,7 +66,8 @@ def make_caches(
         kwargs |= dict(history=history, n_heads=n_heads)
     if cls.needs_tokens:
         kwargs |= token_classes or {}
-    return [cls(batch_size, n_kv_heads, capacity, head_dim, dtype, device, **kwargs) for _ in range(n_layer)]
+    layers = [{"layer": first_layer + i} if cls.per_layer else {} for i in range(n_layer)]
+    return [cls(batch_size, n_kv_heads, capacity, head_dim, dtype, device, **kwargs, **layer) for layer in layers]
 
 
 def layer_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -90,14 +95,14 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             c.reset()
         return current
     caches: list[KVCache | None] = [None] * len(spec.strategies)
-    shape = (batch_size, attention.n_local_heads)
+    shape, rope = (batch_size, attention.n_local_heads), (model.rope_cos, model.rope_sin)
     for s in dict.fromkeys(spec.strategies):
         layers = [i for i, name in enumerate(spec.strategies) if name == s]
-        common = dict(n_heads=attention.n_head, history=history, token_classes=spec.token_classes, **layer_options(s, spec.options))
+        common = dict(n_heads=attention.n_head, history=history, token_classes=spec.token_classes, rope=rope, **layer_options(s, spec.options))
         if CACHE_STRATEGIES[s].shares_pool:  # these layers share one block pool
             built = make_caches(s, len(layers), *shape, capacities[layers[0]], attention.head_dim, weight.dtype, weight.device, **common)
         else:
-            built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, **common)[0] for i in layers]
+            built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, first_layer=i, **common)[0] for i in layers]
         for i, cache in zip(layers, built, strict=True):
             caches[i] = cache
     model.setup_caches(caches)
@@ -106,17 +111,26 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
 
 
 def build_caches(
-    model: Transformer, spec: CacheSpec, prompt_lengths: Sequence[int], max_new_tokens: int, max_seq_length: int, budgets: Tensor | None = None
+    model: Transformer,
+    spec: CacheSpec,
+    prompt_lengths: Sequence[int],
+    max_new_tokens: int,
+    max_seq_length: int,
+    budgets: Tensor | None = None,
+    prefilled: Sequence[int] | None = None,
 ) -> list[KVCache]:
     """Caches for sequences of these prompt lengths: buffers sized by max_seq_length, and each sequence
     limited to its own fraction of prompt + max_new_tokens. With `budgets` [B, n_layer] (a planner's
     slots per sequence and layer, `plan_layer_budgets`), each compressing layer's buffer is sized to its
-    largest row budget instead."""
+    largest row budget instead. With `spec.compression_ratio`, each sequence keeps that share of its
+    `prefilled` prompt tokens (default: the whole prompt) plus room for every token decoded after them."""
     n_layer = model.config.n_layer
     if len(spec.strategies) != n_layer or len(spec.lengths) != n_layer:
         raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(spec.strategies)} strategies and {len(spec.lengths)} lengths")
     if any(length is not None and s == "full" for s, length in zip(spec.strategies, spec.lengths, strict=True)):
         raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
+    if spec.compression_ratio is not None:
+        return ratio_caches(model, spec, prompt_lengths, prefilled or prompt_lengths, max_new_tokens, max_seq_length)
     if budgets is None:
         slots = [cache_slots(n, max_seq_length) for n in spec.lengths]
     else:
@@ -136,6 +150,31 @@ def build_caches(
         else:
             own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else most for n in prompt_lengths]
         cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
+    return caches
+
+
+def ratio_caches(
+    model: Transformer, spec: CacheSpec, prompt_lengths: Sequence[int], prefilled: Sequence[int], max_new_tokens: int, max_seq_length: int
+) -> list[KVCache]:
+    """kvpress's compression ratio: a sequence keeps int((1 - ratio) x its prefilled tokens) of them, and
+    its slots hold every token decoded afterwards (the prompt's remaining tokens, then all but the last
+    generated one), so nothing is evicted after prefill. The slot axis is dynamic: one compiled step
+    serves every batch."""
+    keep = [int((1 - spec.compression_ratio) * p) for p in prefilled]
+    room = [n - p + max_new_tokens - 1 for n, p in zip(prompt_lengths, prefilled, strict=True)]
+    own = [k + r for k, r in zip(keep, room, strict=True)]
+    capacities = [
+        max_seq_length if n is None else min(head_slots(model, max(own), layer_options(s, spec.options)), max_seq_length)
+        for s, n in zip(spec.strategies, spec.lengths, strict=True)
+    ]
+    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max_seq_length)
+    device = model.tok_embeddings.weight.device
+    for cache, length in zip(caches, spec.lengths, strict=True):
+        if length is None:
+            cache.limit_rows(torch.tensor([max_seq_length] * len(own), device=device))
+        else:
+            mark_slots_dynamic(cache)
+            cache.limit_rows(torch.tensor(own, device=device), torch.tensor(room, device=device))
     return caches
 
 

@@ -37,9 +37,9 @@ from torch import Tensor
 
 from kvlab import parallel
 from kvlab.options import Option, choice, fraction, integer
-from kvlab.prompt_compression import AttentionScores, KeepAll, KeyScores, PromptCompressor
+from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
 from kvlab.scores import attention_mass
-from kvlab.storage import STORAGE_OPTIONS, make_storage
+from kvlab.storage import KEY_PRUNING_OPTIONS, STORAGE_OPTIONS, make_storage
 
 HEAD_BUDGETS = ("uniform", "adakv")
 DEFAULT_ADAKV_FLOOR = 0.2
@@ -58,6 +58,7 @@ class KVCache(nn.Module):
     takes_prompt_compressor: bool = False  # keeps the prompt tokens a `PromptCompressor` ranks highest
     keeps_history: bool = False  # recallable: holds every token (`history` slots) and attends `capacity` of them
     shares_pool: bool = False  # one object serves every layer (`for_layers`): a paged pool
+    per_layer: bool = False  # built with its model layer (`layer=`): heads calibrated per layer (DuoAttention)
     options: tuple[Option, ...] = STORAGE_OPTIONS
     default_global_tokens, default_recent_window = 0, 0  # protected tokens: a layer budget planner's floor
     default_cache_length = 0.5  # max_cache_length when none is given (a fraction of each sequence)
@@ -72,10 +73,13 @@ class KVCache(nn.Module):
         device: torch.device | None = None,
         cache_bits: int | None = None,
         key_quant_axis: str | None = None,
+        key_channel_pruning: float | None = None,
+        think_window: int | None = None,
     ) -> None:
         super().__init__()
         self.capacity = capacity
-        self.storage = make_storage((batch_size, n_kv_heads, capacity, head_dim), dtype, device, cache_bits, key_quant_axis)
+        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        self.storage = make_storage(shape, dtype, device, cache_bits, key_quant_axis, key_channel_pruning, think_window)
         pos_shape = (batch_size, n_kv_heads, capacity) if self.positions_per_head else (batch_size, capacity)
         self.register_buffer("pos", torch.full(pos_shape, -1, dtype=torch.long, device=device), persistent=False)
 
@@ -91,8 +95,10 @@ class KVCache(nn.Module):
     def maintain(self) -> None:
         """Host-side upkeep after each decode step (most caches need none)."""
 
-    def limit_rows(self, capacities: Tensor) -> None:
-        """Slots each sequence may fill, [B] (<= capacity); only caches that evict use it."""
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        """Slots each sequence may fill, [B] (<= capacity); only caches that evict use it. `decode_room`
+        [B]: of those, the slots left empty at prefill for the tokens decoded after it (kvpress's
+        compression ratio keeps every later token); by default the prompt may fill them all."""
 
     def stats(self) -> dict[str, int]:
         """Counts worth reporting at the end of a run (e.g. hybrid's heads per policy)."""
@@ -116,14 +122,23 @@ class KVCache(nn.Module):
         return self.storage.nbytes()
 
 
+def refuse_decode_room(cache: KVCache, decode_room: Tensor | None) -> None:
+    """Caches that do not keep the prompt by a compressor's ranking cannot hold back decode room."""
+    if decode_room is not None:
+        raise ValueError(f"{type(cache).__name__} cannot keep room for decoded tokens: compression_ratio applies to the evicting strategies only")
+
+
 class FullCache(KVCache):
     """No compression: token at position p lives in slot p. The reference every strategy is measured against."""
+
+    options = (*KVCache.options, *KEY_PRUNING_OPTIONS)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         T = k.shape[2]
         if T > self.capacity:
             raise ValueError(f"prompt of {T} tokens does not fit a full cache of {self.capacity} slots")
         B, H = k.shape[:2]
+        self.storage.observe_prompt(input_pos, k, q)
         self.storage.write(torch.arange(T, device=k.device).expand(B, H, T), k, v, prompt=True)
         self.pos[:, :T] = input_pos
 
@@ -139,7 +154,9 @@ class EvictionCache(KVCache):
     own score); during decoding each new token replaces the least important slot (`_token_importances`).
     The first `global_tokens` positions (attention sinks) and the newest `recent_window` positions, the
     incoming token included, are always protected. All choices are argmin/topk/scatter: static shapes,
-    no data-dependent Python branching, so the decode step compiles with fullgraph=True.
+    no data-dependent Python branching, so the decode step compiles with fullgraph=True. The prompt
+    scores go through the wrappers `value_weight` (CriticalKV) and `chunk_size` (ChunkKV) first
+    (`wrap_scores`); `rope`, the model's RoPE tables, reaches a compressor that needs it (`with_rope`).
 
     `head_budget="adakv"` (Ada-KV, Feng et al., 2024) lets the KV heads of a layer share its budget
     unevenly, decided at prefill from the prompt scores (`_adakv_capacities`); each head then evicts
@@ -151,9 +168,12 @@ class EvictionCache(KVCache):
     takes_prompt_compressor = True
     default_global_tokens = 4
     default_recent_window = 10
+    default_value_weight = "none"
     options = (
         *KVCache.options,
+        *KEY_PRUNING_OPTIONS,
         *PROTECTED_OPTIONS,
+        *SCORE_WRAPPER_OPTIONS,
         choice(
             "head_budget",
             HEAD_BUDGETS,
@@ -178,13 +198,22 @@ class EvictionCache(KVCache):
         kv_repeat: int = 1,
         head_budget: str = "uniform",
         adakv_floor: float = DEFAULT_ADAKV_FLOOR,
+        rope: tuple[Tensor, Tensor] | None = None,
+        value_weight: str | None = None,
+        value_epsilon: float = 0.0,
+        chunk_size: int | None = None,
         **storage_options,
     ) -> None:
         super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, **storage_options)
         if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
             raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
-        self.prompt_compressor = prompt_compressor or self.own_prompt_compressor()
+        self.prompt_compressor = (prompt_compressor or self.own_prompt_compressor()).with_rope(rope)
+        for option, value in zip(SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, chunk_size), strict=True):
+            if value is not None:
+                option.validate(value)
+        self.value_weight = self.default_value_weight if value_weight is None else value_weight
+        self.value_epsilon, self.chunk_size = value_epsilon, chunk_size  # wrappers of the prompt scores (wrap_scores)
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
         self.recent_window = self.default_recent_window if recent_window is None else recent_window
         self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
@@ -198,22 +227,29 @@ class EvictionCache(KVCache):
         # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
+        self.register_buffer("decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False)
 
     @classmethod
     def own_prompt_compressor(cls) -> PromptCompressor:
         """The strategy's own score applied to the prompt (the default `prompt_compression_strategy`)."""
         return KeepAll()
 
-    def limit_rows(self, capacities: Tensor) -> None:
-        smallest, largest = int(capacities.min()), int(capacities.max())
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        room = torch.zeros_like(capacities) if decode_room is None else decode_room
+        smallest, largest = int((capacities - room).min()), int(capacities.max())
         if smallest <= self.global_tokens + self.recent_window or largest > self.capacity:
             raise ValueError(
                 f"{type(self).__name__}: --max_cache_length gives {capacities.tolist()} slots per sequence here (at most {self.capacity}); "
                 f"each needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: "
                 "raise --max_cache_length or lower --recent_window/--global_tokens"
+                if decode_room is None
+                else f"{type(self).__name__}: --compression_ratio keeps {(capacities - room).tolist()} prompt tokens per sequence here; each "
+                f"needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: lower the ratio, or "
+                "--recent_window/--global_tokens"
             )
         self.row_budget.copy_(capacities.view(-1, 1, 1))
         self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))
+        self.decode_room.copy_(room.view(-1, 1, 1))
 
     def head_budgets(self) -> Tensor:
         return self.row_capacity[..., 0]
@@ -247,7 +283,9 @@ class EvictionCache(KVCache):
         if T > self.capacity and not self.prompt_compressor.compresses:
             raise ValueError(f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor")
         k, v = self._repeat(k), self._repeat(v)
-        self._store_prompt(input_pos, k, v, self.prompt_compressor(input_pos, k, q))
+        self.storage.observe_prompt(input_pos, k, q)
+        scores = wrap_scores(self.prompt_compressor(input_pos, k, v, q), input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
+        self._store_prompt(input_pos, k, v, scores)
 
     def _repeat(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.kv_repeat, dim=1) if self.kv_repeat > 1 else x
@@ -262,8 +300,8 @@ class EvictionCache(KVCache):
         if self.head_budget == "adakv":  # split over every head of the layer, on every rank alike
             self.row_capacity.copy_(parallel.local_heads(self._adakv_capacities(parallel.gather_heads(protected), last + 1)))
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
-        # A sequence keeps its best row_capacity tokens per head, in prompt order; the rest go past its limit and stay empty.
-        fits = torch.arange(n_keep, device=k.device) < self.row_capacity
+        # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
+        fits = torch.arange(n_keep, device=k.device) < self.row_capacity - self.decode_room
         order = torch.where(fits, ranked, ranked + T).sort(dim=-1).values
         keep, fits = order % T, order < T
         index = keep[..., None].expand(B, H, n_keep, D)
@@ -275,13 +313,13 @@ class EvictionCache(KVCache):
     def _adakv_capacities(self, scores: Tensor, n_prompt: Tensor) -> Tensor:
         """Ada-KV's split of a layer's H x budget slots over its heads, [B, H, 1], from protected prompt
         scores [B, H, T] and prompt lengths [B, 1, 1]: the top H x b scores over all heads together are
-        counted per head (b = the budget's prompt part, min(budget, prompt)), and head h gets
+        counted per head (b = the budget's prompt part, min(budget - decode room, prompt)), and head h gets
         (1 - floor) x (count_h + budget - b) + floor x budget, so every head keeps `floor` of a uniform
         share and the decode room is shared evenly. Whole slots by largest remainder (the sum stays
         exact); a share beyond the buffer goes to the other heads in proportion to their room."""
         B, H, T = scores.shape
         budget = self.row_budget.double()  # [B, 1, 1]
-        prompt_part = torch.minimum(budget, n_prompt.double())
+        prompt_part = torch.minimum(budget - self.decode_room, n_prompt.double())
         rank = scores.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1).view(B, H, T)
         count = (rank < H * prompt_part).sum(dim=-1, keepdim=True)
         share = (1 - self.adakv_floor) * (count + budget - prompt_part) + self.adakv_floor * budget

@@ -212,6 +212,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     "Qwen2.5-1.5B": KnownModel("Qwen/Qwen2.5-1.5B-Instruct", dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
     "Qwen2.5-3B": KnownModel("Qwen/Qwen2.5-3B-Instruct", dict(vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
     "Qwen2.5-7B": KnownModel("Qwen/Qwen2.5-7B-Instruct", dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True)),
+    "Qwen3-0.6B": KnownModel("Qwen/Qwen3-0.6B", dict(vocab_size=151936, n_layer=28, n_head=16, n_local_heads=8, dim=1024, intermediate_size=3072, head_dim=128, rope_base=1000000.0, norm_eps=1e-6, block_size=40960, tie_embeddings=True, qk_norm=True)),
+    "Qwen3-8B": KnownModel("Qwen/Qwen3-8B", dict(vocab_size=151936, n_layer=36, n_head=32, n_local_heads=8, dim=4096, intermediate_size=12288, head_dim=128, rope_base=1000000.0, norm_eps=1e-6, block_size=40960, qk_norm=True)),
 }
 # fmt: on
 

@@ -20,6 +20,8 @@ import yaml
 from kvlab.budget import LAYER_BUDGET_OPTION, PLANNER_OPTIONS
 from kvlab.cache import KVCache
 from kvlab.options import Option, by_name, choice, integer, switch
+from kvlab.prompt_compression import PromptCompressor
+from kvlab.reconstruction import KVZIP_PROMPT
 from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS
 from kvlab.tokenizer import Tokenizer
 
@@ -40,7 +42,7 @@ GENERAL_OPTIONS = (
         "a slot count >= 1 or a fraction in (0, 1]",
         "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own prompt + max_new_tokens (0.5)",
         check=_is_cache_length,
-        default_help="0.5; 1.0 for hybrid",
+        default_help="0.5; 1.0 for hybrid and duo_attention",
     ),
     choice(
         "prompt_compression_strategy",
@@ -48,6 +50,15 @@ GENERAL_OPTIONS = (
         None,
         "how prompt tokens are chosen when the prompt is longer than the cache",
         default_help="the cache strategy's own score, e.g. heavy_hitter for heavy_hitter, recent_global for window",
+    ),
+    Option(
+        "compression_ratio",
+        (int, float),
+        "a fraction in [0, 1)",
+        "kvpress's protocol, instead of max_cache_length: remove this share of each prompt's tokens at prefill and keep every token "
+        "decoded after it (evicting strategies that rank the prompt)",
+        check=lambda v: 0 <= v < 1,
+        default_help="unset",
     ),
     integer("full_layers", 0, "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2)", minimum=0),
     switch("compress_first_token", "decode the prompt's last token through the compressed cache, so the first generated token already sees compression"),
@@ -80,9 +91,11 @@ class CacheSpec:
     lengths: list[int | float | None]  # per layer: slots, a fraction of each sequence, or None (every token)
     options: dict[str, Any] = field(default_factory=dict)  # cache settings by flag name (each layer takes those its strategy declares)
     compress_first_token: bool = False
+    compression_ratio: float | None = None  # kvpress's: the share of the prefilled tokens removed; None: sized by `lengths`
     layer_budget: str = "uniform"  # how each sequence's total budget is split over the layers (budget.py)
     budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
     token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # special_ids, punctuation_ids for caches that read tokens
+    instruction: tuple[int, ...] = ()  # KVzip's "repeat the context" request, encoded (filled when given the tokenizer)
 
     @classmethod
     def full(cls, n_layer: int) -> CacheSpec:
@@ -134,7 +147,34 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
         raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
     if planner != "uniform" and any(CACHE_STRATEGIES[s].keeps_history for s in strategies):
         raise ValueError(f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token and take none")
-    return CacheSpec(strategies, lengths, options, bool(settings.get("compress_first_token", False)), planner, budget_options, token_classes)
+    instruction = tuple(tokenizer.encode(KVZIP_PROMPT)) if tokenizer is not None and model_scored(strategies, options) else ()
+    ratio = settings.get("compression_ratio")
+    if ratio is not None:
+        check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
+    first_token = bool(settings.get("compress_first_token", False))
+    return CacheSpec(strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, instruction)
+
+
+def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptCompressor]:
+    """The prompt compressors of these layers whose scores need a further pass of the model (KVzip, the oracle)."""
+    takers = [CACHE_STRATEGIES[s] for s in dict.fromkeys(strategies) if CACHE_STRATEGIES[s].takes_prompt_compressor]
+    name = options.get("prompt_compression_strategy")
+    compressors = [PROMPT_COMPRESSORS[name]] if name and takers else [cls.own_prompt_compressor() for cls in takers]
+    return [c for c in compressors if c.needs_model]
+
+
+def check_ratio(ratio: float, strategies: list[str], lengths: list[Any], planner: str, sized: bool) -> None:
+    """--compression_ratio sizes each prompt's share of an evicting cache; it replaces the cache length and the layer planners."""
+    takers = [name for name, cls in CACHE_STRATEGIES.items() if cls.takes_prompt_compressor]
+    wrong = sorted({s for s, n in zip(strategies, lengths, strict=True) if n is not None and s not in takers})
+    if sized:
+        raise ValueError("give --compression_ratio or --max_cache_length, not both: the ratio sizes the cache from each prompt")
+    if wrong:
+        raise ValueError(f"--compression_ratio {ratio} applies to strategies that rank the prompt ({', '.join(takers)}), not {', '.join(wrong)}")
+    if planner != "uniform":
+        raise ValueError(f"--compression_ratio removes the same share in every layer; it takes no --layer_budget {planner}")
+    if all(n is None for n in lengths):
+        raise ValueError("--compression_ratio needs a compressing --cache_strategy; full keeps every token")
 
 
 def check_value(key: str, value: Any) -> Any:

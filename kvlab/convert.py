@@ -123,6 +123,7 @@ HF_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.attention.\2_norm.weight"),  # Qwen3
 ]
 HF_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)")
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
@@ -146,7 +147,7 @@ def read_hf_safetensors(hf_dir: Path) -> dict[str, Tensor]:
 
 
 def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) -> Path:
-    """Convert a Hugging Face Llama/Mistral/Qwen2 directory. HF stores q/k in the rotate-half layout
+    """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory. HF stores q/k in the rotate-half layout
     kvlab uses, so q, k and v are only fused into `wqkv`, never permuted. Weights keep their dtype."""
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
@@ -178,7 +179,7 @@ def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) 
     return Path(out_dir)
 
 
-HF_FAMILIES = ("llama", "mistral", "qwen2")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # qwen2 covers Qwen2.5 too
 
 
 def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
@@ -214,6 +215,7 @@ def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
         block_size=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+        qk_norm=family == "qwen3",
     )
 
 

@@ -59,8 +59,8 @@ class AttentionLossProbe(KVCache):
     def observe(self, probs: Tensor) -> None:
         self.inner.observe(probs)
 
-    def limit_rows(self, capacities: Tensor) -> None:
-        self.inner.limit_rows(capacities)
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        self.inner.limit_rows(capacities, decode_room)
 
     def maintain(self) -> None:
         self.inner.maintain()

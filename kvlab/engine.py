@@ -22,10 +22,11 @@ from kvlab import parallel
 from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.build import build_caches, make_caches, plan_layer_budgets
 from kvlab.cache import KVCache
-from kvlab.config import CacheSpec
+from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe, attention_loss_summary
 from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
+from kvlab.reconstruction import prompt_attention_from
 
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
@@ -98,9 +99,9 @@ class ScoredOnce(PromptCompressor):
     def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
         self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         if self.key not in self.store:
-            self.store[self.key] = self.inner(input_pos, k, q)
+            self.store[self.key] = self.inner(input_pos, k, v, q)
         return self.store[self.key]
 
 
@@ -116,6 +117,7 @@ class RecordedPrefill:
         self.inputs: tuple[Tensor, Tensor] | None = None
         self.recorder = PrefillRecorder()
         self.scores: dict[tuple[int, str], Tensor] = {}
+        self.references: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}  # a full cache run's continuations (the oracle's)
         self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
         self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
 
@@ -133,18 +135,47 @@ class RecordedPrefill:
         elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
             raise ValueError("a recorded prefill replays one batch of prompts only")
 
-    def replay(self, model: Transformer) -> None:
-        """Fill the model's current caches from the recording, as their own prefill would."""
+    def replay(self, model: Transformer, caches: Sequence[KVCache]) -> None:
+        """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would."""
         tokens, input_pos = self.inputs
-        for layer, (block, (k, v, q)) in enumerate(zip(model.layers, self.recorder.layers, strict=True)):
-            cache = block.attention.kv_cache
+        for layer, (block, cache, (k, v, q)) in enumerate(zip(model.layers, caches, self.recorder.layers, strict=True)):
             compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
             if compressor is not None:
-                key = (layer, f"{type(compressor).__name__}{sorted(vars(compressor).items())}")
-                cache.prompt_compressor = ScoredOnce(compressor, self.scores, key)
-            cache.prefill(input_pos, k, v, q, **({"tokens": tokens} if cache.needs_tokens else {}))
+                cache.prompt_compressor = ScoredOnce(compressor, self.scores, (layer, compressor_key(compressor)))
+            target = block.attention.kv_cache
+            target.prefill(input_pos, k, v, q, **({"tokens": tokens} if target.needs_tokens else {}))
             if compressor is not None:
                 cache.prompt_compressor = compressor
+
+    def score_with_model(
+        self, model: Transformer, caches: Sequence[KVCache], prefilled: list[int], continuations: list[list[int]], instruction: tuple[int, ...]
+    ) -> None:
+        """Scores of the compressors that need a further pass of the model (KVzip, the oracle), one pass per
+        sequence for every layer, kept where `replay` looks for them."""
+        tokens, input_pos = self.inputs
+        layers: dict[str, list[int]] = {}
+        for layer, cache in enumerate(caches):
+            if cache.takes_prompt_compressor and cache.prompt_compressor.needs_model:
+                layers.setdefault(compressor_key(cache.prompt_compressor), []).append(layer)
+        for key, using in layers.items():
+            if (using[0], key) in self.scores:
+                continue
+            compressor = caches[using[0]].prompt_compressor
+            per_row = []
+            for row, n in enumerate(prefilled):
+                prompt = [(k[row : row + 1, :, :n], v[row : row + 1, :, :n]) for k, v, _ in self.recorder.layers]
+                passes = compressor.queries(tokens[row, :n].tolist(), continuations[row], instruction)
+                per_row.append(prompt_attention_from(model, prompt, passes, compressor.reduce))
+            for layer in using:
+                scores = torch.zeros(*input_pos.shape[:1], per_row[0][layer].shape[0], input_pos.shape[1], device=input_pos.device)
+                for row, n in enumerate(prefilled):
+                    scores[row, :, :n] = per_row[row][layer]
+                self.scores[layer, key] = scores
+
+
+def compressor_key(compressor: PromptCompressor) -> str:
+    """A compressor's kind and settings: its scores of one prefill serve every cache using the same."""
+    return f"{type(compressor).__name__}{sorted(vars(compressor).items())}"
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -189,6 +220,7 @@ def generate(
     max_seq_length: int | None = None,
     attention_loss: bool = False,
     recorded: RecordedPrefill | None = None,
+    decoded_prompt_tokens: Sequence[int] | None = None,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions)
     through the caches `spec` describes (default: a full cache).
@@ -197,6 +229,8 @@ def generate(
     across calls keeps every shape static, so compiled steps are reused instead of recompiled.
     With `spec.compress_first_token`, the prompt's last token is decoded through the compressed cache
     rather than prefilled, so even the first generated token sees only what compression kept.
+    `decoded_prompt_tokens` (per prompt) decodes that many of its last tokens so: the query-agnostic
+    protocol compresses the context alone and decodes the question through the compressed cache.
     `attention_loss` runs a full cache alongside (eager only) and returns the attention mass
     compression lost. A layer budget planner (`spec.layer_budget`) re-splits each sequence's total
     budget over the layers after measuring them on its prompt (budget.py); the prefill is then
@@ -211,30 +245,34 @@ def generate(
     kv_heads = model.layers[0].attention.n_local_heads  # this rank's, under tensor parallelism
     spec = spec or CacheSpec.full(cfg.n_layer)
     temperature, top_k = sampling.temperature, sampling.top_k
-    compress_first_token = spec.compress_first_token
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompts or any(len(p) < 1 + compress_first_token for p in prompts):
-        raise ValueError(f"every prompt must have at least {1 + compress_first_token} token(s)")
+    suffix = [max(n, int(spec.compress_first_token)) for n in decoded_prompt_tokens or [0] * len(prompts)]
+    if not prompts or len(suffix) != len(prompts) or any(len(p) < 1 + s for p, s in zip(prompts, suffix, strict=True)):
+        raise ValueError(f"every prompt must have at least 1 token more than it decodes through the cache ({suffix})")
+    if on_token is not None and len(set(suffix)) > 1:
+        raise ValueError("streaming (on_token) needs the same number of decoded prompt tokens in every row")
     device = model.tok_embeddings.weight.device
     lens = torch.tensor([len(p) for p in prompts], device=device)
-    T = int(lens.max())
+    prefill_lens = lens - torch.tensor(suffix, device=device)
+    T, T_prefill, forced = int(lens.max()), int(prefill_lens.max()), max(suffix)
+    # Every row runs forced + max_new_tokens - 1 steps; a row decoding fewer prompt tokens finishes early and its extra steps are dropped.
+    needed = T_prefill + forced + max_new_tokens
     context = cfg.block_size
-    if T + max_new_tokens > context:
+    if needed > context:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
-    max_seq_length = max_seq_length or T + max_new_tokens
-    if not T + max_new_tokens <= max_seq_length <= context:
-        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({T + max_new_tokens}) and the context length ({context})")
+    max_seq_length = max_seq_length or needed
+    if not needed <= max_seq_length <= context:
+        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the context length ({context})")
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, device=device)
-    prefill_lens = lens - int(compress_first_token)
-    T_prefill = int(prefill_lens.max())
     columns = torch.arange(T_prefill, device=device)
     input_pos = torch.where(columns < prefill_lens[:, None], columns, -1)
 
     t0 = time.perf_counter()
-    if spec.layer_budget != "uniform" and recorded is None:
+    scored_by_model = model_scored(spec.strategies, spec.options)
+    if (spec.layer_budget != "uniform" or scored_by_model) and recorded is None:
         recorded = RecordedPrefill()
     budgets = similarity = None
     if recorded is not None:
@@ -243,7 +281,20 @@ def generate(
     lengths = [len(p) for p in prompts]
     if spec.layer_budget != "uniform":
         budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
-    caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets)
+    prefilled = prefill_lens.tolist()
+    continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
+    if any(c.needs_reference for c in scored_by_model):  # the oracle: what a full cache run decodes after the prefill
+        key = (max_new_tokens, tuple(suffix))
+        if key not in recorded.references:
+            full = CacheSpec.full(cfg.n_layer)
+            reference = generate(
+                model, prompts, max_new_tokens, full, decode_step=decode_step, max_seq_length=max_seq_length, recorded=recorded, decoded_prompt_tokens=suffix
+            )
+            recorded.references[key] = [c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)]
+        continuations = recorded.references[key]
+    caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets, prefilled)
+    if scored_by_model:
+        recorded.score_with_model(model, caches, prefilled, continuations, spec.instruction)
     probes = None
     if attention_loss:
         full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, max_seq_length, cfg.head_dim, model.norm.weight.dtype, device)
@@ -252,40 +303,44 @@ def generate(
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
 
     if recorded is not None:
-        recorded.replay(model)
+        recorded.replay(model, caches)
         next_token = sample(recorded.logits[:, -1], temperature, top_k)
     else:
         next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
-    if compress_first_token:
-        next_token = decode_step(model, tokens.gather(1, (lens - 1)[:, None]), (lens - 1)[:, None], temperature, top_k)
+    # out[:, c] is what follows position prefill_lens + c - 1: the prompt's own token while c < suffix, then generated.
+    out = torch.zeros(len(prompts), forced + max_new_tokens, dtype=torch.long, device=device)
+    out[:, :forced] = tokens.gather(1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=T - 1))
+    first = torch.tensor(suffix, device=device)
+    out[:, 0] = torch.where(first == 0, next_token, out[:, 0])
+    for c in range(1, forced + 1):  # the rest of each prompt through the compressed cache
+        next_token = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
         maintain(caches)
+        out[:, c] = torch.where(first <= c, next_token, out[:, c])
     sync(device)
     prefill_seconds = time.perf_counter() - t0
 
     stop = torch.tensor(list(stop_ids) or [-1], device=device)
-    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
-    out[:, 0] = next_token
-    stopped = torch.isin(next_token, stop)
+    stopped = (torch.isin(out[:, : forced + 1], stop) & (torch.arange(forced + 1, device=device) >= first[:, None])).any(dim=1)
     if on_token is not None:
-        on_token(next_token.tolist())
+        on_token(out[:, forced].tolist())
     check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
     n, first_step_seconds = 1, 0.0
     t0 = time.perf_counter()
     while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
-        next_token = decode_step(model, next_token[:, None].clone(), (lens + n - 1)[:, None], temperature, top_k)
+        c = forced + n
+        out[:, c] = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
         maintain(caches)
-        out[:, n] = next_token
-        stopped |= torch.isin(next_token, stop)
+        stopped |= torch.isin(out[:, c], stop)
         n += 1
         if on_token is not None:
-            on_token(next_token.tolist())
+            on_token(out[:, c].tolist())
         if n == 2:
             sync(device)
             first_step_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
     sync(device)
     decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
-    rows = [cut_at_stop(row, stop_ids) for row in out[:, :n].tolist()]
+    rows = [cut_at_stop(row[s : min(s + max_new_tokens, forced + n)], stop_ids) for row, s in zip(out.tolist(), suffix, strict=True)]
     full_bytes = 2 * cfg.n_layer * len(prompts) * kv_heads * (T + n - 1) * cfg.head_dim * model.norm.weight.element_size()
     return Generation(
         [r[0] for r in rows],

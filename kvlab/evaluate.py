@@ -26,7 +26,7 @@ from kvlab import parallel
 from kvlab.build import build_caches, plan_layer_budgets
 from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
-from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config
+from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config, model_scored
 from kvlab.convert import default_checkpoint
 from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
 from kvlab.model import ModelArgs, Transformer
@@ -42,19 +42,25 @@ class Job:
     """One task at one context length for one (config, cache size): the unit of work and of resume."""
 
     config: str
-    size: str  # "full", a fraction "0.25" or a slot count "512"
+    size: str  # "full", a fraction "0.25", a slot count "512" or a compression ratio "ratio0.5" (RATIO)
     task: str
     context_length: int
     prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
+    query_agnostic: bool = False  # the context is compressed before the question is seen (kvpress's default protocol)
 
     def run_dir(self, out_dir: Path, model_name: str) -> Path:
-        return out_dir / checked_model_name(model_name) / Path(self.config).stem / self.size
+        """<model>/<config>/<size>, and <size>+query_agnostic for that protocol: the two never share results."""
+        size = self.size + AGNOSTIC * self.query_agnostic
+        return out_dir / checked_model_name(model_name) / Path(self.config).stem / size
 
     def stem(self) -> str:
         """The results file name: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
         task = self.task if self.prompt_tokens == 1 else f"{self.task}+prompt{self.prompt_tokens}"
         return f"{task}@{self.context_length}"
 
+
+RATIO = "ratio"  # a size "ratio0.5": kvpress's compression ratio, the share of the prefilled tokens removed
+AGNOSTIC = "+query_agnostic"
 
 # What changes a run's results: a run directory holding results under another key is never resumed.
 KEY_FIELDS = ("cache_config", "size", "model", "checkpoint", "dtype", "seed", "chat", "ppl_prompt_tokens")
@@ -84,6 +90,8 @@ def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Pat
         chat=not args.no_chat,
         ppl_prompt_tokens=args.ppl_prompt_tokens,
     )
+    if job.query_agnostic:  # absent otherwise, so runs written before the protocol existed still resume
+        key["query_agnostic"] = True
     return json.loads(json.dumps(key))  # as it reads back from args.json
 
 
@@ -147,6 +155,15 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
     return done
 
 
+def parse_ratio(text: str) -> str:
+    """A compression ratio as a size, "ratio0.5": checked like --compression_ratio."""
+    try:
+        check_value("compression_ratio", float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a compression ratio is the share of the prompt removed, in [0, 1), got {text!r}") from None
+    return f"{RATIO}{float(text):g}"
+
+
 def parse_size(text: str) -> str:
     """A cache size as given (a fraction in (0, 1] or a slot count), checked like --max_cache_length."""
     try:
@@ -157,9 +174,15 @@ def parse_size(text: str) -> str:
 
 
 def jobs_for(
-    configs: list[str], sizes: list[str], tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int = 1
+    configs: list[str],
+    sizes: list[str],
+    tasks: list[GenerationTask | PerplexityTask],
+    context_lengths: list[int],
+    ppl_prompt_tokens: int = 1,
+    query_agnostic: bool = False,
 ) -> list[Job]:
-    """The full config runs once; every other config once per size."""
+    """The full config runs once (it keeps every token, so both protocols are the same run); every other
+    config once per size."""
     stems: dict[str, str] = {}
     for config in configs:
         stem = Path(config).stem
@@ -172,13 +195,18 @@ def jobs_for(
         for size in [FULL] if strategy == FULL else sizes:
             for task in tasks:
                 prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
-                jobs += [Job(config, size, task.name, ctx, prompt_tokens) for ctx in context_lengths]
+                agnostic = query_agnostic and strategy != FULL
+                jobs += [Job(config, size, task.name, ctx, prompt_tokens, agnostic) for ctx in context_lengths]
     return jobs
 
 
 def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
     settings = load_cache_config(job.config)
-    if job.size != FULL:
+    if job.size.startswith(RATIO):
+        settings["compression_ratio"] = float(job.size.removeprefix(RATIO))
+        settings.pop("max_cache_length", None)
+        settings.pop("max_cache_length_pattern", None)
+    elif job.size != FULL:
         settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
         settings.pop("max_cache_length_pattern", None)
     settings["compress_first_token"] = True
@@ -218,7 +246,9 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     recorded.record(model, tokens[:, :P], positions, positions)
     budgets = None if spec.layer_budget == "uniform" else plan_layer_budgets(spec, [P] * B, L - P, recorded.similarity)
     caches = build_caches(model, spec, [P] * B, L - P, L, budgets)
-    recorded.replay(model)
+    if model_scored(spec.strategies, spec.options):  # the oracle's future is the rest of the document
+        recorded.score_with_model(model, caches, [P] * B, [d[P:] for d in documents], spec.instruction)
+    recorded.replay(model, caches)
     losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
     for p in range(P, L - 1):
         losses.append(step(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1])[:, None])
@@ -359,6 +389,8 @@ class Evaluator:
                 ) from None
         runs = []
         for job in jobs:
+            if job.query_agnostic and any(e.question_start is None for e in examples):
+                raise ValueError(f"--query_agnostic compresses the context before the question, but {name} has no context/question split (RULER tasks have)")
             spec = job_spec(job, self.model.config.n_layer, self.tokenizer)
             if isinstance(task, PerplexityTask) and spec.layer_budget != "uniform" and job.prompt_tokens == 1:
                 raise ValueError(
@@ -387,9 +419,14 @@ class Evaluator:
         one prefill shared by all."""
         task, args = group.task, self.args
         max_new = max(e.max_new_tokens for e in group.examples)
-        max_seq_length = max(len(e.input_ids) for e in group.examples) + max_new  # fixed for the task: no recompiles between batches
+        # Fixed for the task, so nothing recompiles between batches: the longest context + the longest question (decoded one token
+        # at a time, query-agnostic; else the last prompt token) + the answer.
+        agnostic = any(job.query_agnostic for job, _, _ in group.runs)
+        contexts = [e.question_start if agnostic else len(e.input_ids) - 1 for e in group.examples]
+        questions = [len(e.input_ids) - c for e, c in zip(group.examples, contexts, strict=True)]
+        max_seq_length = min(max(contexts) + max(questions) + max_new, self.model.config.block_size)
         padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
-        shared = RecordedPrefill()
+        shared = {False: RecordedPrefill(), True: RecordedPrefill()}  # one prefill per protocol: the whole prompt, or the context alone
         for job, spec, path in group.pending(batch):
             t0 = time.perf_counter()
             result = generate(
@@ -400,8 +437,9 @@ class Evaluator:
                 stop_ids=self.tokenizer.stop_ids,
                 decode_step=self.step,
                 max_seq_length=max_seq_length,
-                recorded=shared,
+                recorded=shared[job.query_agnostic],
                 attention_loss=args.attention_metrics,
+                decoded_prompt_tokens=[len(e.input_ids) - e.question_start for e in padded] if job.query_agnostic else None,
             )
             seconds = (time.perf_counter() - t0) / len(batch)
             held = rows_held(self.model).tolist()

@@ -1,4 +1,4 @@
-"""A single-file Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, SmolLM2).
+"""A single-file Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
 
 GPT-Fast in spirit: static shapes, one small compiled decode step, no framework. The model talks
 to its KV cache only through the `KVCache` interface of `cache.py`:
@@ -46,6 +46,7 @@ class ModelArgs:
     block_size: int = 2048  # maximum context length
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
 
     def __post_init__(self) -> None:
         if self.n_local_heads == -1:
@@ -129,20 +130,26 @@ class Attention(nn.Module):
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        # One weight over head_dim, shared by every head (so tensor parallelism keeps it whole).
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q, k = q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_local_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
         if self.kv_cache is None:
             raise RuntimeError("call model.setup_caches(...) before running the model")
         token_ids = {"tokens": tokens} if self.kv_cache.needs_tokens else {}
         if prefill:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = self.exact_attention(q, k, v)
             self.kv_cache.prefill(input_pos, k, v, q, **token_ids)
         else:
             keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **token_ids)
@@ -151,6 +158,10 @@ class Attention(nn.Module):
             if probs is not None:
                 self.kv_cache.observe(probs)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+    def exact_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The prompt's causal attention over itself (DuoAttention's calibration mixes another pattern in: duo.py)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def attention_mask(key_pos: Tensor, query_pos: Tensor) -> Tensor:

@@ -38,10 +38,10 @@ import torch.nn as nn
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.cache import KVCache
+from kvlab.cache import KVCache, refuse_decode_room
 from kvlab.options import by_name, choice, fraction, integer, switch
 from kvlab.pool import BlockPool
-from kvlab.scores import pool_keys, prompt_attention, window_attention
+from kvlab.scores import pool_keys, received_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
@@ -183,14 +183,12 @@ class PagedKV(nn.Module):
         closer than `skip` positions left out)."""
         if not self.full:
             return pool_keys(self._metric(window_attention(input_pos, k, q, self.window)), self.kernel)
-        metric = torch.zeros(k.shape[:3], device=k.device)
-        chunk = 256
-        for start in range(0, k.shape[2], chunk):
-            query_pos = input_pos[:, start : start + chunk]
-            probs = prompt_attention(q[:, :, start : start + chunk], k, input_pos, query_pos)
-            near = query_pos[:, :, None] - input_pos[:, None, :] < self.skip  # [b, t, T]
-            metric += self._metric(probs.masked_fill(near[:, None, None], 0.0))
-        return metric
+
+        def far(probs: Tensor, query_pos: Tensor) -> Tensor:
+            near = query_pos[:, :, None] - input_pos[:, None, : probs.shape[-1]] < self.skip  # [b, t, e]
+            return self._metric(probs.masked_fill(near[:, None, None], 0.0))
+
+        return received_attention(q, k, input_pos, far)
 
     def _metric(self, probs: Tensor) -> Tensor:
         """[B, H_kv, group, t, S] probabilities -> [B, H_kv, S]: summed (squared, for KV-Compress) over queries and the group."""
@@ -420,7 +418,8 @@ class KVCompressCache(KVCache):
         if self.layer == 0:  # once per step for the whole pool
             self.paged.maintain()
 
-    def limit_rows(self, capacities: Tensor) -> None:
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        refuse_decode_room(self, decode_room)
         if int(capacities.min()) < 1:
             raise ValueError(f"kvcompress: per-sequence budgets must be >= 1 token per head; got {capacities.tolist()}")
         self.paged.budget[:, self.layer] = capacities

@@ -1,7 +1,7 @@
 """Prompt compressors: score every prompt token once, at prefill, so that a cache shorter than the
 prompt keeps the most important ones (the cache itself protects sinks and the recent window).
 
-A compressor maps the prompt's (input_pos [B, T], keys [B, H_kv, T, D], queries [B, H, T, D]) to
+A compressor maps the prompt's (input_pos [B, T], keys and values [B, H_kv, T, D], queries [B, H, T, D]) to
 importances [B, H_kv, T] (higher = keep). Each applies a score from `scores.py`; an evicting strategy's
 default compressor is its own score (`EvictionCache.own_prompt_compressor`), and caches that learn
 from attention (heavy_hitter, tova) start their running scores from these importances. The registry,
@@ -10,21 +10,61 @@ which adds every scored strategy's own compressor under its name, is in `strateg
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from kvlab.options import Option, choice, integer
-from kvlab.scores import attention_mass, pool_keys, window_attention
+from kvlab.options import Option, choice, fraction, integer
+from kvlab.scores import (
+    attention_mass,
+    chunk_mean,
+    expected_logits,
+    lagkv,
+    pool_keys,
+    query_statistics,
+    received_attention,
+    rkv,
+    unrotate,
+    value_weighted,
+    window_attention,
+)
+
+# Wrappers over any compressor's scores, applied by the cache at prefill (`wrap_scores`), in this order.
+SCORE_WRAPPER_OPTIONS = (
+    choice(
+        "value_weight",
+        ("none", "norm"),
+        None,
+        "prompt scores: norm weights each by its value's L2 norm, (score + value_epsilon) x norm(v) (CriticalKV's weighting, with the "
+        "plain value norm for that of W_o v; Expected Attention's value rescaling)",
+        default_help="norm for expected_attention, none otherwise",
+    ),
+    Option("value_epsilon", (int, float), "a number >= 0", "value_weight norm: added to the scores before weighting", 0.0, lambda v: v >= 0),
+    integer("chunk_size", None, "prompt scores (ChunkKV): rank prompt tokens by the mean score of their chunk of N consecutive positions", default_help="off"),
+)
+
+
+def wrap_scores(scores: Tensor, input_pos: Tensor, v: Tensor, value_weight: str, value_epsilon: float, chunk_size: int | None) -> Tensor:
+    """A compressor's prompt scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS."""
+    if value_weight == "norm":
+        scores = value_weighted(scores, v, value_epsilon)
+    return scores if chunk_size is None else chunk_mean(scores, input_pos, chunk_size)
 
 
 class PromptCompressor:
     compresses = True
+    needs_model = False  # its scores come from a further pass of the model, which the engine runs (reconstruction.py)
     options: tuple[Option, ...] = ()  # settings it takes (flag and YAML names), passed as their `keyword`
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def with_rope(self, rope: tuple[Tensor, Tensor] | None) -> PromptCompressor:
+        """The compressor a cache uses, given the model's RoPE cos/sin tables [positions, D] (caches
+        built by `make_caches` pass them); only a compressor that reads positions from queries needs them."""
+        return self
 
 
 class KeepAll(PromptCompressor):
@@ -32,7 +72,7 @@ class KeepAll(PromptCompressor):
 
     compresses = False
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return torch.zeros(k.shape[:3], device=k.device)
 
 
@@ -42,7 +82,7 @@ class KeyScores(PromptCompressor):
     def __init__(self, score: Callable[[Tensor, Tensor], Tensor]) -> None:
         self.score = score
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return self.score(k, input_pos[:, None, :].expand(k.shape[:3]))
 
 
@@ -55,8 +95,8 @@ class AttentionScores(PromptCompressor):
     def __init__(self, window: int | None = None, per_query: bool = False) -> None:
         self.window, self.per_query = window, per_query
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
-        scores = attention_mass(window_attention(input_pos, k, q, self.window))
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        scores = received_attention(q, k, input_pos) if self.window is None else attention_mass(window_attention(input_pos, k, q, self.window))
         if not self.per_query:
             return scores
         seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]
@@ -91,7 +131,7 @@ class SnapKV(PromptCompressor):
             option.validate(value)
         self.window, self.kernel, self.pooling, self.gqa = window, kernel, pooling, gqa
 
-    def __call__(self, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         probs = window_attention(input_pos, k, q, self.window).sum(dim=3)  # [B, H_kv, group, T]
         if self.gqa == "query" and probs.shape[2] != 1:
             raise ValueError("snapkv gqa='query' needs a cache holding one KV head per query head (snapkv_gqa query sets kv_repeat)")
@@ -100,3 +140,109 @@ class SnapKV(PromptCompressor):
         last = input_pos.max(dim=-1, keepdim=True).values
         in_window = (input_pos > last - self.window) & (input_pos >= 0)
         return scores.masked_fill(in_window[:, None, :], float("inf"))
+
+
+class ExpectedAttention(PromptCompressor):
+    """Expected Attention (Devoto, Jeblick and Jégou, 2025, arXiv 2510.00636): the future queries are a
+    Gaussian, the mean and covariance per query head of the last `window` prompt queries before RoPE (un-rotated
+    with the model's tables), rotated by the RoPE of the next `future` positions averaged over them; a key's
+    expected attention is E[exp(q.k / sqrt(d))] = exp(mu.k / sqrt(d) + k^T Sigma k / (2d)) (`expected_logits`,
+    the keys turned into the averaged frame instead of the Gaussian), normalised over the prompt's keys like
+    attention and averaged over the query group of its KV head. As the reference (kvpress) does, the first 4
+    tokens (attention sinks, outlier queries) stay out of the statistics and the normalisation and score 1 above
+    the rest. kvpress's value rescaling, (score + epsilon) x ||v||, is `value_weight` (norm by default for the
+    expected_attention strategy). Without RoPE tables (`with_rope(None)`) queries and keys are used as given."""
+
+    sinks = 4
+    options = (
+        integer(
+            "ea_window",
+            None,
+            "expected_attention: fit the future queries' Gaussian to the last N prompt queries",
+            default_help="all but the first 4",
+            param="window",
+        ),
+        integer(
+            "ea_future",
+            512,
+            "expected_attention: the next N positions whose RoPE rotation, averaged, turns the Gaussian into the future queries'",
+            param="future",
+        ),
+    )
+
+    def __init__(self, window: int | None = None, future: int = 512) -> None:
+        for option, value in zip(self.options, (window, future), strict=True):
+            if value is not None:
+                option.validate(value)
+        self.window, self.future = window, future
+        self.rope: tuple[Tensor, Tensor] | None = None
+
+    def with_rope(self, rope: tuple[Tensor, Tensor] | None) -> ExpectedAttention:
+        bound = copy.copy(self)
+        bound.rope = rope
+        return bound
+
+    def fit(self, input_pos: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The future queries' Gaussian, mean [B, H, D] and covariance [B, H, D, D], and the cos/sin [B, 1, 1, D]
+        of its averaged rotation (`unrotate` turns keys into its frame)."""
+        last = input_pos.max(dim=-1, keepdim=True).values  # [B, 1]
+        observed = input_pos >= self.sinks
+        if self.window is not None:
+            observed &= input_pos > last - self.window
+        x, cos, sin = q.float(), torch.ones_like(q[:, :1, :1], dtype=torch.float), torch.zeros_like(q[:, :1, :1], dtype=torch.float)
+        if self.rope is not None:
+            table_cos, table_sin = self.rope
+            at = input_pos.clamp(min=0)[:, None]
+            x = unrotate(x, table_cos[at], table_sin[at])
+            future_cos, future_sin = table_cos[: self.future].mean(dim=0), table_sin[: self.future].mean(dim=0)
+            now = (last + 1).clamp(max=len(table_cos) - 1)[:, None]  # [B, 1, 1]: the first future position
+            cos = table_cos[now] * future_cos - table_sin[now] * future_sin  # mean over j of cos((now + j) w)
+            sin = table_sin[now] * future_cos + table_cos[now] * future_sin
+        return *query_statistics(x, observed), cos, sin
+
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        mean, cov, cos, sin = self.fit(input_pos, q)
+        logits = expected_logits(unrotate(k.float(), cos, sin), mean, cov)  # [B, H_kv, group, T]
+        counted = (input_pos >= self.sinks)[:, None, None, :]
+        scores = logits.masked_fill(~counted, float("-inf")).softmax(dim=-1).nan_to_num(0.0).mean(dim=2)
+        sinks = ((input_pos >= 0) & ~counted[:, 0, 0])[:, None, :]
+        return torch.where(sinks, scores.amax(dim=-1, keepdim=True) + 1, scores)
+
+
+class LagKV(PromptCompressor):
+    """LagKV (Liang et al., 2025, arXiv 2504.04704): each partition of `lag` prompt tokens (after 4 sinks, as
+    kvpress) is scored by its keys' and values' spread once normalised by the next partition's range
+    (`lagkv`); every scored partition keeps the same share, the last one is kept. Keys and values alone:
+    no attention, no queries."""
+
+    sinks = 4
+    options = (integer("lagkv_size", 128, "lagkv: tokens per partition, each scored against the next one's per-channel range", param="lag"),)
+
+    def __init__(self, lag: int = 128) -> None:
+        self.lag = self.options[0].validate(lag)
+
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        return lagkv(k, v, input_pos[:, None, :].expand(k.shape[:3]), self.lag, self.sinks)
+
+
+class RKV(PromptCompressor):
+    """R-KV (Cai et al., 2025, arXiv 2505.24133), made for long generations and applied to the prompt too: a
+    token's importance is the attention the last `window` queries paid it, averaged over them and over its KV
+    head's query group, max-pooled along the keys (kernel 7, as SnapKV); its score subtracts the redundancy of
+    its key among the head's keys (`rkv`): mix x importance - (1 - mix) x redundancy, mix = `rkv_lambda`."""
+
+    kernel = 7
+    options = (
+        integer("rkv_window", 8, "rkv: the last N queries (prompt, then decoded) whose attention is a token's importance", param="window"),
+        fraction("rkv_lambda", 0.1, "rkv: score = lambda x importance - (1 - lambda) x redundancy (key cosine similarity)", closed=True, param="mix"),
+    )
+
+    def __init__(self, window: int = 8, mix: float = 0.1) -> None:
+        for option, value in zip(self.options, (window, mix), strict=True):
+            option.validate(value)
+        self.window, self.mix = window, mix
+
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        probs = window_attention(input_pos, k, q, self.window)  # [B, H_kv, group, w, T]
+        importance = pool_keys(attention_mass(probs) / (probs.shape[2] * self.window), self.kernel)
+        return rkv(importance, k, input_pos[:, None, :].expand(k.shape[:3]), self.mix)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.cache import KVCache
+from kvlab.cache import KVCache, refuse_decode_room
 from kvlab.options import choice, integer
 
 RECALL_SELECT = ("kv_head", "query_head")
@@ -142,7 +142,8 @@ class RecallableCache(KVCache):
         self.register_buffer("last_selected", torch.full((batch_size, heads, history), -(2**30), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)  # steps, reuse hits, selections
 
-    def limit_rows(self, capacities: Tensor) -> None:
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        refuse_decode_room(self, decode_room)
         if int(capacities.max()) > self.budget or int(capacities.min()) <= self.sink_tokens:
             raise ValueError(
                 f"{type(self).__name__}: per-sequence budgets must exceed sink_tokens ({self.sink_tokens}) and fit {self.budget}; got {capacities.tolist()}"

@@ -68,7 +68,8 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
     full cache of the same model, task and context length."""
     rows = []
     for path in sorted(out_dir.glob("*/*/*/*@*.json")):
-        model_name, config, size = path.parts[-4:-1]
+        model_name, config, run = path.parts[-4:-1]
+        size, _, protocol = run.partition("+")  # "ratio0.5+query_agnostic"
         task, ctx = path.stem.split("@")
         metrics = json.loads(path.read_text())
         rows.append(
@@ -76,6 +77,7 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
                 model=model_name,
                 config=config,
                 size=size,
+                query_agnostic=protocol == "query_agnostic",
                 task=task,
                 context_length=int(ctx),
                 **{k: metrics[k] for k in ("metric", "value")},
@@ -98,13 +100,18 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows: task@context (metric); columns: config@size; cells: value (relative to full), and the needle digits reproduced (%) where recorded."""
-    columns = list(dict.fromkeys(f"{r['config']}@{r['size']}" for r in rows))
+    """Rows: task@context (metric); columns: config@size (+query_agnostic); cells: value (relative to full), and the needle digits
+    reproduced (%) where recorded."""
+
+    def column(r: dict[str, Any]) -> str:
+        return f"{r['config']}@{r['size']}" + ("+query_agnostic" if r.get("query_agnostic") else "")
+
+    columns = list(dict.fromkeys(column(r) for r in rows))
     cells: dict[str, dict[str, str]] = defaultdict(dict)
     for r in rows:
         relative = "" if r["relative_to_full"] is None or r["size"] == FULL else f" ({r['relative_to_full']:.2f})"
         digits = "" if r["needle_digits"] is None else f", digits {r['needle_digits']:.1f}%"
-        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][f"{r['config']}@{r['size']}"] = f"{r['value']:.2f}{relative}{digits}"
+        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][column(r)] = f"{r['value']:.2f}{relative}{digits}"
     lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
     return "\n".join(lines) + "\n"

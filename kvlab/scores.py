@@ -5,9 +5,16 @@ the same function to the prompt (prefill) and to the running cache (decode), see
     attention scores  attention probabilities [B, H_kv, group, t, S] of observed queries, summed
                       over the query group and the queries (`attention_mass`); which queries are
                       observed is the strategy's choice (all, the last one, a window of the last w)
+    expected scores   `expected_logits`: the attention a Gaussian of future queries pays each key
+    key/value scores  `lagkv`: keys and values against their neighbours', no queries
+    score wrappers    `value_weighted` (CriticalKV), `chunk_mean` (ChunkKV): any prompt score, transformed
+    importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each other
+    channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +66,21 @@ def prompt_attention(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, c
     return torch.cat(rows, dim=3)
 
 
+def received_attention(q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Callable[[Tensor, Tensor], Tensor] | None = None, chunk: int = 256) -> Tensor:
+    """What every prompt key receives from every prompt query, [B, H_kv, T]: `per_chunk(probs, query_pos)`
+    ([B, H_kv, group, c, e] -> [B, H_kv, e]; default `attention_mass`) summed over chunks of `chunk`
+    queries, so [T, T] probabilities never exist (H2O's prompt scores, KV-Compress's full metric). The
+    chunk of queries ending at column e sees only the first e keys (prefill columns are positions), so
+    only those are computed: about half the work of the whole matrix."""
+    total = torch.zeros(k.shape[:3], device=k.device)
+    for start in range(0, k.shape[2], chunk):
+        end = min(start + chunk, k.shape[2])
+        query_pos = input_pos[:, start:end]
+        probs = prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk)
+        total[..., :end] += attention_mass(probs) if per_chunk is None else per_chunk(probs, query_pos)
+    return total
+
+
 def window_attention(input_pos: Tensor, k: Tensor, q: Tensor, window: int | None) -> Tensor:
     """The prompt attention of each sequence's last `window` queries (every query for None), [B, H_kv,
     group, w, T]: the observation window of SnapKV, TOVA (w = 1), FastGen's profile and KV-Compress.
@@ -79,3 +101,109 @@ def pool_keys(scores: Tensor, kernel: int, kind: str = "max") -> Tensor:
     B, H, T = scores.shape
     pool = F.max_pool1d if kind == "max" else F.avg_pool1d
     return pool(scores.reshape(B * H, 1, T), kernel, stride=1, padding=kernel // 2).view(B, H, T)
+
+
+def unrotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """R^T x for the rotate-half RoPE matrix R = diag(cos) + P diag(sin) of the model's `apply_rope`:
+    undoes a rotation, and also applies the transpose of an average of rotations (Expected Attention)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], -x[..., :half]], dim=-1) * sin
+
+
+def query_statistics(x: Tensor, observed: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean [B, H, D] and covariance [B, H, D, D] (divided by n, as the reference) of queries x [B, H, T, D]
+    over the observed columns [B, T]."""
+    weight = observed[:, None, :, None].float()
+    n = weight.sum(dim=2, keepdim=True).clamp(min=1)
+    mean = (x * weight).sum(dim=2, keepdim=True) / n
+    centred = (x - mean) * weight
+    return mean[:, :, 0], centred.transpose(-1, -2) @ centred / n
+
+
+def expected_logits(k: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
+    """log E[exp(q.k / sqrt(d))] for q ~ N(mean, cov), i.e. mu.k / sqrt(d) + k^T Sigma k / (2d) (Expected
+    Attention, Devoto et al., 2025, arXiv 2510.00636): keys [B, H_kv, S, D] (in the queries' RoPE frame),
+    a Gaussian per query head (mean [B, H, D], cov [B, H, D, D]) -> [B, H_kv, group, S]."""
+    B, n_kv, S, D = k.shape
+    mean, cov = mean.unflatten(1, (n_kv, -1)), cov.unflatten(1, (n_kv, -1))
+    linear = torch.einsum("bhsd,bhgd->bhgs", k, mean) / D**0.5
+    return linear + ((k[:, :, None] @ cov) * k[:, :, None]).sum(dim=-1) / (2 * D)
+
+
+def value_weighted(scores: Tensor, v: Tensor, epsilon: float) -> Tensor:
+    """(scores + epsilon) x ||v||: a token moves the output by its attention times its value (CriticalKV, Feng
+    et al., 2025, arXiv 2502.03805, with the plain value norm for their ||W_o v||_1; Expected Attention's
+    value rescaling). For non-negative, attention-like scores."""
+    return (scores + epsilon) * v.float().norm(dim=-1)
+
+
+def chunk_mean(scores: Tensor, input_pos: Tensor, size: int) -> Tensor:
+    """ChunkKV (Liu et al., 2025, arXiv 2502.00299): every prompt token [B, H, T] gets the mean score of its
+    chunk of `size` consecutive positions (the last chunk may be shorter; padding, position -1, counts
+    for nothing), so a top-k keeps whole chunks."""
+    B, H, T = scores.shape
+    held = input_pos >= 0
+    pad = -T % size
+    total = F.pad(torch.where(held[:, None], scores, 0.0), (0, pad)).view(B, H, -1, size).sum(dim=-1)
+    count = F.pad(held.float(), (0, pad)).view(B, 1, -1, size).sum(dim=-1).clamp(min=1)
+    return (total / count).repeat_interleave(size, dim=-1)[..., :T]
+
+
+def lagkv(k: Tensor, v: Tensor, pos: Tensor, lag: int, sinks: int) -> Tensor:
+    """LagKV (Liang et al., 2025, arXiv 2504.04704): the held tokens in position order, after `sinks`, form
+    partitions of `lag`; a token's keys and values are min-max normalised per channel by the range of the
+    *next* partition, and its score is the standard deviation over channels, softmaxed over its partition,
+    keys' and values' averaged. As the reference keeps the same share of every partition, a token scores
+    its rank in its partition plus that score (in [0, lag]); the last complete partition and the rest
+    (no successor: kept) score lag + recency in [0, 1), the sinks lag + 1. Any slot order: [B, H, S]."""
+    B, H, S, D = k.shape
+    order = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
+    n_held = (pos >= 0).sum(dim=-1, keepdim=True)
+    n = max(-(-(S - sinks) // lag), 1)  # partitions, the last one possibly partial
+    rank = torch.arange(S, device=k.device)
+    partition = (rank - sinks).div(lag, rounding_mode="floor")
+    scored = (rank >= sinks) & (sinks + (partition + 2) * lag <= n_held)  # [B, H, S]: a complete successor
+
+    def normalised_spread(x: Tensor) -> Tensor:
+        x = x.float().gather(2, order[..., None].expand(B, H, S, D))[:, :, sinks:]
+        x = F.pad(x, (0, 0, 0, n * lag - x.shape[2])).view(B, H, n, lag, D)
+        low, high = x.amin(dim=3, keepdim=True), x.amax(dim=3, keepdim=True)
+        low, high = F.pad(low[:, :, 1:], (0, 0, 0, 0, 0, 1)), F.pad(high[:, :, 1:], (0, 0, 0, 0, 0, 1))
+        spread = ((x - low) / (high - low).clamp(min=torch.finfo(x.dtype).eps)).std(dim=-1).softmax(dim=-1)  # eps: repeated tokens' values
+        return F.pad(spread.flatten(2), (sinks, 0))[..., :S]
+
+    score = (normalised_spread(k) + normalised_spread(v)) / 2
+    within = score.masked_fill(~scored, 0.0)[:, :, sinks:]
+    within = F.pad(within, (0, n * lag - within.shape[2])).view(B, H, n, lag).argsort(dim=-1).argsort(dim=-1)
+    score = F.pad(within.flatten(2), (sinks, 0))[..., :S] + score
+    kept = torch.where(rank < sinks, lag + 1.0, lag + rank / S)
+    return torch.empty_like(score).scatter_(2, order, torch.where(scored, score, kept))
+
+
+def rkv(importance: Tensor, k: Tensor, pos: Tensor, mix: float, threshold: float = 0.5) -> Tensor:
+    """R-KV (Cai et al., 2025, arXiv 2505.24133): mix x importance - (1 - mix) x redundancy for held keys
+    [B, H, S, D] (positions [B, H, S], -1 empty; any slot order), importance [B, H, S] the attention recent
+    queries paid them. A key's redundancy is its mean cosine similarity to the other held keys of its head,
+    softmaxed over them; as in the reference, each key's similarity to the newest other key it resembles (cosine
+    > threshold) is left out of that look-alike's mean, so of near-duplicates the newest is least redundant."""
+    held = pos >= 0
+    unit = F.normalize(k.float(), dim=-1)
+    others = held[..., :, None] & held[..., None, :] & ~torch.eye(k.shape[2], dtype=torch.bool, device=k.device)
+    similarity = (unit @ unit.transpose(-1, -2)).masked_fill(~others, 0.0)  # [B, H, S (key i), S (key j)]
+    similar = similarity > threshold
+    newest = torch.where(similar, pos[..., None, :], -1).amax(dim=-1, keepdim=True)  # each key's newest look-alike
+    similarity = similarity.masked_fill(similar & (pos[..., None, :] == newest), 0.0)
+    mean = similarity.sum(dim=-2) / held.sum(dim=-1, keepdim=True).clamp(min=1)
+    return mix * importance - (1 - mix) * mean.masked_fill(~held, float("-inf")).softmax(dim=-1)
+
+
+def key_channels(input_pos: Tensor, k: Tensor, q: Tensor, window: int) -> Tensor:
+    """ThinK (Xu et al., 2024, arXiv 2407.21018): the importance of each key channel c of a KV head, [B, H_kv, D],
+    ||q[:, c]|| x ||k[:, c]||, the Frobenius norm of the channel's share q[:, c] k[:, c]^T of the attention
+    logits, over the last `window` prompt queries of each query head of its group (summed) and every prompt
+    key (padding, position -1, counts for nothing). Prompt queries q [B, H, T, D], keys k [B, H_kv, T, D]."""
+    B, H, T, D = k.shape
+    last = input_pos.max(dim=-1, keepdim=True).values
+    observed = (input_pos > last - window) & (input_pos >= 0)
+    query_norm = (q.float() * observed[:, None, :, None]).norm(dim=2).view(B, H, -1, D).sum(dim=2)
+    return query_norm * (k.float() * (input_pos >= 0)[:, None, :, None]).norm(dim=2)

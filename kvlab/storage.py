@@ -1,4 +1,5 @@
-"""How a cache stores its keys and values: plain tensors, or packed low-bit integers.
+"""How a cache stores its keys and values: plain tensors, or packed low-bit integers; either with keys
+pruned to their most important channels (ThinK).
 
 A cache writes keys/values into slots and reads every slot back for attention; it never sees how they
 are stored, so quantization combines with every strategy. Quantized storage keeps only the packed
@@ -12,7 +13,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kvlab.options import choice
+from kvlab.options import Option, choice, integer
+from kvlab.scores import key_channels
 
 QUANT_BITS = (8, 4, 2)
 KEY_QUANT_AXES = ("token", "channel")
@@ -22,21 +24,37 @@ STORAGE_OPTIONS = (
         "key_quant_axis", KEY_QUANT_AXES, None, "with --cache_bits: key scales per token or per channel (KIVI)", default_help="token at 8 bits, channel below"
     ),
 )
+DEFAULT_THINK_WINDOW = 32
+KEY_PRUNING_OPTIONS = (  # taken by the caches whose prefill shows the storage its queries (full and the evicting strategies)
+    Option(
+        "key_channel_pruning",
+        (int, float),
+        "a fraction in [0, 1)",
+        "ThinK: store keys without this share of each KV head's channels, the least important to the prompt's last queries (values untouched); "
+        "full and the evicting strategies but hybrid",
+        check=lambda v: 0 <= v < 1,
+        default_help="off",
+    ),
+    integer("think_window", None, "with --key_channel_pruning: the last N prompt queries that rank the key channels", default_help=str(DEFAULT_THINK_WINDOW)),
+)
 
 
 class KVStorage(nn.Module):
-    """Keys and values in the model's dtype, [B, H_kv, C, D] each."""
+    """Keys and values in the model's dtype, [B, H_kv, C, D] each (keys [B, H_kv, C, key_dim] when given)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None) -> None:
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None, key_dim: int | None = None) -> None:
         super().__init__()
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", torch.zeros(*shape[:3], key_dim or shape[3], dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def observe_prompt(self, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        """The prompt's positions [B, T], keys [B, H_kv, T, D] and queries [B, H, T, D], shown before its write by
+        the caches that take KEY_PRUNING_OPTIONS: storage that decides from them (ThinK's channels) does it here."""
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
         """Store k, v [B, H_kv, N, D] into slots [B, H_kv, N]; `prompt` marks the prefill's write."""
-        index = slots[..., None].expand_as(k)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        self.k.scatter_(2, slots[..., None].expand_as(k), k)
+        self.v.scatter_(2, slots[..., None].expand_as(v), v)
 
     def read(self) -> tuple[Tensor, Tensor]:
         """Every slot's keys and values, [B, H_kv, C, D] in the model's dtype."""
@@ -61,18 +79,24 @@ class QuantizedKVStorage(KVStorage):
     and 2 bits, token at 8 bits; `make_storage` picks that by default."""
 
     def __init__(
-        self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None, bits: int = 8, key_axis: str = "token"
+        self,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        bits: int = 8,
+        key_axis: str = "token",
+        key_dim: int | None = None,
     ) -> None:
         nn.Module.__init__(self)
         B, H, C, D = shape
+        key_dim = key_dim or D
         if bits not in QUANT_BITS or D % (8 // bits):
             raise ValueError(f"cache_bits must be one of {', '.join(map(str, QUANT_BITS))} (dividing head_dim {D} into whole bytes), got {bits}")
         if key_axis not in KEY_QUANT_AXES:
             raise ValueError(f"key quantization axis must be one of {', '.join(KEY_QUANT_AXES)}, got {key_axis!r}")
         self.bits, self.key_axis, self.dtype = bits, key_axis, dtype
-        packed = (B, H, C, D * bits // 8)
-        key_scale = (B, H, C, 1) if key_axis == "token" else (B, H, 1, D)
-        for name, shape_ in [("k_codes", packed), ("v_codes", packed)]:
+        key_scale = (B, H, C, 1) if key_axis == "token" else (B, H, 1, key_dim)
+        for name, shape_ in [("k_codes", (B, H, C, key_dim * bits // 8)), ("v_codes", (B, H, C, D * bits // 8))]:
             self.register_buffer(name, torch.zeros(shape_, dtype=torch.uint8, device=device), persistent=False)
         for name, shape_ in [("k_scale", key_scale), ("k_zero", key_scale), ("v_scale", (B, H, C, 1)), ("v_zero", (B, H, C, 1))]:
             self.register_buffer(name, torch.zeros(shape_, dtype=torch.float16, device=device), persistent=False)
@@ -92,9 +116,8 @@ class QuantizedKVStorage(KVStorage):
         v_zero, v_scale = v.amin(dim=-1, keepdim=True).half(), self._step(v.amax(dim=-1, keepdim=True) - v.amin(dim=-1, keepdim=True))
         self.v_zero.scatter_(2, slots[..., None], v_zero)
         self.v_scale.scatter_(2, slots[..., None], v_scale)
-        index = slots[..., None].expand(*slots.shape, self.k_codes.shape[-1])
-        self.k_codes.scatter_(2, index, k_codes)
-        self.v_codes.scatter_(2, index, self._encode(v, v_zero, v_scale))
+        for codes, new in ((self.k_codes, k_codes), (self.v_codes, self._encode(v, v_zero, v_scale))):
+            codes.scatter_(2, slots[..., None].expand_as(new), new)
 
     def read(self) -> tuple[Tensor, Tensor]:
         return self._decode(self.k_codes, self.k_zero, self.k_scale), self._decode(self.v_codes, self.v_zero, self.v_scale)
@@ -122,11 +145,59 @@ class QuantizedKVStorage(KVStorage):
         return (codes.float() * scale.float() + zero.float()).to(self.dtype)
 
 
-def make_storage(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None, bits: int | None, key_axis: str | None = None) -> KVStorage:
-    """Plain storage for bits=None, else packed `bits`-bit codes with keys quantized per `key_axis`
-    (default: per token at 8 bits, per channel below)."""
+class PrunedKeyStorage(KVStorage):
+    """ThinK (Xu et al., 2024, arXiv 2407.21018): each (sequence, KV head) stores only the `kept` key channels that
+    `key_channels` ranks highest on the prompt (its last `window` queries and every prompt key), chosen at prefill
+    (`observe_prompt`) and used for every key written after, decoded ones included; values are untouched. `inner`
+    (plain or quantized) holds the narrow keys, so the bytes shrink; `read` puts them back in place with zeros
+    in the pruned channels, a temporary per step and layer, so q.k runs through the kept channels only. The
+    reference (SalesforceAIResearch/ThinK) keeps the last 32 prompt keys and the decoded ones whole."""
+
+    def __init__(self, inner: KVStorage, shape: tuple[int, int, int, int], kept: int, window: int, device: torch.device | None = None) -> None:
+        nn.Module.__init__(self)
+        B, H, _, D = shape
+        self.inner, self.head_dim, self.window = inner, D, window
+        # [B, H, 1, kept]: the 1 at dim 2 is never mistaken for a slot axis (build.mark_slots_dynamic).
+        self.register_buffer("channels", torch.arange(kept, device=device).expand(B, H, 1, kept).clone(), persistent=False)
+
+    def observe_prompt(self, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        best = key_channels(input_pos, k, q, self.window).topk(self.channels.shape[-1], dim=-1).indices
+        self.channels.copy_(best.sort(dim=-1).values[:, :, None])
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
+        self.inner.write(slots, k.gather(-1, self.channels.expand(*k.shape[:3], -1)), v, prompt)
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        keys, values = self.inner.read()
+        return keys.new_zeros(*keys.shape[:3], self.head_dim).scatter_(-1, self.channels.expand_as(keys), keys), values
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + self.channels.nbytes
+
+
+def make_storage(
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device | None,
+    bits: int | None,
+    key_axis: str | None = None,
+    key_pruning: float | None = None,
+    think_window: int | None = None,
+) -> KVStorage:
+    """Plain storage for bits=None, else packed `bits`-bit codes with keys quantized per `key_axis` (default: per
+    token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning) of their
+    D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
+    if bits is None and key_axis is not None:
+        raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits (one of {', '.join(map(str, QUANT_BITS))})")
+    if key_pruning is None and think_window is not None:
+        raise ValueError(f"think_window={think_window} needs key_channel_pruning")
+    D, per_byte = shape[3], 1 if bits is None else 8 // bits
+    key_dim = D if key_pruning is None else -(-(D - int(D * key_pruning)) // per_byte) * per_byte
     if bits is None:
-        if key_axis is not None:
-            raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits (one of {', '.join(map(str, QUANT_BITS))})")
-        return KVStorage(shape, dtype, device)
-    return QuantizedKVStorage(shape, dtype, device, bits, key_axis or ("token" if bits == 8 else "channel"))
+        storage = KVStorage(shape, dtype, device, key_dim)
+    else:
+        storage = QuantizedKVStorage(shape, dtype, device, bits, key_axis or ("token" if bits == 8 else "channel"), key_dim)
+    return storage if key_pruning is None else PrunedKeyStorage(storage, shape, key_dim, think_window or DEFAULT_THINK_WINDOW, device)

@@ -7,13 +7,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvlab.cache import AttentionScoredCache, FullCache, KeyScoredCache, KVCache
+from kvlab.cache import AttentionScoredCache, EvictionCache, FullCache, KeyScoredCache, KVCache
+from kvlab.duo import DuoAttentionCache
 from kvlab.hybrid import HybridCache
 from kvlab.options import Option, integer
 from kvlab.paged import KVCompressCache
-from kvlab.prompt_compression import AttentionScores, KeepAll, PromptCompressor, SnapKV
+from kvlab.prompt_compression import RKV, AttentionScores, ExpectedAttention, KeepAll, LagKV, PromptCompressor, SnapKV
 from kvlab.recall import ClusterKVCache, QuestCache
-from kvlab.scores import attention_mass, keydiff, l2_norm, random_score, recency
+from kvlab.reconstruction import KVzip, Oracle
+from kvlab.scores import (
+    attention_mass,
+    expected_logits,
+    keydiff,
+    l2_norm,
+    lagkv,
+    pool_keys,
+    random_score,
+    recency,
+    rkv,
+    unrotate,
+    value_weighted,
+    window_attention,
+)
 
 
 class WindowCache(KeyScoredCache):
@@ -112,6 +127,129 @@ class TOVACache(AttentionScoredCache):
     accumulate = False
 
 
+class ExpectedAttentionCache(EvictionCache):
+    """Expected Attention (Devoto et al., 2025, arXiv 2510.00636) at prefill and while decoding. At prefill the
+    future queries' Gaussian is fitted as the `expected_attention` compressor fits it (with its settings when
+    it is the prompt compressor) and kept, with the log-normaliser of its attention over the held keys; each
+    key is scored once, as it enters (the held prompt keys at prefill), by its expected attention averaged
+    over the query group, x ||v|| with value_weight norm (the default), so decoded keys are ranked exactly
+    as the prompt's were. The Gaussian and its RoPE frame stay those of the prompt (kvpress's decoding mode
+    refits them every 512 steps from buffered hidden states: refitting would re-score every held key)."""
+
+    default_value_weight = "norm"
+    fitted = ("q_mean", "q_cov", "frame_cos", "frame_sin", "log_norm")
+
+    def __init__(self, *args, rope: tuple[Tensor, Tensor] | None = None, **kwargs) -> None:
+        super().__init__(*args, rope=rope, **kwargs)
+        own = self.prompt_compressor
+        self.expected = own if isinstance(own, ExpectedAttention) else ExpectedAttention().with_rope(rope)
+        self.register_buffer("scores", torch.zeros(self.pos.shape, device=self.pos.device), persistent=False)
+        for name in self.fitted:  # sized at the first prefill, when the query group is known
+            self.register_buffer(name, torch.zeros(0, device=self.pos.device), persistent=False)
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        return ExpectedAttention()
+
+    def reset(self) -> None:
+        super().reset()
+        self.scores.zero_()
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        super().prefill(input_pos, k, v, q)
+        mean, cov, cos, sin = self.expected.fit(input_pos, q)
+        logits = expected_logits(unrotate(self.storage.read()[0].float(), cos, sin), mean, cov)
+        log_norm = logits.masked_fill(self.pos[:, :, None] < 0, float("-inf")).logsumexp(dim=-1).flatten(1)  # [B, H]
+        # Per query head, with a 1 at dim 2: never mistaken for a slot axis (build.mark_slots_dynamic).
+        for name, value in zip(self.fitted, (mean[:, :, None], cov[:, :, None], cos, sin, log_norm[:, :, None, None]), strict=True):
+            if getattr(self, name).shape == value.shape:  # later prompts refill the same buffers (CUDA graphs keep their addresses)
+                getattr(self, name).copy_(value)
+            else:
+                setattr(self, name, value)
+        self.scores.copy_(self._expected_attention(*self.storage.read()))
+
+    def _expected_attention(self, k: Tensor, v: Tensor) -> Tensor:
+        """[B, H_kv, S] keys and values -> their expected attention under the prompt's Gaussian and normaliser."""
+        logits = expected_logits(unrotate(k.float(), self.frame_cos, self.frame_sin), self.q_mean[:, :, 0], self.q_cov[:, :, 0])
+        scores = (logits - self.log_norm.view(*logits.shape[:3], 1)).exp().mean(dim=2)
+        return value_weighted(scores, v, self.value_epsilon) if self.value_weight == "norm" else scores
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        keys, values, pos = super().update(input_pos, k, v, q)
+        incoming = self._expected_attention(self._repeat(k), self._repeat(v))  # [B, H_kv, 1]
+        self.scores.copy_(torch.where(pos == input_pos[:, :, None], incoming, self.scores))
+        return keys, values, pos
+
+    def _token_importances(self) -> Tensor:
+        return self.scores
+
+
+class LagKVCache(EvictionCache):
+    """LagKV (Liang et al., 2025, arXiv 2504.04704) at prefill and while decoding: every step re-scores the held
+    tokens, in position order, with the same `lagkv` score (the `lagkv` compressor's partition size when it
+    is the prompt compressor), as KeyDiff re-scores its keys; the lowest unprotected token goes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        own = self.prompt_compressor
+        self.lagkv = own if isinstance(own, LagKV) else LagKV()
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        return LagKV()
+
+    def _token_importances(self) -> Tensor:
+        return lagkv(*self.storage.read(), self.pos, self.lagkv.lag, self.lagkv.sinks)
+
+
+class RKVCache(EvictionCache):
+    """R-KV (Cai et al., 2025, arXiv 2505.24133), decode-time eviction for long generations. `recent` holds the
+    attention each slot received from each of the last `rkv_window` queries (a ring, group-averaged), filled at
+    prefill from the prompt's last queries and then by every decoded one (`observe`); each step the incoming
+    token replaces the lowest `rkv` score: the mean of that attention, max-pooled along the held tokens in
+    position order, against the redundancy of the key among its head's keys, with the `rkv` compressor's
+    settings when it is the prompt compressor. The reference evicts in bursts (down to the budget every 128
+    decoded tokens); here one token goes per step, so the S x S key similarities are recomputed each step."""
+
+    needs_attention = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        own = self.prompt_compressor
+        self.rkv = own if isinstance(own, RKV) else RKV()
+        self.register_buffer("recent", torch.zeros(*self.pos.shape, self.rkv.window, device=self.pos.device), persistent=False)
+        self.register_buffer("step", torch.zeros(1, dtype=torch.long, device=self.pos.device), persistent=False)
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        return RKV()
+
+    def reset(self) -> None:
+        super().reset()
+        self.recent.zero_()
+        self.step.zero_()
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        super().prefill(input_pos, k, v, q)
+        per_query = window_attention(input_pos, self._repeat(k), q, self.rkv.window).mean(dim=2).transpose(-1, -2)  # [B, H, T, w]
+        held = per_query.gather(2, self.pos.clamp(min=0)[..., None].expand(-1, -1, -1, per_query.shape[-1])) * (self.pos >= 0)[..., None]
+        self.recent.zero_()
+        self.recent[..., : held.shape[-1]] = held  # fewer columns when the prompt is shorter than the window
+        self.step.fill_(held.shape[-1])
+
+    def observe(self, probs: Tensor) -> None:
+        self.recent.index_copy_(3, self.step % self.rkv.window, probs.mean(dim=2).transpose(-1, -2))
+        self.step += 1
+
+    def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
+        self.recent.scatter_(2, slots[..., None].expand(*slots.shape, self.rkv.window), 0.0)
+
+    def _token_importances(self) -> Tensor:
+        order = torch.where(self.pos >= 0, self.pos, torch.iinfo(self.pos.dtype).max).argsort(dim=-1)
+        pooled = pool_keys((self.recent.sum(dim=-1) / self.rkv.window).gather(2, order), self.rkv.kernel)
+        return rkv(torch.empty_like(pooled).scatter_(2, order, pooled), self.storage.read()[0], self.pos, self.rkv.mix)
+
+
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "full": FullCache,
     "window": WindowCache,
@@ -121,10 +259,14 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "keydiff": KeyDiffCache,
     "heavy_hitter": HeavyHitterCache,
     "tova": TOVACache,
+    "expected_attention": ExpectedAttentionCache,
+    "lagkv": LagKVCache,
+    "rkv": RKVCache,
     "hybrid": HybridCache,
     "clusterkv": ClusterKVCache,
     "quest": QuestCache,
     "kvcompress": KVCompressCache,
+    "duo_attention": DuoAttentionCache,
 }
 
 # Every scored strategy's own score is also a prompt compressor of the same name.
@@ -133,10 +275,12 @@ PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
     **{
         name: cls.own_prompt_compressor()
         for name, cls in CACHE_STRATEGIES.items()
-        if cls.takes_prompt_compressor and issubclass(cls, (KeyScoredCache, AttentionScoredCache)) and name != "window"  # window's is recent_global's
+        if cls.takes_prompt_compressor and name != "window"  # window's is recent_global's
     },
     "heavy_hitter_mean": AttentionScores(per_query=True),
     "snapkv": SnapKV(),
+    "kvzip": KVzip(),
+    "oracle": Oracle(),
 }
 COMPRESSOR_OPTIONS = {o.name: name for name, c in PROMPT_COMPRESSORS.items() for o in c.options}  # option -> the compressor taking it
 

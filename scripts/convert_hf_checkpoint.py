@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Llama / Mistral / Qwen2 model directory (config.json + safetensors, sharded or
+"""Convert a Hugging Face Llama / Mistral / Qwen2 / Qwen3 model directory (config.json + safetensors, sharded or
 not, + tokenizer files) into a kvlab checkpoint.
 
     python scripts/convert_hf_checkpoint.py --hf_dir path/to/hf_model [--out_dir checkpoints/NAME]

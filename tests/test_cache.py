@@ -197,6 +197,13 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
         ("keydiff", dict(cache_bits=8, key_quant_axis="channel")),
         ("heavy_hitter", dict(history_window=5, count_threshold=1.0)),
         ("heavy_hitter", dict(prompt_compression_strategy="snapkv", snapkv_gqa="query", snapkv_window=4)),
+        ("heavy_hitter", dict(prompt_compression_strategy="snapkv", chunk_size=3, value_weight="norm")),  # ChunkKV, CriticalKV
+        ("heavy_hitter", dict(prompt_compression_strategy="expected_attention", ea_window=4, ea_future=8)),
+        ("expected_attention", dict(head_budget="adakv", value_epsilon=0.01)),
+        ("lagkv", dict(prompt_compression_strategy="lagkv", lagkv_size=2)),
+        ("rkv", dict(prompt_compression_strategy="rkv", rkv_window=4, rkv_lambda=0.5)),
+        ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),  # ThinK + SnapKV
+        ("l2", dict(key_channel_pruning=0.5, cache_bits=4)),  # ThinK + KIVI-style channel quantization
     ],
 )
 def test_compiled_decode_equals_eager_with_options(tiny_model, strategy, options):

@@ -52,7 +52,7 @@ def test_bad_configs_are_rejected_with_the_key_and_valid_values(tmp_path: Path, 
 
 
 def test_unknown_config_name_lists_the_shipped_ones():
-    with pytest.raises(ValueError, match="cache config .nope. not found; give a .yaml path or one of: ada_pyramidkv, ada_snapkv, clusterkv, full, funnel"):
+    with pytest.raises(ValueError, match="cache config .nope. not found; give a .yaml path or one of: ada_expected_attention, ada_pyramidkv, ada_snapkv"):
         load_cache_config("nope")
 
 

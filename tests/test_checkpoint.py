@@ -39,7 +39,10 @@ TINY_MODELS = {
         ),
         None,
     ),
+    # Qwen2 and Qwen2.5 share this architecture (model_type qwen2): qkv bias, tied embeddings in the small ones.
     "qwen2-bias-tied": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True), None),
+    # Qwen3: per-head q/k RMSNorm, and a head_dim (32) other than hidden_size // num_attention_heads (16).
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32), None),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None), None),
 }
 
@@ -65,6 +68,8 @@ def test_hf_conversion_reproduces_source_logits(kind, tmp_path, smollm_dir):
     convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
     model, tokenizer, config = load_checkpoint(tmp_path / "ours")
     assert config["model"]["qkv_bias"] == (kind == "qwen2-bias-tied")
+    assert config["model"]["qk_norm"] == (kind == "qwen3")
+    assert config["model"]["head_dim"] == (32 if kind == "qwen3" else 16)
     assert tokenizer.encode("hello world") == [28120, 905]
 
     from kvlab.build import make_caches
@@ -103,7 +108,7 @@ def test_missing_checkpoint_and_unknown_family_are_clear_errors(tmp_path):
         load_checkpoint(tmp_path / "nowhere")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(CheckpointError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(CheckpointError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
         convert_hf_checkpoint(tmp_path / "gpt2", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -112,7 +117,7 @@ def test_convert_script_reports_unknown_family_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     proc = subprocess.run([sys.executable, "scripts/convert_hf_checkpoint.py", "--hf_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path}/config.json: unknown model family 'gpt2'; supported: llama, mistral, qwen2"]
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path}/config.json: unknown model family 'gpt2'; supported: llama, mistral, qwen2, qwen3"]
 
 
 def test_download_script_fetches_then_converts(tmp_path, monkeypatch, smollm_dir):

@@ -21,7 +21,7 @@ class FixedScores(PromptCompressor):
     def __init__(self, scores: torch.Tensor) -> None:
         self.scores = scores
 
-    def __call__(self, input_pos: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return self.scores
 
 

@@ -201,10 +201,41 @@ def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
     assert hf_model_args(qwen) == ModelArgs(**KNOWN_MODELS["Qwen2.5-0.5B"].args)
 
 
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("Qwen3-0.6B", dict(num_hidden_layers=28, num_attention_heads=16, hidden_size=1024, intermediate_size=3072, tie_word_embeddings=True)),
+        ("Qwen3-8B", dict(num_hidden_layers=36, num_attention_heads=32, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
+    ],
+)
+def test_hf_config_of_qwen3_maps_to_table_entry(name, shape):
+    """The fields of the hub's config.json (transformers 4.51 names; head_dim 128 is not hidden_size // heads in 0.6B)."""
+    hf = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        **shape,
+    }
+    args = hf_model_args(hf)
+    assert args == ModelArgs(**KNOWN_MODELS[name].args)
+    assert args.qk_norm and not args.qkv_bias
+    assert known_model_name(args) == name
+
+
 def test_unknown_model_family_and_config_keys_are_rejected():
     from kvlab.model import ConfigError
 
-    with pytest.raises(ConfigError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(ConfigError, match="unknown model family 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
         hf_model_args({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match=r"unknown model config keys \['n_embd'\]"):
         ModelArgs.from_dict(dict(KNOWN_MODELS["SmolLM2-135M"].args, n_embd=3))

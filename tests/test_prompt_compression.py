@@ -32,7 +32,7 @@ def test_heavy_hitter_scores_are_column_sums_of_causal_attention(qk):
     input_pos, q, k = qk
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]
     expected = probs.sum(dim=1).view(2, 3, -1).sum(dim=1)
-    torch.testing.assert_close(AttentionScores()(input_pos, k, q)[0], expected)
+    torch.testing.assert_close(AttentionScores()(input_pos, k, None, q)[0], expected)
 
 
 def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
@@ -40,17 +40,17 @@ def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))  # [6, T, T]; key j is seen by queries j..T-1
     seen = torch.ones(40, 40).tril().sum(dim=0)
     expected = (probs.sum(dim=1) / seen).view(2, 3, -1).sum(dim=1)
-    torch.testing.assert_close(AttentionScores(per_query=True)(input_pos, k, q)[0], expected)
+    torch.testing.assert_close(AttentionScores(per_query=True)(input_pos, k, None, q)[0], expected)
     padded = torch.where(input_pos < 30, input_pos, -1)  # a row padded after 30 tokens: counts end at its last token
     torch.testing.assert_close(
-        AttentionScores(per_query=True)(padded, k, q)[0, :, :30], AttentionScores(per_query=True)(input_pos[:, :30], k[:, :, :30], q[:, :, :30])[0]
+        AttentionScores(per_query=True)(padded, k, None, q)[0, :, :30], AttentionScores(per_query=True)(input_pos[:, :30], k[:, :, :30], None, q[:, :, :30])[0]
     )
 
 
 def test_tova_scores_are_the_last_query_attention(qk):
     input_pos, q, k = qk
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))
-    torch.testing.assert_close(AttentionScores(1)(input_pos, k, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
+    torch.testing.assert_close(AttentionScores(1)(input_pos, k, None, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
 
 
 @pytest.mark.parametrize("gqa,pooling", [("mean", "max"), ("max", "avg"), ("sum", "max")])
@@ -61,7 +61,7 @@ def test_snapkv_matches_reference(qk, gqa, pooling):
     agg = {"mean": probs.mean(1), "max": probs.max(1).values, "sum": probs.sum(1)}[gqa]
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
     expected = pool(agg[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    scores = SnapKV(window=window, kernel=kernel, pooling=pooling, gqa=gqa)(input_pos, k, q)[0]
+    scores = SnapKV(window=window, kernel=kernel, pooling=pooling, gqa=gqa)(input_pos, k, None, q)[0]
     torch.testing.assert_close(scores[:, :-window], expected[:, :-window])
     assert torch.isinf(scores[:, -window:]).all()  # the observation window is always kept
 
@@ -69,7 +69,7 @@ def test_snapkv_matches_reference(qk, gqa, pooling):
 def test_snapkv_handles_padded_rows_shorter_than_the_window(qk):
     input_pos, q, k = qk
     short = torch.where(input_pos < 5, input_pos, -1)  # a 5-token row padded to 40, window 8
-    scores = SnapKV(window=8)(short, k, q)[0]
+    scores = SnapKV(window=8)(short, k, None, q)[0]
     assert torch.isinf(scores[:, :5]).all() and torch.isfinite(scores[:, 5:]).all()
 
 

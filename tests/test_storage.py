@@ -1,5 +1,6 @@
 """Quantized KV storage: exact packing, error bounded by half a step, real packed bytes, and logits close
-to full precision on the default model."""
+to full precision on the default model. Keys pruned to their ThinK channels: the channels chosen, the bytes
+saved, and attention equal to a dense reference with the pruned channels zeroed."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import paul_graham_text
+from conftest import paul_graham_text, spec_for
 from kvlab.build import make_caches
+from kvlab.cache import FullCache
+from kvlab.engine import generate
+from kvlab.scores import key_channels
 from kvlab.storage import QuantizedKVStorage
 
 
@@ -50,9 +54,9 @@ def test_memory_is_the_packed_size(bits, key_axis):
     assert make_caches("heavy_hitter", 1, B, H, C, D, torch.float32)[0].nbytes() == 2 * B * H * C * D * 4
 
 
-def teacher_forced_logits(model, ids, n_prompt, **options):
+def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
     a = model.config
-    model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32, **options))
+    model.setup_caches(caches or make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32, **options))
     model.cache_key = None
     with torch.no_grad():
         model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], prefill=True)
@@ -77,3 +81,79 @@ def test_quantized_caches_stay_close_to_full_precision(smollm):
             nll[bits, axis] = F.cross_entropy(teacher_forced_logits(model, ids, n_prompt, cache_bits=bits, key_quant_axis=axis)[:-1], targets).item()
     assert abs(nll[4, "token"] - nll["full"]) < 0.2 and abs(nll[4, "channel"] - nll["full"]) < 0.2
     assert nll["full"] < nll[2, "channel"] < nll[2, "token"]
+
+
+def channel_scores_direct(input_pos: torch.Tensor, k: torch.Tensor, q: torch.Tensor, window: int) -> torch.Tensor:
+    """ThinK's channel scores entry by entry: per sequence, KV head and channel, the channel's norm over the real
+    keys times its norms over the last `window` real queries of the group's query heads, summed."""
+    B, H, _, D = k.shape
+    group = q.shape[1] // H
+    scores = torch.zeros(B, H, D)
+    for b in range(B):
+        n = int((input_pos[b] >= 0).sum())
+        for h in range(H):
+            for c in range(D):
+                scores[b, h, c] = sum(q[b, h * group + g, max(0, n - window) : n, c].norm() for g in range(group)) * k[b, h, :n, c].norm()
+    return scores
+
+
+def test_think_keeps_each_heads_channels_with_the_largest_query_times_key_norms():
+    torch.manual_seed(0)
+    B, H, T, D = 2, 2, 12, 8
+    k, q = torch.randn(B, H, T, D) * torch.rand(D) * 3, torch.randn(B, 2 * H, T, D)
+    input_pos = torch.arange(T).expand(B, T).clone()
+    input_pos[1, 9:] = -1  # a shorter, right-padded row: its window ends at its own last token
+    direct = channel_scores_direct(input_pos, k, q, 4)
+    torch.testing.assert_close(key_channels(input_pos, k, q, 4), direct)
+    cache = make_caches("full", 1, B, H, T, D, torch.float32, key_channel_pruning=0.4, think_window=4)[0]
+    cache.prefill(input_pos, k, k, q)
+    kept = direct.topk(D - 3, dim=-1).indices.sort(dim=-1).values  # int(8 x 0.4) = 3 channels pruned per head
+    assert torch.equal(cache.storage.channels[:, :, 0], kept)
+    assert torch.equal(cache.storage.read()[0], k * torch.zeros(B, H, 1, D).scatter(-1, kept[:, :, None], 1.0))
+
+
+@pytest.mark.parametrize("options", [{}, dict(cache_bits=4, key_quant_axis="token")])
+def test_pruned_keys_take_the_pruned_share_fewer_bytes(options):
+    B, H, C, D = 2, 3, 64, 64
+    plain = make_caches("heavy_hitter", 1, B, H, C, D, torch.float32, **options)[0]
+    pruned = make_caches("heavy_hitter", 1, B, H, C, D, torch.float32, key_channel_pruning=0.25, **options)[0]
+    key_bytes, pruned_key_bytes = (s.k_codes.nbytes if options else s.k.nbytes for s in (plain.storage, pruned.storage.inner))
+    assert pruned_key_bytes * 4 == key_bytes * 3
+    assert pruned.nbytes() == plain.nbytes() - key_bytes // 4 + B * H * 48 * 8  # + the kept channels' indices (int64)
+
+
+class ZeroedChannelsCache(FullCache):
+    """The reference for ThinK: dense keys, attended with the channels a direct computation prunes set to zero."""
+
+    def __init__(self, *args, pruned: int, window: int) -> None:
+        super().__init__(*args)
+        self.pruned, self.window = pruned, window
+
+    def prefill(self, input_pos, k, v, q):
+        super().prefill(input_pos, k, v, q)
+        lowest = channel_scores_direct(input_pos, k, q, self.window).topk(self.pruned, dim=-1, largest=False).indices
+        self.kept = torch.ones(k.shape[0], k.shape[1], 1, k.shape[3]).scatter(-1, lowest[:, :, None], 0.0)
+
+    def update(self, input_pos, k, v, q):
+        keys, values, pos = super().update(input_pos, k, v, q)
+        return keys * self.kept, values, pos
+
+
+def test_attention_through_pruned_keys_equals_a_dense_reference_with_those_channels_zeroed(tiny_model):
+    a = tiny_model.config
+    ids = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = [ZeroedChannelsCache(1, a.n_local_heads, len(ids), a.head_dim, torch.float32, pruned=3, window=8) for _ in range(a.n_layer)]
+    expected = teacher_forced_logits(tiny_model, ids, 30, caches=reference)
+    pruned = teacher_forced_logits(tiny_model, ids, 30, key_channel_pruning=0.4, think_window=8)  # 3 of 8 channels
+    torch.testing.assert_close(pruned, expected)
+    assert not torch.allclose(pruned, teacher_forced_logits(tiny_model, ids, 30), atol=1e-3)  # pruning does change attention
+
+
+def test_pruning_nothing_gives_the_plain_caches_outputs_exactly(tiny_model):
+    a = tiny_model.config
+    ids = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(teacher_forced_logits(tiny_model, ids, 30, key_channel_pruning=0.0), teacher_forced_logits(tiny_model, ids, 30))
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
+    spec = dict(global_tokens=2, recent_window=3, prompt_compression_strategy="snapkv")
+    plain = generate(tiny_model, prompts, 16, spec_for(tiny_model, "heavy_hitter", 10, **spec)).tokens
+    assert generate(tiny_model, prompts, 16, spec_for(tiny_model, "heavy_hitter", 10, key_channel_pruning=0.0, **spec)).tokens == plain

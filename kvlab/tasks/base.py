@@ -15,6 +15,7 @@ class Example:
     answers: list[str]  # references: which must appear, or be matched, depends on the task's metric
     max_new_tokens: int
     info: dict[str, Any] = field(default_factory=dict)  # task-specific facts (e.g. where the needle is)
+    question_start: int | None = None  # the first token after the context (question, end of turn, answer prefix); None: no split
 
 
 @dataclass

@@ -95,10 +95,11 @@ def distinct(draw: Callable[[], str], count: int, exclude: Iterable[str] = ()) -
     return list(found)
 
 
-def token_position(tokenizer: Tokenizer, ids: list[int], fragment: str) -> int:
-    """Index of the token in which `fragment` first starts in the decoded prompt: bisection on the decoded
-    length of token prefixes, which grows with the prefix."""
-    start = tokenizer.decode(ids).index(fragment)
+def token_position(tokenizer: Tokenizer, ids: list[int], fragment: str, last: bool = False) -> int:
+    """Index of the token in which `fragment` first (or `last`) starts in the decoded prompt: bisection on
+    the decoded length of token prefixes, which grows with the prefix."""
+    text = tokenizer.decode(ids)
+    start = text.rindex(fragment) if last else text.index(fragment)
     lo, hi = 0, len(ids) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -175,10 +175,16 @@ class Budget:
         return n, self.render(text(n), answer_prefix)
 
 
+def question_of(template: str) -> str:
+    """The fixed text opening a template's question: what follows its context, up to the first field."""
+    return template.split("{context}")[1].split("{")[0]
+
+
 class RulerTask(GenerationTask):
     family = "ruler"
     metric = "string_match_all"
     max_new_tokens: int  # RULER's tokens_to_generate
+    question: str  # the text opening the question after the context (its last occurrence: vt and cwe repeat it in their example)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -198,7 +204,8 @@ class RulerTask(GenerationTask):
                 input_ids, answers, info = self.generate(budget, rng, i)
             except ContextTooShortError as e:
                 raise ContextTooShortError(f"context_length {context_length} is too short for RULER task {self.name}: {e}") from e
-            out.append(Example(f"{self.name}/{context_length}/{i}", input_ids, answers, self.max_new_tokens, info))
+            question_start = token_position(tokenizer, input_ids, self.question, last=True)
+            out.append(Example(f"{self.name}/{context_length}/{i}", input_ids, answers, self.max_new_tokens, info, question_start))
         return out
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
@@ -214,6 +221,7 @@ class NeedleInAHaystack(RulerTask):
     essays, noise, or distractor needles; the question asks for the values of `num_queries` keys."""
 
     max_new_tokens = 128
+    question = "\nWhat "  # "What are all the ..." or, for one answer, "What is the ..."
 
     def __init__(
         self, name: str, haystack: str, key_type: str = "words", value_type: str = "numbers", num_keys: int = 1, num_values: int = 1, num_queries: int = 1
@@ -274,6 +282,7 @@ class VariableTracking(RulerTask):
     variable of the first chain. A one-shot example with 3-letter names comes first, as in RULER."""
 
     max_new_tokens = 30
+    question = question_of(VT_TEMPLATE)
 
     def __init__(self, name: str, num_chains: int = 1, num_hops: int = 4) -> None:
         super().__init__(name)
@@ -315,6 +324,7 @@ class CommonWordsExtraction(RulerTask):
     answer is the common words. Below 4096 tokens RULER uses 6 and 1 instead. A one-shot example comes first."""
 
     max_new_tokens = 120
+    question = question_of(CWE_TEMPLATE)
 
     def __init__(self, name: str, freq_cw: int = 30, freq_ucw: int = 3, num_cw: int = 10) -> None:
         super().__init__(name)
@@ -351,6 +361,7 @@ class FrequentWordsExtraction(RulerTask):
     fit `scale` = N / zeta(alpha) directly, then add "..." words to fill the budget."""
 
     max_new_tokens = 50
+    question = question_of(FWE_TEMPLATE)
 
     def __init__(self, name: str, alpha: float = 2.0, coded_wordlen: int = 6) -> None:
         super().__init__(name)
@@ -379,6 +390,7 @@ class QuestionAnswering(RulerTask):
     documents; any one of the references counts as a correct answer."""
 
     max_new_tokens = 32
+    question = question_of(QA_TEMPLATE)
     metric = "string_match_part"
 
     def __init__(self, name: str, dataset: str) -> None:

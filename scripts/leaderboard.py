@@ -1,0 +1,150 @@
+"""kvpress's leaderboard protocol on any kvlab checkpoint: RULER (all 13 tasks) at one context length,
+every method at compression ratios 0.25 / 0.5 / 0.75 / 0.875 (the share of the prompt's KVs removed at
+prefill; every later token kept), query-agnostic (the context compressed before the question is seen,
+kvpress's default) and query-aware. Each cell is the mean RULER score over the tasks, as kvpress reports it.
+
+    python scripts/leaderboard.py --checkpoint_path checkpoints/Llama-3.1-8B-Instruct --context_length 4096
+    python scripts/leaderboard.py --methods snapkv kvzip --ratios 0.5 --tasks niah_single_1 vt --num_samples 10
+
+The runs are ordinary eval.py sweeps under --out_dir (resumable: rerun the command after an interruption);
+this script then writes leaderboard.md, leaderboard.csv and leaderboard.png there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.results import FULL
+
+EVAL = Path(__file__).resolve().parent.parent / "eval.py"
+
+# kvpress's leaderboard presses, by the shipped config that runs each here, best known first.
+METHODS = (
+    "kvzip",
+    "ada_expected_attention",
+    "expected_attention",
+    "keydiff",
+    "tova",
+    "snapkv",
+    "chunkkv",
+    "critical_snapkv",
+    "lagkv",
+    "recent_global",
+    "l2",
+    "random",
+    "oracle",
+)
+RATIOS = ("0.25", "0.5", "0.75", "0.875")
+MODES = {"query_agnostic": True, "query_aware": False}
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), help=f"cache configs (names in configs/ or YAML paths) (default: {' '.join(METHODS)})")
+    p.add_argument("--ratios", nargs="+", default=list(RATIOS), help=f"compression ratios (default: {' '.join(RATIOS)})")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="protocols (default: both)")
+    p.add_argument("--tasks", nargs="+", default=["ruler"], help="RULER tasks (default: ruler, all 13)")
+    p.add_argument("--context_length", type=int, default=4096, help="RULER context length in tokens (default: 4096, kvpress's)")
+    p.add_argument("--num_samples", type=int, default=20, help="examples per task (default: 20)")
+    p.add_argument("--out_dir", type=Path, default=Path("results/leaderboard"), help="results directory (default: results/leaderboard)")
+    p.add_argument("--table_only", action="store_true", help="only (re)write the table and plot from the runs already in --out_dir")
+    for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
+        p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
+    p.add_argument("--compile", action="store_true", help="passed to eval.py")
+    return p
+
+
+def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
+    argv = ["--tasks", *args.tasks, "--cache_config", FULL, *args.methods, "--compression_ratios", *args.ratios]
+    argv += ["--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples), "--out_dir", str(args.out_dir)]
+    argv += [
+        x for flag in ("checkpoint_path", "device", "dtype", "batch_size") if getattr(args, flag) is not None for x in (f"--{flag}", str(getattr(args, flag)))
+    ]
+    return argv + ["--compile"] * args.compile + ["--query_agnostic"] * query_agnostic
+
+
+def leaderboard(summary: Path, context_length: int) -> list[dict[str, Any]]:
+    """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished."""
+    scores: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    with summary.open(newline="") as f:
+        for r in csv.DictReader(f):
+            if int(r["context_length"]) != context_length or not (r["size"] == FULL or r["size"].startswith("ratio")):
+                continue
+            ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")
+            modes = list(MODES) if r["size"] == FULL else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]
+            for mode in modes:  # the full cache is both protocols' reference
+                scores[mode, r["config"], ratio].append(float(r["value"]))
+    return [dict(mode=m, method=c, ratio=float(x), score=sum(v) / len(v), tasks=len(v)) for (m, c, x), v in sorted(scores.items())]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One table per protocol: methods by ratio, the full cache as the first row, methods by mean score."""
+    out = []
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        ratios = sorted({r["ratio"] for r in mine if r["method"] != FULL})
+        if not ratios:  # this protocol was not run (only the shared full cache is there)
+            continue
+        cell = {(r["method"], r["ratio"]): r for r in mine}
+        full = next((r["score"] for r in mine if r["method"] == FULL), None)
+        methods = sorted({r["method"] for r in mine if r["method"] != FULL}, key=lambda m: -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell))
+        out += [f"**{mode}** (mean RULER score; full cache: {'-' if full is None else f'{full:.1f}'})", ""]
+        out += ["| method | " + " | ".join(f"{x:g}" for x in ratios) + " |", "|---|" + "---|" * len(ratios)]
+        out += [f"| {m} | " + " | ".join(f"{cell[m, x]['score']:.1f}" if (m, x) in cell else "" for x in ratios) + " |" for m in methods]
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """kvpress's figure: mean score against compression ratio, one line per method, one panel per protocol."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in MODES if any(r["mode"] == m and r["method"] != FULL for r in rows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        mine = [r for r in rows if r["mode"] == mode]
+        full = [r["score"] for r in mine if r["method"] == FULL]
+        for method in sorted({r["method"] for r in mine} - {FULL}):
+            points = sorted((r["ratio"], r["score"]) for r in mine if r["method"] == method)
+            ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="o", label=method)
+        ax.set(title=mode, xlabel="compression ratio (share of the prompt removed)", ylabel="mean RULER score")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> None:
+    if not args.table_only:
+        for mode in args.modes:
+            if subprocess.run([sys.executable, str(EVAL), *sweep_args(args, MODES[mode])]).returncode:
+                raise ValueError(f"the {mode} sweep stopped (eval.py's error above); rerun to resume it")
+    summary = args.out_dir / "summary.csv"
+    if not summary.is_file():
+        raise ValueError(f"no {summary}: run the sweeps first (drop --table_only)")
+    rows = leaderboard(summary, args.context_length)
+    with (args.out_dir / "leaderboard.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["mode", "method", "ratio", "score", "tasks"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out_dir / "leaderboard.md").write_text(markdown(rows))
+    plot(rows, args.out_dir / "leaderboard.png")
+    print(markdown(rows), end="")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

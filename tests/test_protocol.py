@@ -1,0 +1,189 @@
+"""kvpress's evaluation protocol: compression ratios (the share of the prefilled tokens removed, every
+later token kept) and query-agnostic compression (the context compressed before the question is seen,
+the question decoded through the compressed cache)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+import eval as kv_eval
+from conftest import ROOT
+from kvlab.build import build_caches
+from kvlab.config import cache_spec
+from kvlab.engine import generate
+from kvlab.tasks import resolve_tasks
+
+PROMPTS = [
+    "The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, and the birds that rested on the rail. "
+    "One winter a storm broke the lamp, and for three nights he kept a lantern burning by hand. Question: what broke the lamp?",
+    "Rivers carry sand to the sea, and the sea sorts it by size, so that beaches of fine sand lie where the water is calm and "
+    "pebbles where the waves break hard. Over centuries a storm can move a whole beach along the coast, and towns have built walls "
+    "and groynes to hold it in place. Question: where do beaches of fine sand lie?",
+]
+
+
+def encode(tokenizer, text: str) -> tuple[list[int], int]:
+    """A prompt's ids and where its question starts."""
+    ids = tokenizer.encode(text)
+    return ids, len(tokenizer.encode(text[: text.index(" Question:")]))
+
+
+def ratio_spec(model, strategy: str, ratio: float, **settings):
+    return cache_spec({"cache_strategy": strategy, "compression_ratio": ratio, **settings}, model.config.n_layer)
+
+
+def manual(model, spec, ids: list[int], question: int, max_new: int) -> list[int]:
+    """The protocol written out: prefill the context into the caches, decode the rest of the prompt one
+    token at a time, then decode greedily."""
+    build_caches(model, spec, [len(ids)], max_new, len(ids) + max_new, prefilled=[question])
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:question]]), torch.arange(question)[None], prefill=True)
+        for p in range(question, len(ids)):
+            logits = model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))
+        out = [int(logits[0, -1].argmax())]
+        for n in range(1, max_new):
+            out.append(int(model(torch.tensor([[out[-1]]]), torch.tensor([[len(ids) + n - 1]]))[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "snapkv_window"])
+def test_query_agnostic_generation_is_context_prefill_then_question_decode(smollm, strategy):
+    model, tokenizer, _ = smollm
+    settings = {"prompt_compression_strategy": "snapkv"} if strategy == "snapkv_window" else {}
+    spec = ratio_spec(model, "recent_global" if strategy == "snapkv_window" else strategy, 0.5, **settings)
+    ids, question = encode(tokenizer, PROMPTS[0])
+    got = generate(model, [ids], 8, spec, decoded_prompt_tokens=[len(ids) - question]).tokens[0]
+    model.cache_key = None
+    assert got == manual(model, spec, ids, question, 8)
+
+
+def test_rows_decoding_different_question_lengths_equal_each_alone(smollm):
+    model, tokenizer, _ = smollm
+    spec = ratio_spec(model, "heavy_hitter", 0.5)
+    encoded = [encode(tokenizer, p) for p in PROMPTS]
+    decoded = [len(ids) - q for ids, q in encoded]
+    assert decoded[0] != decoded[1]
+    batch = generate(model, [ids for ids, _ in encoded], 8, spec, decoded_prompt_tokens=decoded).tokens
+    alone = [generate(model, [ids], 8, spec, decoded_prompt_tokens=[d]).tokens[0] for (ids, _), d in zip(encoded, decoded, strict=True)]
+    assert batch == alone
+
+
+def test_a_full_cache_gives_the_same_answer_whichever_protocol(smollm):
+    model, tokenizer, _ = smollm
+    ids, question = encode(tokenizer, PROMPTS[1])
+    spec = cache_spec({}, model.config.n_layer)
+    assert generate(model, [ids], 8, spec, decoded_prompt_tokens=[len(ids) - question]).tokens == generate(model, [ids], 8, spec).tokens
+
+
+@pytest.mark.parametrize("head_budget", ["uniform", "adakv"])
+def test_a_ratio_removes_that_share_of_the_prefill_and_evicts_nothing_after(smollm, head_budget):
+    """kvpress: int(prefilled x (1 - ratio)) tokens kept per head (per layer on average with Ada-KV),
+    then the question and the answer are all kept."""
+    model, tokenizer, _ = smollm
+    ids, question = encode(tokenizer, PROMPTS[0])
+    spec = ratio_spec(model, "heavy_hitter", 0.6, head_budget=head_budget, recent_window=4)
+    max_new = 6
+    kept = int(question * (1 - 0.6))
+    build_caches(model, spec, [len(ids)], max_new, len(ids) + max_new, prefilled=[question])
+    with torch.no_grad():
+        model(torch.tensor([ids[:question]]), torch.arange(question)[None], prefill=True)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    held = torch.stack([(c.pos >= 0).sum(dim=-1)[0] for c in caches])  # [layer, head]
+    if head_budget == "uniform":
+        assert held.eq(kept).all()
+    else:
+        assert held.sum(dim=1).eq(kept * held.shape[1]).all() and not held.eq(kept).all()
+    positions = [set(c.pos[0].flatten().tolist()) - {-1} for c in caches]
+    with torch.no_grad():
+        for p in range(question, len(ids) + max_new - 1):
+            model(torch.tensor([[ids[min(p, len(ids) - 1)]]]), torch.tensor([[p]]))
+    after = torch.stack([(c.pos >= 0).sum(dim=-1)[0] for c in caches])
+    assert after.eq(held + len(ids) - question + max_new - 1).all()  # every decoded token kept, no prompt token evicted
+    assert all(before <= set(c.pos[0].flatten().tolist()) for before, c in zip(positions, caches, strict=True))
+    model.cache_key = None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "max_cache_length": 0.5}, "give --compression_ratio or --max_cache_length"),
+        ({"cache_strategy": "clusterkv", "compression_ratio": 0.5}, "applies to strategies that rank the prompt .*not clusterkv"),
+        ({"cache_strategy": "kvcompress", "compression_ratio": 0.5}, "not kvcompress"),
+        ({"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "layer_budget": "pyramid"}, "takes no --layer_budget pyramid"),
+        ({"cache_strategy": "full", "compression_ratio": 0.5}, "needs a compressing --cache_strategy"),
+        ({"cache_strategy": "heavy_hitter", "compression_ratio": 1.0}, r"compression_ratio must be a fraction in \[0, 1\), got 1.0"),
+    ],
+)
+def test_bad_ratio_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        cache_spec(settings, 30)
+
+
+def test_ruler_prompts_split_before_their_question(smollm):
+    _, tokenizer, _ = smollm
+    for task in resolve_tasks(["ruler"]):
+        for example in task.examples(tokenizer, 2, 0, 1024):
+            context, rest = tokenizer.decode(example.input_ids[: example.question_start]), tokenizer.decode(example.input_ids[example.question_start :])
+            assert rest.lstrip("\n").startswith(task.question.lstrip("\n")[:10]), (task.name, rest[:40])
+            assert task.question not in context[-len(task.question) - 20 :]  # the split is at the last question: vt and cwe repeat it in their example
+            assert 20 <= len(example.input_ids) - example.question_start <= 150  # question, end of turn, answer prefix
+
+
+def test_query_agnostic_ratio_sweep_writes_its_own_runs(tmp_path):
+    common = ["--out_dir", str(tmp_path), "--tasks", "niah_single_1", "--context_lengths", "400", "--num_samples", "2", "--batch_size", "2"]
+    kv_eval.main([*common, "--cache_config", "full", "snapkv", "--compression_ratios", "0.5", "--query_agnostic"])
+    kv_eval.main([*common, "--cache_config", "snapkv", "--compression_ratios", "0.5"])
+    runs = sorted(p.relative_to(tmp_path).parent.as_posix() for p in tmp_path.glob("*/*/*/args.json"))
+    assert runs == ["SmolLM2-135M-Instruct/full/full", "SmolLM2-135M-Instruct/snapkv/ratio0.5", "SmolLM2-135M-Instruct/snapkv/ratio0.5+query_agnostic"]
+    assert json.loads((tmp_path / runs[2] / "args.json").read_text())["key"]["query_agnostic"] is True
+    rows = {(r["config"], r["size"], r["query_agnostic"]) for r in csv.DictReader((tmp_path / "summary.csv").open())}
+    assert rows == {("full", "full", "False"), ("snapkv", "ratio0.5", "False"), ("snapkv", "ratio0.5", "True")}
+    aware, agnostic = ([json.loads(line) for line in (tmp_path / run / "niah_single_1@400.jsonl").read_text().splitlines()] for run in runs[1:])
+    for a, b in zip(aware, agnostic, strict=True):  # half the prompt removed, or half the context only; the answer kept in both
+        assert 1.0 < b["compression"] < a["compression"] < 2.0
+
+
+def test_query_agnostic_needs_a_context_question_split(tmp_path):
+    with pytest.raises(SystemExit):
+        kv_eval.main(["--out_dir", str(tmp_path), "--tasks", "book_kjv", "--cache_config", "snapkv", "--query_agnostic"])
+
+
+def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path):
+    """The table and plot from a summary.csv: the mean over tasks per (protocol, method, ratio), the full
+    cache the reference of both protocols, cache-size runs and other context lengths left out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
+    leaderboard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(leaderboard)
+    rows = [
+        ("full", "full", False, "vt", 1024, 90.0),
+        ("full", "full", False, "qa_1", 1024, 50.0),
+        ("kvzip", "ratio0.5", True, "vt", 1024, 80.0),
+        ("kvzip", "ratio0.5", True, "qa_1", 1024, 40.0),
+        ("kvzip", "ratio0.5", False, "vt", 1024, 70.0),
+        ("snapkv", "ratio0.5", True, "vt", 1024, 20.0),
+        ("snapkv", "0.5", True, "vt", 1024, 99.0),  # a cache size, not a ratio
+        ("snapkv", "ratio0.5", True, "vt", 2048, 99.0),  # another context length
+    ]
+    with (tmp_path / "summary.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["config", "size", "query_agnostic", "task", "context_length", "value"])
+        writer.writerows(rows)
+    leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
+    table = list(csv.DictReader((tmp_path / "leaderboard.csv").open()))
+    assert [(r["mode"], r["method"], float(r["ratio"]), float(r["score"]), int(r["tasks"])) for r in table] == [
+        ("query_agnostic", "full", 0.0, 70.0, 2),
+        ("query_agnostic", "kvzip", 0.5, 60.0, 2),
+        ("query_agnostic", "snapkv", 0.5, 20.0, 1),
+        ("query_aware", "full", 0.0, 70.0, 2),
+        ("query_aware", "kvzip", 0.5, 70.0, 1),
+    ]
+    assert "| kvzip | 60.0 |\n| snapkv | 20.0 |" in (tmp_path / "leaderboard.md").read_text()
+    assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
+    args = leaderboard.build_parser().parse_args(["--methods", "kvzip", "--ratios", "0.5", "--num_samples", "3"])
+    assert leaderboard.sweep_args(args, True)[-1] == "--query_agnostic" and "--compression_ratios" in leaderboard.sweep_args(args, False)
