@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from kvlab import parallel, quantize
-from kvlab.model import ModelArgs, Transformer, rope_tables
+from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "kvlab-checkpoint-1"
@@ -129,6 +129,8 @@ def load_checkpoint(
         model.tie_weights()
     if quant is not None:
         quantize.prepare(model)
+    if torch.device(device).type == "cpu":
+        lay_out_for_matvec(model)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
     tokenizer = load_tokenizer(checkpoint_dir, tok_config)
     return model.eval(), tokenizer, config

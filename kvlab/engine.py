@@ -65,12 +65,14 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token) -> Callable[..., Tensor]:
+def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> Callable[..., Tensor]:
     """`step` compiled whole (fullgraph; CUDA graphs on a GPU). Dynamo treats every module buffer as
     static-shape unless force_parameter_static_shapes is off; planned caches mark their slot axis
     dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. The setting is applied to
-    this step's calls only, not to the importing program."""
-    compiled = torch.compile(step, mode="reduce-overhead" if device.type == "cuda" else "default", fullgraph=True)
+    this step's calls only, not to the importing program. `inductor` passes Inductor settings
+    (bench/bench_decode_profile.py measures which ones pay on a machine)."""
+    mode = None if inductor else "reduce-overhead" if device.type == "cuda" else "default"
+    compiled = torch.compile(step, mode=mode, options=inductor, fullgraph=True)
 
     @functools.wraps(step)
     def run(*args: Any) -> Tensor:

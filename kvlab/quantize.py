@@ -221,7 +221,7 @@ def quantize_state(state: dict[str, Tensor], quant: Quantization) -> dict[str, T
         if tensor.dim() != 2:
             out[name] = tensor
             continue
-        prefix = name.removesuffix("weight")
+        prefix, tensor = name.removesuffix("weight"), tensor.contiguous()  # a loaded CPU model's weights may be column-major
         if matrix_quantization(name, quant).mode == "int8":
             out[name], out[prefix + "scales"] = quantize_int8(tensor)
         else:

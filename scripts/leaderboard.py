@@ -114,9 +114,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, mode in zip(axes[0], modes, strict=True):
         mine = [r for r in rows if r["mode"] == mode]
         full = [r["score"] for r in mine if r["method"] == FULL]
-        for method in sorted({r["method"] for r in mine} - {FULL}):
+        for i, method in enumerate(sorted({r["method"] for r in mine} - {FULL})):  # tab20: no two of up to 20 methods share a colour
             points = sorted((r["ratio"], r["score"]) for r in mine if r["method"] == method)
-            ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="o", label=method)
+            ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="os^Dv"[i % 5], color=plt.cm.tab20(i % 20), label=method)
         ax.set(title=mode, xlabel="compression ratio (share of the prompt removed)", ylabel="mean RULER score")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower left")

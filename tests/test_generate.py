@@ -40,6 +40,16 @@ def test_compiled_decode_equals_eager(smollm):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("inductor", [{"freezing": True}, {"coordinate_descent_tuning": True}], ids=["freezing", "coordinate_descent"])
+def test_decode_compiled_with_inductor_settings_equals_eager(tiny_model, inductor):
+    """A step compiled with bench_decode_profile's Inductor settings (options, not a mode) keeps eager's tokens."""
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    eager = generate(tiny_model, prompts, 12).tokens
+    torch._dynamo.reset()
+    assert generate(tiny_model, prompts, 12, decode_step=compile_decode_step(torch.device("cpu"), inductor=inductor)).tokens == eager
+
+
 def test_sampling_respects_top_k_and_seed():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]]).expand(2000, 5)
     torch.manual_seed(0)

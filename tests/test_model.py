@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import paul_graham_text
+from conftest import make_tiny_model, paul_graham_text
 from kvlab.build import make_caches
 from kvlab.cache import FullCache
 from kvlab.checkpoint import KNOWN_MODELS, known_model_name
 from kvlab.convert import default_gguf_path, hf_model_args
 from kvlab.engine import generate
-from kvlab.model import ModelArgs, attention_mask, grouped_attention
+from kvlab.model import ModelArgs, attention_mask, grouped_attention, lay_out_for_matvec
 
 
 def full_caches(model, batch_size: int, capacity: int, cls=FullCache):
@@ -116,6 +116,29 @@ def test_attention_probability_path_equals_sdpa(smollm, essay_ids):
     assert probs.shape == (1, a.n_local_heads, a.n_head // a.n_local_heads, 1, 48)
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]))
     assert probs[..., 40:].abs().max() == 0  # empty slots get no attention
+
+
+def test_a_cpu_checkpoint_stores_wide_weights_column_major(smollm):
+    model, _, _ = smollm
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    wide = [m for m in linears if m.out_features > m.in_features]
+    assert {m.weight.shape for m in wide} == {(960, 576), (1536, 576), (49152, 576)}
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in wide)
+    assert all(m.weight.is_contiguous() for m in linears if m.out_features <= m.in_features)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_column_major_weights_give_the_same_logits_and_tokens():
+    model, reference = make_tiny_model(), make_tiny_model()
+    lay_out_for_matvec(model)
+    assert not model.output.weight.is_contiguous() and model.layers[0].feed_forward.w2.weight.is_contiguous()
+    tokens = torch.randint(0, 64, (2, 40))
+    for m in (model, reference):
+        m.setup_caches(make_caches("full", 2, 2, 2, 64, 8, torch.float32))
+    input_pos = torch.arange(40).expand(2, 40)
+    torch.testing.assert_close(model(tokens, input_pos, prefill=True), reference(tokens, input_pos, prefill=True), rtol=1e-5, atol=1e-5)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    assert generate(model, prompts, 20).tokens == generate(reference, prompts, 20).tokens
 
 
 def test_grouped_attention_equals_repeated_kv_reference():

@@ -64,15 +64,18 @@ def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
 
 
 def test_quantized_caches_stay_close_to_full_precision(smollm):
-    """8-bit: logits within 0.5 and the same greedy tokens; 4 bits: loss within 0.2 of full either way;
-    2 bits: per-channel keys (KIVI) beat per-token keys (bench/bench_quantization.py measures 4 bits too)."""
+    """8-bit: logits within 0.06 on average and 0.6 at worst, and the same greedy tokens; 4 bits: loss within 0.2
+    of full either way; 2 bits: per-channel keys (KIVI) beat per-token keys (bench/bench_quantization.py measures
+    4 bits too). The worst logit of 60 x 49,152 is a tail that moves with float summation order: 0.44 with
+    row-major weights, 0.52 column-major (lay_out_for_matvec), with mean errors 0.051 and 0.049."""
     model, tokenizer, _ = smollm
     ids = tokenizer.encode(paul_graham_text()[:4000])[:360]
     n_prompt = 300
     targets = torch.tensor(ids[n_prompt + 1 :])
     reference = teacher_forced_logits(model, ids, n_prompt)
     eight = teacher_forced_logits(model, ids, n_prompt, cache_bits=8)
-    assert (eight - reference).abs().max() < 0.5
+    assert (eight - reference).abs().mean() < 0.06
+    assert (eight - reference).abs().max() < 0.6
     assert torch.equal(eight.argmax(-1), reference.argmax(-1))
     nll = {"full": F.cross_entropy(reference[:-1], targets).item(), 8: F.cross_entropy(eight[:-1], targets).item()}
     assert abs(nll[8] - nll["full"]) < 0.01

@@ -1,0 +1,194 @@
+"""Where a decode step's time goes, and which Inductor settings cut it (issue 16).
+
+    python bench/bench_decode_profile.py                  # CPU, float32, 512-token prompt
+    python bench/bench_decode_profile.py --prompt_length 2048
+
+Three parts, all from one run:
+1. the floor: seconds to stream the model's weights once (a batch-1 pass over every Linear and the LM
+   head, eager: what no decode step can beat) and the machine's read bandwidth (summing a 1 GiB tensor);
+2. decode tokens/s with the weights row-major (as stored before `lay_out_for_matvec`) and as loaded,
+   eager and compiled, then compiled under each Inductor setting (`compile_decode_step(device, inductor=...)`),
+   each in a fresh compile (torch._dynamo.reset()), with its ratio to the default compile;
+3. a torch.profiler breakdown of the default compiled step: time in matmuls (the weights), in fused
+   Inductor kernels (norms, RoPE, softmax, cache writes), in attention, and the rest (Python and
+   framework overhead between kernels).
+
+Writes bench/results/decode_profile_<device>.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
+from kvlab.engine import compile_decode_step, decode_one_token, generate
+from kvlab.model import lay_out_for_matvec
+
+SETTINGS = {
+    "default": None,
+    "freezing": {"freezing": True},
+    "cpp_wrapper": {"cpp_wrapper": True},
+    "coordinate_descent_tuning": {"coordinate_descent_tuning": True},
+    "freezing + cpp_wrapper": {"freezing": True, "cpp_wrapper": True},
+    "max_autotune": {"max_autotune": True},
+}
+CATEGORIES = (
+    ("matmul (weights)", ("mm", "addmm", "linear", "mkl", "onednn", "mkldnn", "gemm", "_weight_int")),
+    ("attention", ("scaled_dot_product", "flash", "attention", "bmm")),
+    ("fused Inductor kernels", ("cpp_fused", "triton_")),
+    ("copies and indexing", ("copy_", "index", "scatter", "gather", "cat", "clone", "to_copy")),
+    ("framework (graph call, guards)", ("compiledfxgraph", "dynamo", "compiled region", "pregraph")),
+)
+
+
+def seconds_per_call(fn, repeats: int = 20) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+@torch.no_grad()
+def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float, float, int]:
+    """(seconds for a batch-1 pass over every Linear, read GB/s of a 1 GiB sum, weight bytes)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {m: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
+    weights = sum(m.weight.nbytes for m in linears)
+    pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears])
+    big = torch.ones(2**28, device=device)
+    read = seconds_per_call(big.sum, 10)
+    return pass_seconds, big.nbytes / read / 1e9, weights
+
+
+@contextmanager
+def row_major_weights(model):
+    """Every Linear weight row-major (contiguous) for the duration, as before `lay_out_for_matvec`."""
+    column_major = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.is_contiguous()]
+    for m in column_major:
+        m.weight.data = m.weight.data.contiguous()
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        lay_out_for_matvec(model)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return label
+    return "other ops"
+
+
+@torch.no_grad()
+def profile_step(model, device: torch.device, prompt: list[int], steps: int) -> tuple[dict[str, float], float]:
+    """Self CPU time per category and wall time, in seconds per decode step, over `steps` steps of the
+    default compiled step (its Inductor kernels named in the profile), called directly after a prefill."""
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        step = compile_decode_step(device)
+        n = len(prompt) + 4
+        generate(model, [prompt], 4, decode_step=step, max_seq_length=n + steps + 1)  # compiles; leaves the caches set up
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        positions = [torch.tensor([[n + i]], device=device) for i in range(steps + 1)]
+        step(model, token, positions[0], 0.0, None)  # any recompile for the direct call happens here, unprofiled
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for pos in positions[1:]:
+                step(model, token, pos, 0.0, None)
+            wall = (time.perf_counter() - t0) / steps
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
+    per_step: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        per_step[category(event.key)] += event.self_cpu_time_total / 1e6 / steps
+    return dict(per_step), wall
+
+
+def main() -> None:
+    p = bench_parser(__doc__)
+    p.add_argument("--prompt_length", type=int, default=512, help="prompt tokens (default: 512)")
+    p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per timed run (default: 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the median is reported (default: 3)")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="Inductor settings to time (default: all)")
+    args = parse_bench_args(p, "decode_profile")
+    bench = load_bench(args.device, args.dtype)
+    device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
+
+    pass_seconds, bandwidth, weight_bytes = weight_floor(model, device, bench.dtype)
+    print(f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth {bandwidth:.1f} GB/s", flush=True)
+    eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
+    rates = {}
+    if device.type == "cpu":  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
+        with row_major_weights(model):
+            row_major_eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
+            step = compile_decode_step(device)
+            rates["default, row-major weights"] = median_decode_rate(
+                after_warmup(lambda: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats)
+            )
+        print(f"row-major weights: eager {row_major_eager:.1f}, compiled {rates['default, row-major weights']:.1f} tok/s", flush=True)
+    for name in args.settings:
+        torch._dynamo.reset()
+        step = compile_decode_step(device, decode_one_token, SETTINGS[name])
+        t0 = time.perf_counter()
+        rates[name] = median_decode_rate(after_warmup(lambda step=step: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats))
+        print(f"{name}: {rates[name]:.1f} tok/s ({time.perf_counter() - t0:.0f} s with compilation)", flush=True)
+
+    torch._dynamo.reset()
+    breakdown, step_seconds = profile_step(model, device, prompt, 16)
+    accounted = sum(breakdown.values())
+    base = rates.get("default", eager)
+    lines = [
+        f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}",
+        "",
+        f"torch {torch.__version__}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
+        "",
+        "## The floor",
+        "",
+        *table(
+            "weights (Linear + LM head) | batch-1 pass over them | read bandwidth (1 GiB sum) | weights / bandwidth | tok/s bound",
+            [
+                row(
+                    f"{weight_bytes / 1e6:.0f} MB",
+                    f"{pass_seconds * 1e3:.1f} ms",
+                    f"{bandwidth:.1f} GB/s",
+                    f"{weight_bytes / bandwidth / 1e6:.1f} ms",
+                    f"{1 / pass_seconds:.1f}",
+                )
+            ],
+        ),
+        "## Inductor settings (compiled decode)",
+        "",
+        *table(
+            "setting | decode tok/s | / default compile | / eager | ms per step | share of step in the weight pass",
+            [row("eager", f"{eager:.1f}", f"{eager / base:.2f}x", "1.00x", f"{1e3 / eager:.1f}", f"{pass_seconds * eager:.0%}")]
+            + [
+                row("eager, row-major weights", f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}")
+                for r in ([row_major_eager] if device.type == "cpu" else [])
+            ]
+            + [row(name, f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}") for name, r in rates.items()],
+        ),
+        "## Where the default compiled step's time goes (torch.profiler, self CPU time)",
+        "",
+        *table(
+            "part | ms per step | share of the step",
+            [row(k, f"{v * 1e3:.1f}", f"{v / step_seconds:.0%}") for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])]
+            + [
+                row(
+                    "not in any op (Python, dispatch, profiler)",
+                    f"{max(step_seconds - accounted, 0) * 1e3:.1f}",
+                    f"{max(step_seconds - accounted, 0) / step_seconds:.0%}",
+                )
+            ]
+            + [row("**step (wall, profiled)**", f"{step_seconds * 1e3:.1f}", "100%")],
+        ),
+    ]
+    write_results(lines, args.out, "decode_profile", device)
+
+
+if __name__ == "__main__":
+    main()
