@@ -3,6 +3,10 @@ Hugging Face transformers' `generate` on the same weights (its own GGUF loader) 
 
     python bench/bench_generate.py                      # CPU, float32
     python bench/bench_generate.py --device cuda        # bfloat16, CUDA graphs
+    python bench/bench_generate.py --weights int8       # the quantized table for int8 only
+
+Then the same decode with weight-only int8 / int4 weights (`kvlab.quantize`, quantized in memory as
+`scripts/quantize.py` would write them), eager and compiled, against the same HF run.
 
 Writes bench/results/generate_<device>.md. All numbers of one table come from one run, so quote the
 ratios (compiled / eager, kvlab / HF), not lone times.
@@ -10,6 +14,7 @@ ratios (compiled / eager, kvlab / HF), not lone times.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -18,6 +23,9 @@ import torch
 from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, decode_one_token, generate, sync
+from kvlab.quantize import FUSED, Quantization, quantize_model, weight_bytes
+
+QUANTIZATIONS = {"int8": Quantization("int8"), "int4": Quantization("int4", 32)}
 
 
 def time_kvlab(model, prompt: list[int], new_tokens: int, decode_step, repeats: int) -> tuple[float, float]:
@@ -46,12 +54,24 @@ def time_hf(hf_model, prompt: list[int], new_tokens: int, repeats: int) -> tuple
     return len(prompt) / one, (new_tokens - 1) / (full - one)
 
 
+def kernel_path(device: torch.device, mode: str) -> str:
+    kernel = FUSED.get((device.type, mode))
+    return "dequantize-then-matmul" if kernel is None else f"torch's fused kernel in {str(kernel.dtype).removeprefix('torch.')}"
+
+
 def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
     p.add_argument("--new_tokens", type=int, default=None, help="tokens decoded per run (default: 64 on CPU, 256 on CUDA)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)")
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers comparison")
+    p.add_argument(
+        "--weights",
+        nargs="*",
+        default=list(QUANTIZATIONS),
+        choices=list(QUANTIZATIONS),
+        help="weight-only quantizations to time too (default: int8 int4; none: skip)",
+    )
     args = parse_bench_args(p, "generate")
 
     bench = load_bench(args.device, args.dtype)
@@ -79,6 +99,19 @@ def main() -> None:
             flush=True,
         )
 
+    quantized_rows = []
+    for name in args.weights:
+        torch._dynamo.reset()  # a fresh compile for each model
+        model = quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[name])
+        step = compile_decode_step(device)
+        for n, *_, compiled_float, hf_decode, _ in rows:
+            _, eager_decode = time_kvlab(model, bench.ids[:n], new_tokens, decode_one_token, args.repeats)
+            _, compiled_decode = time_kvlab(model, bench.ids[:n], new_tokens, step, args.repeats)
+            quantized_rows.append((n, name, weight_bytes(model), eager_decode, compiled_decode, compiled_float, hf_decode))
+            print(f"{name}, prompt {n}: decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f} tok/s", flush=True)
+        del model
+
+    kernels = ", ".join(f"{name} {kernel_path(device, QUANTIZATIONS[name].mode)}" for name in args.weights)
     lines = [
         f"# Generation throughput: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}",
         "",
@@ -98,6 +131,22 @@ def main() -> None:
         "Warm-up + timed compiled runs (includes compilation): " + ", ".join(f"{n} tokens: {s:.0f} s" for n, *_, s in rows),
         "",
     ]
+    if quantized_rows:
+        lines += [
+            "## Weight-only quantization (same run)",
+            "",
+            f"Decode with int8 (per channel) and int4 (g=32) weights, the tied embedding / LM head int8 in both; kernels: {kernels}.",
+            f"`/ HF`: against HF's {bench.dtype_name} decode above.",
+            "",
+            *table(
+                "prompt tokens | weights | weight MB | decode tok/s eager | decode tok/s compiled | compiled / HF | compiled / compiled float",
+                (
+                    row(n, name, f"{mb / 1e6:.0f}", f"{ed:.1f}", f"{cd:.1f}", f"{cd / hd:.2f}x", f"{cd / cf:.2f}x")
+                    for n, name, mb, ed, cd, cf, hd in quantized_rows
+                ),
+                align="---:",
+            ),
+        ]
     write_results(lines, args.out, "generate", device, show=False)
 
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from common import bench_parser, load_bench, machine, parse_bench_args, report, row, table, write_results
+from kvlab import quantize
 from kvlab.build import make_caches
 from kvlab.engine import generate
 from kvlab.model import Transformer
-from kvlab.quantize import FUSED, Quantization, quantize_linear, quantize_model, weight_bytes
+from kvlab.quantize import FUSED, Int8Linear, Kernel, Quantization, quantize_linear, quantize_model, weight_bytes
 
 SETTINGS = [None, Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64), Quantization("int4", 128)]
 
@@ -38,20 +40,45 @@ def prompt_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]), torch.arange(len(ids))[None], prefill=True)[0]
 
 
+def on_kernel(model: Transformer, kernel: Kernel | None) -> Transformer:
+    """The int8 matmuls all on `kernel` (None: dequantize-then-matmul), whatever their rows: FUSED's
+    row limit sends a 1,024-token prefill to the float path, which is not what decoding runs."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.prepare(kernel)
+    return model
+
+
+def variants() -> list[tuple[str, Quantization | None, Kernel | None]]:
+    """(label, quantization, the int8 matmuls' kernel in the teacher-forced pass). int8's CPU kernel takes
+    at most 32 rows (FUSED), so its prefills run the float path and its decode steps the kernel: each
+    gets a row."""
+    kernel = FUSED.get(("cpu", "int8"))
+    if kernel is None:
+        return [("float32", None, None)] + [(name(q), q, None) for q in SETTINGS[1:]]
+    decode = replace(kernel, max_rows=None)
+    int8 = [("int8, decode path (kernel, bfloat16 inputs)", SETTINGS[1], decode), ("int8, prefill path (float32)", SETTINGS[1], None)]
+    return [("float32", None, None), *int8] + [(name(q), q, decode) for q in SETTINGS[2:]]
+
+
 def quality(fp32: Transformer, ids: list[int]) -> list[str]:
+    """Perplexity and top-1 teacher-forced with the matmuls on each variant's path; greedy: `generate` as
+    it runs (FUSED's choices)."""
     rows: list[str] = []
     reference = greedy = None
-    for quant in SETTINGS:
-        model = fp32 if quant is None else quantize_model(copy.deepcopy(fp32), quant)
+    for label, quant, int8_kernel in variants():
+        model = fp32 if quant is None else on_kernel(quantize_model(copy.deepcopy(fp32), quant), int8_kernel)
         logits = prompt_logits(model, ids[:1024])
         ppl = F.cross_entropy(logits[:-1], torch.tensor(ids[1:1024])).exp().item()
+        if quant is not None:
+            quantize.prepare(model)  # generate runs with FUSED's choices
         tokens = generate(model, [ids[:256]], 64).tokens[0]
         if quant is None:
             reference, greedy = logits[:-1].argmax(-1), tokens
         top1 = (logits[:-1].argmax(-1) == reference).float().mean().item()
         same = sum(a == b for a, b in zip(tokens, greedy, strict=True))
         prefix = next((i for i, (a, b) in enumerate(zip(tokens, greedy, strict=True)) if a != b), len(greedy))
-        report(rows, row(name(quant), f"{weight_bytes(model) / 1e6:.1f}", f"{ppl:.2f}", f"{100 * top1:.1f}%", f"{same}/64", prefix))
+        report(rows, row(label, f"{weight_bytes(model) / 1e6:.1f}", f"{ppl:.2f}", f"{100 * top1:.1f}%", f"{same}/64", prefix))
     return rows
 
 
@@ -81,7 +108,7 @@ def kernels(fp32: Transformer) -> list[str]:
         for quant in SETTINGS[1:3] + SETTINGS[4:]:
             for fused in (True, False):
                 q = quantize_linear(linear, quant)
-                q.prepare(fused)
+                q.prepare(FUSED.get(("cpu", quant.mode)) if fused else None)
                 with torch.no_grad():
                     cells.append(f"{median_us(lambda: q(x)):.0f}")  # noqa: B023
         report(rows, row(*cells))
@@ -106,7 +133,7 @@ def main() -> None:
         lines += [
             "Decode matmuls (one token, one thread, eager, microseconds, median of 7): torch's fused kernel against dequantize-then-matmul.",
             "Paths in use on the CPU (kvlab.quantize.FUSED): "
-            + ", ".join(f"{m} {'fused' if FUSED['cpu', m] else 'dequantize'}" for m in ("int8", "int4"))
+            + ", ".join(f"{m} {'fused' if ('cpu', m) in FUSED else 'dequantize'}" for m in ("int8", "int4"))
             + ".",
             "",
             *table(

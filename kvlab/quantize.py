@@ -1,7 +1,7 @@
 """Weight-only quantization in GPT-Fast's manner: int8 per output channel, int4 in groups along the input.
 
 Every Linear of the decoder is quantized in the chosen mode, the embedding and LM head in int8; norms and
-biases stay in the model's dtype, and so do activations (weights are dequantized inside the matmul).
+biases stay in the model's dtype, and so do activations, but for the inputs of a fused kernel (below).
 
     int8   w ~ q * scale,                    q in [-127, 127], one scale per output row (symmetric: the
                                              int8 kernel takes scales only, and 255 levels leave little to gain)
@@ -25,7 +25,10 @@ top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 
 scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
 
 Kernels: torch's fused ops (`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU,
-`_weight_int4pack_mm` on CUDA, bfloat16 only) or dequantize-then-matmul, per device as FUSED says.
+`_weight_int4pack_mm` on CUDA) or dequantize-then-matmul, per device as FUSED says. A fused kernel runs in
+its own activation dtype: x is cast to it and the product back to the model's dtype, so a float32 model
+with int8 weights on the CPU keeps float32 everywhere but the inputs of its matmuls, which are rounded to
+bfloat16 (the CPU kernels' fast path; their float32 path is 10x slower).
 """
 
 from __future__ import annotations
@@ -45,13 +48,29 @@ MODES = ("int8", "int4")
 GROUPSIZES = (32, 64, 128)
 DEFAULT_GROUPSIZE = 32  # SmolLM2's GGUF is Q4_1, in groups of 32: g=128 costs it 52% perplexity
 
-# Which path each (device type, mode) runs: True = torch's fused kernel, False = dequantize-then-matmul.
-# CPU: measured (docs/results.md#weight-only-quantization-issue-16-first-part): on this AVX2 CPU both fused
-# kernels cost about 2 ms per input row of a 1536 x 576 matrix, linear in the rows (40-70x dequantize-then-
-# matmul at 256 rows: a 1,024-token prefill takes minutes); at one row int8's is 2.6-4x slower, int4's about
-# the same. CUDA: GPT-Fast's choices (int8: dequantize-then-matmul, which Inductor fuses; int4: tinygemm,
-# bfloat16 only), not measured here.
-FUSED = {("cpu", "int8"): False, ("cpu", "int4"): False, ("cuda", "int8"): False, ("cuda", "int4"): True}
+
+@dataclass(frozen=True)
+class Kernel:
+    """How a quantized Linear runs torch's fused kernel: the activation dtype it takes (x is cast to it, the
+    product back), and the most input rows it should take (more go to dequantize-then-matmul; None: any)."""
+
+    dtype: torch.dtype
+    max_rows: int | None = None
+
+
+# The fused kernel each (device type, mode) runs; absent: dequantize-then-matmul. CPU, measured on this AVX2
+# machine (docs/results.md#weight-only-quantization-issue-16): both kernels are matrix-vector loops, fast in
+# bfloat16 (1536 x 576 at one row: int8 46 us, int4 g=32 67 us, against 85 us for the float32 matmul and
+# 180 us for int8 dequantize-then-matmul) but 10-20x slower in float32; their time grows linearly with the
+# rows, so int8 hands more than 32 rows (prefill) to dequantize-then-matmul, which reads the same int8
+# weight. int4's codes live only in the kernel's packed layout, and its kernel stays within 1.4x of
+# dequantizing up to 1,024 rows. CUDA: GPT-Fast's choices (int8 dequantize-then-matmul, which Inductor
+# fuses; int4 tinygemm in bfloat16), not measured here.
+FUSED = {
+    ("cpu", "int8"): Kernel(torch.bfloat16, max_rows=32),
+    ("cpu", "int4"): Kernel(torch.bfloat16),
+    ("cuda", "int4"): Kernel(torch.bfloat16),
+}
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,11 @@ def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     return torch.addcmul((zeros - 8 * scales)[..., None], codes, scales[..., None]).flatten(-2)  # one pass
 
 
+def takes(kernel: Kernel | None, x: Tensor, in_features: int) -> bool:
+    """Whether `kernel` runs this input (its rows are a static shape: a compiled step branches once)."""
+    return kernel is not None and (kernel.max_rows is None or x.numel() // in_features <= kernel.max_rows)
+
+
 class Int8Linear(nn.Module):
     """y = x (q * scales)^T + bias, q int8 per output channel."""
 
@@ -124,14 +148,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.fused = False
+        self.register_buffer("unit_scales", None, persistent=False)  # the kernel's scales: ones, see forward
+        self.kernel: Kernel | None = None
 
-    def prepare(self, fused: bool) -> None:
-        self.fused = fused
+    def prepare(self, kernel: Kernel | None) -> None:
+        self.kernel = kernel
+        self.unit_scales = None if kernel is None else torch.ones_like(self.scales, dtype=kernel.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused:
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        if takes(self.kernel, x, self.in_features):
+            rows = x.reshape(-1, self.in_features).to(self.kernel.dtype)
+            # The scales are applied after, in the model's dtype: rounded to bfloat16 inside the kernel they
+            # shift every output channel by up to 0.4%, which cost SmolLM2 +0.7% perplexity (+0.3% this way).
+            y = torch._weight_int8pack_mm(rows, self.weight, self.unit_scales).view(*x.shape[:-1], self.out_features).to(x.dtype) * self.scales
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales  # GPT-Fast's form: the scale after the matmul
         return y if self.bias is None else y + self.bias
@@ -148,33 +177,37 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, groupsize: int = DEFAULT_GROUPSIZE) -> None:
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
-        padded = in_features + -in_features % groupsize
-        self.register_buffer("weight", torch.empty(out_features, padded // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.empty(out_features, padded // groupsize))
-        self.register_buffer("zeros", torch.empty(out_features, padded // groupsize))
+        self.padded_in = in_features + -in_features % groupsize
+        self.register_buffer("weight", torch.empty(out_features, self.padded_in // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, self.padded_in // groupsize))
+        self.register_buffer("zeros", torch.empty(out_features, self.padded_in // groupsize))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("packed", None, persistent=False)  # the fused kernel's layout, made by prepare()
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.kernel: Kernel | None = None
 
-    def prepare(self, fused: bool) -> None:
-        """Repack for the fused kernel of the weight's device, once; the plain codes are then dropped.
-        The kernels take whole tiles of 16 output rows; other shapes keep dequantize-then-matmul."""
-        if not fused or self.out_features % 16:
-            return
-        if self.weight.device.type == "cuda":
-            padded = self.weight.shape[1] * 2
-            inner_k_tiles = next(t for t in (8, 4, 2) if padded % (16 * t) == 0)
-            self.packed = torch._convert_weight_to_int4pack(self.weight, inner_k_tiles)
-        else:
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(int4_codes(self.weight).int(), 1)
-        self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()
-        self.weight = None
+    def prepare(self, kernel: Kernel | None) -> None:
+        """Repack for the fused kernel of the weight's device, once; the plain codes, scales and zeros are
+        then dropped unless large inputs still need them. The kernels take whole tiles of 16 output rows;
+        other shapes keep dequantize-then-matmul."""
+        if self.packed is None and kernel is not None and self.out_features % 16 == 0:
+            if self.weight.device.type == "cuda":
+                inner_k_tiles = next(t for t in (8, 4, 2) if self.padded_in % (16 * t) == 0)
+                self.packed = torch._convert_weight_to_int4pack(self.weight, inner_k_tiles)
+            else:
+                self.packed = torch._convert_weight_to_int4pack_for_cpu(int4_codes(self.weight).int(), 1)
+            self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(kernel.dtype)
+            if kernel.max_rows is None:
+                self.weight = self.scales = self.zeros = None
+        if self.weight is None and (kernel is None or kernel.max_rows is not None):
+            raise ValueError("this int4 Linear kept only the kernel's packed codes; it cannot dequantize")
+        self.kernel = kernel if self.packed is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None:
-            padded = F.pad(x.reshape(-1, self.in_features), (0, self.scales.shape[1] * self.groupsize - self.in_features))
+        if takes(self.kernel, x, self.in_features):
+            padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
-            y = mm(padded, self.packed, self.groupsize, self.scales_and_zeros).view(*x.shape[:-1], self.out_features)
+            y = mm(padded, self.packed, self.groupsize, self.scales_and_zeros).view(*x.shape[:-1], self.out_features).to(x.dtype)
         else:
             y = F.linear(x, self.dequantize())
         return y if self.bias is None else y + self.bias
@@ -240,8 +273,7 @@ def prepare(model: Transformer) -> None:
     """Set every quantized module on the path FUSED picks for its device and dtype (at load, once)."""
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear):
-            device, dtype = module.weight.device.type, module.scales.dtype
-            module.prepare(FUSED.get((device, module.mode), False) and (device != "cuda" or dtype == torch.bfloat16))
+            module.prepare(FUSED.get((next(module.buffers()).device.type, module.mode)))
 
 
 def quantized_state(model: Transformer, quant: Quantization) -> dict[str, Tensor]:
