@@ -3,6 +3,7 @@ fixed cache size, plus the per-step cost of eviction (compressed vs full at an e
 
     python bench/bench_cache.py                     # CPU: float32, compiled decode
     python bench/bench_cache.py --device cuda
+    python bench/bench_cache.py --weights int8      # int8 weights: bench/results/cache_int8_cpu.md
 
 Writes bench/results/cache_<device>.md. A compressed cache's decode step reads a fixed number of
 slots, so its speed should stay flat while the full cache slows with the prompt.
@@ -25,7 +26,7 @@ def decode_speed(bench: Bench, prompt: list[int], new_tokens: int, strategy: str
 
 
 def main() -> None:
-    p = bench_parser(__doc__)
+    p = bench_parser(__doc__, weights=True)
     p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048, 4096, 8000], help="prompt lengths in tokens")
     p.add_argument("--cache_length", type=int, default=512, help="slots of the compressed caches (default: 512)")
     p.add_argument("--new_tokens", type=int, default=None, help="decoded tokens per run (default: 32 on CPU, 256 on CUDA)")
@@ -33,7 +34,7 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="time the eager decode step instead of the compiled one")
     args = parse_bench_args(p, "cache")
 
-    bench = load_bench(args.device, args.dtype)
+    bench = load_bench(args.device, args.dtype, args.weights)
     device = bench.device
     torch._dynamo.config.cache_size_limit = 64  # one decode graph per cache shape; the default 8 would silently fall back to eager
     new_tokens = args.new_tokens or (256 if device.type == "cuda" else 32)
@@ -53,9 +54,10 @@ def main() -> None:
     overhead = {s: speed(bench.ids[:equal], s) for s in strategies}
 
     mode = "eager" if args.eager else "compiled"
+    weights = "" if args.weights == "float" else f", {args.weights} weights"
     first, last = args.prompt_lengths[0], args.prompt_lengths[-1]
     lines = [
-        f"# Decode speed vs prompt length: {bench.config['name']} on {device.type}, {bench.dtype_name}, {mode} decode",
+        f"# Decode speed vs prompt length: {bench.config['name']} on {device.type}, {bench.dtype_name}{weights}, {mode} decode",
         "",
         f"Batch 1, {new_tokens} new tokens per run, median of {args.repeats} runs after a warm-up; compressed caches hold {args.cache_length} "
         "slots per layer and KV head (4 sinks, window 10); tokens/s.",
@@ -77,7 +79,7 @@ def main() -> None:
         + ".",
         "",
     ]
-    write_results(lines, args.out, "cache", device, show=False)
+    write_results(lines, args.out, "cache" if args.weights == "float" else f"cache_{args.weights}", device, show=False)
 
 
 if __name__ == "__main__":

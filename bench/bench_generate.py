@@ -20,12 +20,10 @@ import time
 
 import torch
 
-from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, decode_one_token, generate, sync
-from kvlab.quantize import FUSED, Quantization, quantize_model, weight_bytes
-
-QUANTIZATIONS = {"int8": Quantization("int8"), "int4": Quantization("int4", 32)}
+from kvlab.quantize import FUSED, quantize_model, weight_bytes
 
 
 def time_kvlab(model, prompt: list[int], new_tokens: int, decode_step, repeats: int) -> tuple[float, float]:

@@ -24,9 +24,11 @@ from kvlab.config import CacheSpec, cache_spec
 from kvlab.convert import default_checkpoint
 from kvlab.engine import Generation
 from kvlab.model import Transformer
+from kvlab.quantize import Quantization, quantize_model
 from kvlab.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUANTIZATIONS = {"int8": Quantization("int8"), "int4": Quantization("int4", 32)}  # --weights
 T = TypeVar("T")
 
 
@@ -41,13 +43,20 @@ def bench_text() -> str:
     return (Path(argparse.__file__)).read_text() * 4
 
 
-def bench_parser(doc: str, dtype: bool = True) -> argparse.ArgumentParser:
-    """A parser with --device and (unless the benchmark fixes its dtype) --dtype; add the benchmark's
-    own flags, then parse with `parse_bench_args`."""
+def bench_parser(doc: str, dtype: bool = True, weights: bool = False) -> argparse.ArgumentParser:
+    """A parser with --device, (unless the benchmark fixes its dtype) --dtype and (if it takes them)
+    --weights; add the benchmark's own flags, then parse with `parse_bench_args`."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
     if dtype:
         p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto: bfloat16 on CUDA, float32 on CPU)")
+    if weights:
+        p.add_argument(
+            "--weights",
+            default="float",
+            choices=["float", *QUANTIZATIONS],
+            help="the model's weights: as loaded, or quantized in memory as scripts/quantize.py would (default: float)",
+        )
     return p
 
 
@@ -81,9 +90,12 @@ class Bench:
         return cache_spec(settings, self.model.config.n_layer, self.tokenizer)
 
 
-def load_bench(device_name: str, dtype_name: str) -> Bench:
+def load_bench(device_name: str, dtype_name: str, weights: str = "float") -> Bench:
+    """The default checkpoint, its weights quantized in memory for `weights` "int8" or "int4" (g=32)."""
     device, dtype = resolve_device_dtype(device_name, dtype_name)
     model, tokenizer, config = load_checkpoint(default_checkpoint(), device, dtype)
+    if weights != "float":
+        quantize_model(model, QUANTIZATIONS[weights])
     return Bench(device, dtype, model, tokenizer, config, tokenizer.encode(bench_text()))
 
 

@@ -49,20 +49,31 @@ def attention_mass(probs: Tensor) -> Tensor:
     return probs.sum(dim=(2, 3))
 
 
+def causal_softmax(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, masked_from: int = 0) -> Tensor:
+    """Causal attention probabilities of queries q [B, H, t, D] over keys k [B, H_kv, T, D], [B, H_kv,
+    group, t, T] in float32, every row finite: a padding query (position -1) attends to every real key,
+    and dropping its row is the caller's (so no pass over the result to clear NaNs). Keys before column
+    `masked_from` are the caller's promise: real and visible to every query, so only the rest is masked.
+    One matmul with the query group folded into its rows, then masked and normalised in place: every pass
+    over [t, T] is a large share of the cost."""
+    B, H, t, D = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    scores = (q.reshape(B, n_kv, H // n_kv * t, D) * D**-0.5) @ k.transpose(-1, -2)
+    scores = scores.float().view(B, n_kv, H // n_kv, t, T)
+    keys, queries = key_pos[:, None, masked_from:], query_pos[:, :, None]
+    hidden = (keys < 0) | ((keys > queries) & (queries >= 0))  # [B, t, T - masked_from]
+    scores[..., masked_from:].masked_fill_(hidden[:, None, None], float("-inf"))
+    return scores.softmax(dim=-1)
+
+
 def prompt_attention(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, chunk: int = 512) -> Tensor:
     """Causal attention probabilities of prompt queries q [B, H, t, D] over prompt keys k [B, H_kv, T, D],
     as [B, H_kv, group, t, T]; padding (position -1) neither attends nor is attended. Computed in query
     chunks so the float32 scores never hold more than `chunk` rows at once."""
-    B, H, t, D = q.shape
-    n_kv = k.shape[1]
-    q = q.view(B, n_kv, H // n_kv, t, D)
     rows = []
-    for start in range(0, t, chunk):
+    for start in range(0, q.shape[2], chunk):
         qpos = query_pos[:, start : start + chunk]
-        scores = (q[:, :, :, start : start + chunk] @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
-        visible = (key_pos[:, None, :] <= qpos[:, :, None]) & (key_pos[:, None, :] >= 0)  # [B, t, T]
-        probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
-        rows.append(probs.nan_to_num(0.0) * (qpos >= 0)[:, None, None, :, None])
+        rows.append(causal_softmax(q[:, :, start : start + chunk], k, key_pos, qpos).mul_((qpos >= 0)[:, None, None, :, None]))
     return torch.cat(rows, dim=3)
 
 
@@ -71,13 +82,19 @@ def received_attention(q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Calla
     ([B, H_kv, group, c, e] -> [B, H_kv, e]; default `attention_mass`) summed over chunks of `chunk`
     queries, so [T, T] probabilities never exist (H2O's prompt scores, KV-Compress's full metric). The
     chunk of queries ending at column e sees only the first e keys (prefill columns are positions), so
-    only those are computed: about half the work of the whole matrix."""
+    only those are computed: about half the work of the whole matrix. The default sum is one batched
+    matrix-vector product over each chunk's rows, weighted 0 for padding queries."""
     total = torch.zeros(k.shape[:3], device=k.device)
     for start in range(0, k.shape[2], chunk):
         end = min(start + chunk, k.shape[2])
         query_pos = input_pos[:, start:end]
-        probs = prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk)
-        total[..., :end] += attention_mass(probs) if per_chunk is None else per_chunk(probs, query_pos)
+        if per_chunk is None:
+            holes = bool((input_pos[:, :start] < 0).any())  # padding inside a row, not only at its end
+            probs = causal_softmax(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, 0 if holes else start)
+            real = (query_pos >= 0).to(probs.dtype)[:, None, None, None, :]  # [B, 1, 1, 1, c]
+            total[..., :end] += (real @ probs).sum(dim=(2, 3))
+        else:
+            total[..., :end] += per_chunk(prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk), query_pos)
     return total
 
 

@@ -258,3 +258,30 @@ def test_received_attention_equals_the_whole_matrix_summed_without_building_it()
     torch.testing.assert_close(received_attention(q, k, input_pos, chunk=64), attention_mass(whole), atol=1e-5, rtol=1e-5)
     squared = received_attention(q, k, input_pos, lambda probs, query_pos: probs.square().sum(dim=(2, 3)), chunk=100)
     torch.testing.assert_close(squared, whole.square().sum(dim=(2, 3)), atol=1e-5, rtol=1e-5)
+    input_pos[0, 40:50] = -1  # padding inside a row: later chunks must mask it, not only their own diagonal
+    holes = received_attention(q, k, input_pos, chunk=64)
+    torch.testing.assert_close(holes, attention_mass(prompt_attention(q, k, input_pos, input_pos)), atol=1e-5, rtol=1e-5)
+    assert (holes[0, :, 40:50] == 0).all() and (holes[1, :, 170:] == 0).all()
+
+
+def test_prompt_attention_equals_textbook_softmax():
+    """Probabilities from one explicit masked softmax per query (GQA by repeating keys): 1e-5, padding
+    queries' rows zero, padding keys never attended."""
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 4, 20, 8), torch.randn(2, 2, 20, 8)
+    pos = torch.arange(20).expand(2, 20).clone()
+    pos[1, 12:] = -1
+    pos[0, 5] = -1
+    got = prompt_attention(q, k, pos, pos, chunk=7)  # [2, 2, 2, 20, 20]
+    keys = k.repeat_interleave(2, dim=1)
+    for b in range(2):
+        for h in range(4):
+            for i in range(20):
+                row = got[b, h // 2, h % 2, i]
+                if pos[b, i] < 0:
+                    assert (row == 0).all()
+                    continue
+                seen = (pos[b] >= 0) & (pos[b] <= pos[b, i])
+                logits = (keys[b, h] @ q[b, h, i]) / 8**0.5
+                expected = torch.where(seen, logits, float("-inf")).softmax(-1)
+                torch.testing.assert_close(row, expected, atol=1e-6, rtol=1e-5)
