@@ -105,8 +105,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Pat
             state[f"layers.{i}.{dst}"] = weight(blk + src)
         parts = ["weight", "bias"] if args.qkv_bias else ["weight"]
         for part in parts:
-            q = unpermute_rope_rows(weight(f"{blk}attn_q.{part}"), args.n_head)
-            k = unpermute_rope_rows(weight(f"{blk}attn_k.{part}"), args.n_local_heads)
+            q, k = weight(f"{blk}attn_q.{part}"), weight(f"{blk}attn_k.{part}")
+            if arch == "llama":  # llama.cpp permutes llama's q/k for its interleaved RoPE; qwen2 runs rotate-half (NEOX) as stored
+                q, k = unpermute_rope_rows(q, args.n_head), unpermute_rope_rows(k, args.n_local_heads)
             state[f"layers.{i}.attention.wqkv.{part}"] = torch.cat([q, k, weight(f"{blk}attn_v.{part}")])
     name = name or Path(gguf_path).stem
     save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), {"gguf": Path(gguf_path).name})
