@@ -2,6 +2,7 @@
 
     python bench/bench_decode_profile.py                  # CPU, float32, 512-token prompt
     python bench/bench_decode_profile.py --prompt_length 2048
+    python bench/bench_decode_profile.py --weights int8 --settings default   # bench/results/decode_profile_int8_cpu.md
 
 Three parts, all from one run:
 1. the floor: seconds to stream the model's weights once (a batch-1 pass over every Linear and the LM
@@ -27,6 +28,7 @@ import torch
 from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
 from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.model import lay_out_for_matvec
+from kvlab.quantize import Int4Linear, Int8Embedding, Int8Linear
 
 SETTINGS = {
     "default": None,
@@ -55,10 +57,11 @@ def seconds_per_call(fn, repeats: int = 20) -> float:
 
 @torch.no_grad()
 def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float, float, int]:
-    """(seconds for a batch-1 pass over every Linear, read GB/s of a 1 GiB sum, weight bytes)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """(seconds for a batch-1 pass over every Linear, float or quantized, read GB/s of a 1 GiB sum, the
+    bytes those Linears hold)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear | Int4Linear) and not isinstance(m, Int8Embedding)]
     x = {m: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
-    weights = sum(m.weight.nbytes for m in linears)
+    weights = sum(t.nbytes for m in linears for t in (*m.parameters(), *m.buffers()))
     pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears])
     big = torch.ones(2**28, device=device)
     read = seconds_per_call(big.sum, 10)
@@ -110,20 +113,20 @@ def profile_step(model, device: torch.device, prompt: list[int], steps: int) -> 
 
 
 def main() -> None:
-    p = bench_parser(__doc__)
+    p = bench_parser(__doc__, weights=True)
     p.add_argument("--prompt_length", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per timed run (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the median is reported (default: 3)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="Inductor settings to time (default: all)")
     args = parse_bench_args(p, "decode_profile")
-    bench = load_bench(args.device, args.dtype)
+    bench = load_bench(args.device, args.dtype, args.weights)
     device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
 
     pass_seconds, bandwidth, weight_bytes = weight_floor(model, device, bench.dtype)
     print(f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth {bandwidth:.1f} GB/s", flush=True)
     eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
     rates = {}
-    if device.type == "cpu":  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
+    if device.type == "cpu" and args.weights == "float":  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
         with row_major_weights(model):
             row_major_eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
             step = compile_decode_step(device)
@@ -143,7 +146,8 @@ def main() -> None:
     accounted = sum(breakdown.values())
     base = rates.get("default", eager)
     lines = [
-        f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}",
+        f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}"
+        + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
         f"torch {torch.__version__}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
         "",
@@ -168,7 +172,7 @@ def main() -> None:
             [row("eager", f"{eager:.1f}", f"{eager / base:.2f}x", "1.00x", f"{1e3 / eager:.1f}", f"{pass_seconds * eager:.0%}")]
             + [
                 row("eager, row-major weights", f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}")
-                for r in ([row_major_eager] if device.type == "cpu" else [])
+                for r in ([row_major_eager] if device.type == "cpu" and args.weights == "float" else [])
             ]
             + [row(name, f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}") for name, r in rates.items()],
         ),
@@ -187,7 +191,7 @@ def main() -> None:
             + [row("**step (wall, profiled)**", f"{step_seconds * 1e3:.1f}", "100%")],
         ),
     ]
-    write_results(lines, args.out, "decode_profile", device)
+    write_results(lines, args.out, "decode_profile" if args.weights == "float" else f"decode_profile_{args.weights}", device)
 
 
 if __name__ == "__main__":
