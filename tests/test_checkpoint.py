@@ -106,12 +106,21 @@ def write_tiny_gguf(path, arch: str) -> None:
     dim, heads, kv_heads, ffn = 64, 4, 2, 128
     head_dim, vocab = dim // heads, len(fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2), w.add_context_length(256), w.add_embedding_length(dim), w.add_feed_forward_length(ffn)
-    w.add_head_count(heads), w.add_head_count_kv(kv_heads), w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(fields["tokenizer.ggml.tokens"].contents()), w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
     w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
-    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents()), w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
+    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
+    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
     for i in range(2):
@@ -127,7 +136,10 @@ def write_tiny_gguf(path, arch: str) -> None:
         shapes |= {b + "ffn_gate.weight": (ffn, dim), b + "ffn_up.weight": (ffn, dim), b + "ffn_down.weight": (dim, ffn)}
     for name, shape in shapes.items():
         w.add_tensor(name, np.ones(shape, np.float32) if name.endswith("norm.weight") else (rng.standard_normal(shape) * 0.2).astype(np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
