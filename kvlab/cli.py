@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -31,7 +32,17 @@ def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace) 
     except USER_ERRORS as e:
         if os.environ.get("KVLAB_DEBUG"):
             raise
-        sys.exit(f"error: {e}")
+        exit_with_error(f"error: {e}")
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Exit 1 after `message` as one line in one write: torchrun's ranks share stderr, and sys.exit(message)
+    writes the newline apart, so two ranks' lines could run together. The SystemExit still carries the
+    message for callers that catch it."""
+    sys.stderr.write(message + "\n")
+    stop = SystemExit(message)
+    stop.code = 1
+    raise stop
 
 
 def positive_int(value: str) -> int:

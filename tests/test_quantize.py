@@ -190,7 +190,7 @@ def test_compiled_step_equals_eager(tiny_model, quant, fused, monkeypatch):
         (["--mode", "int8", "--groupsize", "64"], "error: int8 is quantized per output channel and takes no group size; group sizes are for int4"),
     ],
 )
-def test_bad_mode_or_groupsize_is_one_clear_error(argv, message):
+def test_bad_mode_or_groupsize_is_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         quantize_main(argv)
-    assert exit_info.value.code == message
+    assert exit_info.value.code == 1 and str(exit_info.value) == message and capsys.readouterr().err == message + "\n"
