@@ -1,6 +1,8 @@
 """H2O's prompt scoring against the prefill it follows: the attention each prompt key receives from every
-prompt query, for every layer of the default model, as kvlab computes it (`received_attention`: query
-chunks over only the keys they see) and as it did before (the whole [T, T] probabilities, then summed).
+prompt query, for every layer of the default model, as kvlab computes it on CPU (`received_attention`
+from the log-sum-exp the prefill's flash attention returns: query chunks over only the keys they see, one
+matmul and one exp each), from a softmax per chunk (the path off the CPU), and as it did first (the whole
+[T, T] probabilities, then summed).
 
     python bench/bench_prompt_scoring.py                  # 512 and 2048 prompt tokens
 
@@ -42,19 +44,23 @@ def measure(bench, n: int) -> str:
             recorded.record(bench.model, tokens, positions, positions[:, -1:])
         return recorded
 
-    layers = prefill().recorder.layers
+    recorder = prefill().recorder
     with torch.no_grad():
-        fused = seconds(lambda: [received_attention(q, k, positions) for k, _, q in layers])
-        whole = seconds(lambda: [attention_mass(prompt_attention(q, k, positions, positions)) for k, _, q in layers])
+        lse = seconds(lambda: [received_attention(q, k, positions, lse=lse) for (k, _, q), lse in zip(recorder.layers, recorder.lse, strict=True)])
+        chunks = seconds(lambda: [received_attention(q, k, positions) for k, _, q in recorder.layers])
+        whole = seconds(lambda: [attention_mass(prompt_attention(q, k, positions, positions)) for k, _, q in recorder.layers])
         base = seconds(prefill)
-    return row(n, f"{base:.2f}", f"{fused:.2f}", f"{fused / base:.0%}", f"{whole:.2f}", f"{whole / base:.0%}", f"{whole / fused:.1f}x")
+    return row(n, f"{base:.2f}", *(f"{t:.2f} | {t / base:.0%}" for t in (lse, chunks, whole)), f"{chunks / lse:.2f}x", f"{whole / lse:.1f}x")
 
 
 def main() -> None:
     args = parse_bench_args(bench_parser(__doc__), "prompt_scoring")
     bench = load_bench(args.device, args.dtype)
     rows = [measure(bench, n) for n in LENGTHS]
-    header = "prompt tokens | prefill (s) | scoring, chunks (s) | / prefill | scoring, whole matrix (s) | / prefill | chunks faster"
+    header = (
+        "prompt tokens | prefill (s) | scoring from the LSE (s) | / prefill | softmax chunks (s) | / prefill | whole matrix (s) | / prefill"
+        " | LSE vs softmax chunks | LSE vs whole matrix"
+    )
     lines = [f"# H2O prompt scoring vs prefill ({machine(bench.device)}, {bench.dtype_name})", "", *table(header, rows)]
     write_results(lines, args.out, "prompt_scoring", bench.device)
 

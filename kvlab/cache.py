@@ -54,6 +54,7 @@ class KVCache(nn.Module):
 
     needs_attention: bool = False  # observe() gets each step's attention probabilities (the slower explicit-softmax path)
     needs_tokens: bool = False  # prefill/update get the token ids as `tokens=`, and the cache the tokenizer's `token_classes`
+    needs_prompt_lse: bool = False  # prefill gets each prompt query's attention log-sum-exp [B, H, T] as `lse=` (on CPU, where it is free)
     positions_per_head: bool = False  # True when KV heads keep different tokens: pos is [B, H_kv, S]
     takes_prompt_compressor: bool = False  # keeps the prompt tokens a `PromptCompressor` ranks highest
     keeps_history: bool = False  # recallable: holds every token (`history` slots) and attends `capacity` of them
@@ -234,6 +235,10 @@ class EvictionCache(KVCache):
         """The strategy's own score applied to the prompt (the default `prompt_compression_strategy`)."""
         return KeepAll()
 
+    @property
+    def needs_prompt_lse(self) -> bool:
+        return self.takes_prompt_compressor and self.prompt_compressor.uses_lse
+
     def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
         room = torch.zeros_like(capacities) if decode_room is None else decode_room
         smallest, largest = int((capacities - room).min()), int(capacities.max())
@@ -278,13 +283,14 @@ class EvictionCache(KVCache):
         scores = scores.float().masked_fill(protected, float("inf"))
         return scores.masked_fill(pos < 0, float("-inf"))
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         T = k.shape[2]
         if T > self.capacity and not self.prompt_compressor.compresses:
             raise ValueError(f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor")
         k, v = self._repeat(k), self._repeat(v)
         self.storage.observe_prompt(input_pos, k, q)
-        scores = wrap_scores(self.prompt_compressor(input_pos, k, v, q), input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
+        scores = self.prompt_compressor(input_pos, k, v, q, **({} if lse is None else {"lse": lse}))
+        scores = wrap_scores(scores, input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
         self._store_prompt(input_pos, k, v, scores)
 
     def _repeat(self, x: Tensor) -> Tensor:

@@ -29,13 +29,13 @@ class AttentionLossProbe(KVCache):
     def __init__(self, inner: KVCache, full: FullCache) -> None:
         nn.Module.__init__(self)  # no storage of its own: it wraps one
         self.inner, self.full = inner, full
-        self.needs_attention, self.needs_tokens = inner.needs_attention, inner.needs_tokens
+        self.needs_attention, self.needs_tokens, self.needs_prompt_lse = inner.needs_attention, inner.needs_tokens, inner.needs_prompt_lse
         self.capacity = inner.capacity
         self.losses: list[Tensor] = []
         self.recalls: list[Tensor] = []
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> None:
-        self.inner.prefill(input_pos, k, v, q, **token_ids)
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **extra: Tensor) -> None:
+        self.inner.prefill(input_pos, k, v, q, **extra)
         self.full.prefill(input_pos, k, v, q)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -180,7 +180,7 @@ def gated(model: Transformer, gates: Tensor, sinks: int, recent: int) -> Iterato
 class Discard(nn.Module):
     """Stands in for every layer's cache while calibrating: nothing is stored."""
 
-    needs_attention, needs_tokens = False, False
+    needs_attention, needs_tokens, needs_prompt_lse = False, False, False
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         pass

@@ -85,25 +85,28 @@ def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = deco
 class PrefillRecorder(nn.Module):
     """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
 
-    needs_attention, needs_tokens = False, False
+    needs_attention, needs_tokens, needs_prompt_lse = False, False, True
 
     def __init__(self) -> None:
         super().__init__()
         self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU)
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         self.layers.append((k, v, q))
+        self.lse.append(lse)
 
 
 class ScoredOnce(PromptCompressor):
     """A prompt compressor answering from a shared store after its first call with the same key."""
 
     def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
-        self.inner, self.store, self.key, self.compresses = inner, store, key, inner.compresses
+        self.inner, self.store, self.key = inner, store, key
+        self.compresses, self.uses_lse = inner.compresses, inner.uses_lse
 
-    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **lse: Tensor) -> Tensor:
         if self.key not in self.store:
-            self.store[self.key] = self.inner(input_pos, k, v, q)
+            self.store[self.key] = self.inner(input_pos, k, v, q, **lse)
         return self.store[self.key]
 
 
@@ -140,12 +143,15 @@ class RecordedPrefill:
     def replay(self, model: Transformer, caches: Sequence[KVCache]) -> None:
         """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would."""
         tokens, input_pos = self.inputs
-        for layer, (block, cache, (k, v, q)) in enumerate(zip(model.layers, caches, self.recorder.layers, strict=True)):
+        for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
             compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
             if compressor is not None:
                 cache.prompt_compressor = ScoredOnce(compressor, self.scores, (layer, compressor_key(compressor)))
             target = block.attention.kv_cache
-            target.prefill(input_pos, k, v, q, **({"tokens": tokens} if target.needs_tokens else {}))
+            extra = {"tokens": tokens} if target.needs_tokens else {}
+            if target.needs_prompt_lse and lse is not None:
+                extra["lse"] = lse
+            target.prefill(input_pos, k, v, q, **extra)
             if compressor is not None:
                 cache.prompt_compressor = compressor
 

@@ -147,12 +147,15 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2)
         if self.kv_cache is None:
             raise RuntimeError("call model.setup_caches(...) before running the model")
-        token_ids = {"tokens": tokens} if self.kv_cache.needs_tokens else {}
+        extra = {"tokens": tokens} if self.kv_cache.needs_tokens else {}
         if prefill:
-            y = self.exact_attention(q, k, v)
-            self.kv_cache.prefill(input_pos, k, v, q, **token_ids)
+            if self.kv_cache.needs_prompt_lse and q.device.type == "cpu":
+                y, extra["lse"] = causal_attention_lse(q, k, v)
+            else:
+                y = self.exact_attention(q, k, v)
+            self.kv_cache.prefill(input_pos, k, v, q, **extra)
         else:
-            keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **token_ids)
+            keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **extra)
             mask = attention_mask(key_pos, input_pos)
             y, probs = grouped_attention(q, keys, values, mask, self.kv_cache.needs_attention)
             if probs is not None:
@@ -162,6 +165,14 @@ class Attention(nn.Module):
     def exact_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The prompt's causal attention over itself (DuoAttention's calibration mixes another pattern in: duo.py)."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def causal_attention_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact causal attention [B, H, T, D] and each query's log-sum-exp of its scaled logits [B, H, T] (float32)
+    from the CPU flash kernel: the same kernel, and so the same output, as `scaled_dot_product_attention`
+    there, at the same cost. H2O's prompt scores reuse the log-sum-exp (`scores.received_from_lse`)."""
+    group = q.shape[1] // k.shape[1]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
 
 
 def lay_out_for_matvec(model: nn.Module) -> None:

@@ -56,6 +56,7 @@ def wrap_scores(scores: Tensor, input_pos: Tensor, v: Tensor, value_weight: str,
 class PromptCompressor:
     compresses = True
     needs_model = False  # its scores come from a further pass of the model, which the engine runs (reconstruction.py)
+    uses_lse = False  # takes the prompt attention's log-sum-exp [B, H, T] as `lse=` when the prefill has it (CPU)
     options: tuple[Option, ...] = ()  # settings it takes (flag and YAML names), passed as their `keyword`
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
@@ -95,8 +96,12 @@ class AttentionScores(PromptCompressor):
     def __init__(self, window: int | None = None, per_query: bool = False) -> None:
         self.window, self.per_query = window, per_query
 
-    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        scores = received_attention(q, k, input_pos) if self.window is None else attention_mass(window_attention(input_pos, k, q, self.window))
+    @property
+    def uses_lse(self) -> bool:
+        return self.window is None
+
+    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
+        scores = received_attention(q, k, input_pos, lse=lse) if self.window is None else attention_mass(window_attention(input_pos, k, q, self.window))
         if not self.per_query:
             return scores
         seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]

@@ -77,13 +77,20 @@ def prompt_attention(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, c
     return torch.cat(rows, dim=3)
 
 
-def received_attention(q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Callable[[Tensor, Tensor], Tensor] | None = None, chunk: int = 256) -> Tensor:
+def received_attention(
+    q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Callable[[Tensor, Tensor], Tensor] | None = None, chunk: int = 128, lse: Tensor | None = None
+) -> Tensor:
     """What every prompt key receives from every prompt query, [B, H_kv, T]: `per_chunk(probs, query_pos)`
     ([B, H_kv, group, c, e] -> [B, H_kv, e]; default `attention_mass`) summed over chunks of `chunk`
     queries, so [T, T] probabilities never exist (H2O's prompt scores, KV-Compress's full metric). The
     chunk of queries ending at column e sees only the first e keys (prefill columns are positions), so
     only those are computed: about half the work of the whole matrix. The default sum is one batched
-    matrix-vector product over each chunk's rows, weighted 0 for padding queries."""
+    matrix-vector product over each chunk's rows, weighted 0 for padding queries. Given `lse` [B, H, T],
+    each query's log-sum-exp over the keys it sees (the prefill's flash attention returns it), the default
+    sum skips the softmax (`received_from_lse`), for right-padded rows."""
+    right_padded = bool(((input_pos[:, 1:] >= 0) <= (input_pos[:, :-1] >= 0)).all())
+    if lse is not None and per_chunk is None and right_padded:
+        return received_from_lse(q, k, input_pos, lse, chunk)
     total = torch.zeros(k.shape[:3], device=k.device)
     for start in range(0, k.shape[2], chunk):
         end = min(start + chunk, k.shape[2])
@@ -95,6 +102,28 @@ def received_attention(q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Calla
             total[..., :end] += (real @ probs).sum(dim=(2, 3))
         else:
             total[..., :end] += per_chunk(prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk), query_pos)
+    return total
+
+
+def received_from_lse(q: Tensor, k: Tensor, input_pos: Tensor, lse: Tensor, chunk: int = 128) -> Tensor:
+    """`received_attention` of right-padded rows from each query's log-sum-exp: a probability is
+    exp(q.k / sqrt(d) - lse), so a chunk costs one matmul (the -lse rides in as an extra column of q
+    against a column of ones in k) and one exp in place, with no max or normalising passes; padding
+    queries get lse = +inf and so add nothing. In float32 whatever the model's dtype: the subtraction
+    must not round."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    lse = torch.where(input_pos[:, None] >= 0, lse.float(), float("inf"))
+    q = torch.cat([q.float() * D**-0.5, -lse[..., None]], dim=-1).view(B, n_kv, H // n_kv, T, D + 1)
+    k = torch.cat([k.float(), torch.ones_like(k[..., :1], dtype=torch.float32)], dim=-1)
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).triu(1)
+    total = torch.zeros(k.shape[:3], device=k.device)
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        c = end - start
+        probs = (q[:, :, :, start:end].reshape(B, n_kv, -1, D + 1) @ k[:, :, :end].transpose(-1, -2)).exp_()
+        probs.view(B, n_kv, -1, c, end)[..., start:].masked_fill_(future[:c, :c], 0.0)
+        total[..., :end] += probs.sum(dim=2)
     return total
 
 

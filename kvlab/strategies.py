@@ -155,8 +155,8 @@ class ExpectedAttentionCache(EvictionCache):
         super().reset()
         self.scores.zero_()
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        super().prefill(input_pos, k, v, q)
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
+        super().prefill(input_pos, k, v, q, lse)
         mean, cov, cos, sin = self.expected.fit(input_pos, q)
         logits = expected_logits(unrotate(self.storage.read()[0].float(), cos, sin), mean, cov)
         log_norm = logits.masked_fill(self.pos[:, :, None] < 0, float("-inf")).logsumexp(dim=-1).flatten(1)  # [B, H]
@@ -229,8 +229,8 @@ class RKVCache(EvictionCache):
         self.recent.zero_()
         self.step.zero_()
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        super().prefill(input_pos, k, v, q)
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
+        super().prefill(input_pos, k, v, q, lse)
         per_query = window_attention(input_pos, self._repeat(k), q, self.rkv.window).mean(dim=2).transpose(-1, -2)  # [B, H, T, w]
         held = per_query.gather(2, self.pos.clamp(min=0)[..., None].expand(-1, -1, -1, per_query.shape[-1])) * (self.pos >= 0)[..., None]
         self.recent.zero_()

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import spec_for
+from conftest import paul_graham_text, spec_for
+from kvlab import prompt_compression
 from kvlab.build import make_caches
 from kvlab.engine import generate
 from kvlab.prompt_compression import AttentionScores, SnapKV
@@ -112,3 +113,24 @@ def test_compress_first_token_decodes_the_last_prompt_token_through_the_cache(sm
     assert (
         generate(model, [prompt], 6, spec_for(model, compress_first_token=True)).tokens[0] == generate(model, [prompt], 6).tokens[0]
     )  # full: exact either way
+
+
+@pytest.mark.parametrize("compressor", ["heavy_hitter", "heavy_hitter_mean"])
+def test_heavy_hitter_takes_the_prefills_log_sum_exp_and_keeps_the_same_tokens(smollm, monkeypatch, compressor):
+    """On CPU the prefill hands its attention's log-sum-exp to H2O's prompt scoring (directly and through a
+    recorded prefill, which a layer budget planner uses); the tokens generated are those of the softmax
+    path, for a batch of two lengths."""
+    model, tokenizer, _ = smollm
+    ids = tokenizer.encode(paul_graham_text()[:3000])
+    prompts = [ids[:150], ids[200:320]]
+    received = []
+    real = prompt_compression.received_attention
+    monkeypatch.setattr(prompt_compression, "received_attention", lambda *a, lse=None, **kw: received.append(lse is not None) or real(*a, lse=lse, **kw))
+    specs = [spec_for(model, "heavy_hitter", 48, recent_window=8, prompt_compression_strategy=compressor, layer_budget=b) for b in ("uniform", "pyramid")]
+    with_lse = [generate(model, prompts, 12, spec).tokens for spec in specs]
+    assert received and all(received)
+    monkeypatch.setattr(AttentionScores, "uses_lse", False)
+    received.clear()
+    softmax = [generate(model, prompts, 12, spec).tokens for spec in specs]
+    assert received and not any(received)
+    assert with_lse == softmax

@@ -4,13 +4,14 @@ with the very same function."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import ROOT
 from kvlab.build import make_caches
 from kvlab.config import CACHE_KEYS, options_table
-from kvlab.model import ModelArgs, apply_rope, rope_tables
+from kvlab.model import ModelArgs, apply_rope, causal_attention_lse, rope_tables
 from kvlab.prompt_compression import RKV, ExpectedAttention, KeyScores
 from kvlab.scores import attention_mass, chunk_mean, keydiff, lagkv, pool_keys, prompt_attention, received_attention, rkv, window_attention
 from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, ExpectedAttentionCache, KeyDiffCache, RKVCache
@@ -262,6 +263,24 @@ def test_received_attention_equals_the_whole_matrix_summed_without_building_it()
     holes = received_attention(q, k, input_pos, chunk=64)
     torch.testing.assert_close(holes, attention_mass(prompt_attention(q, k, input_pos, input_pos)), atol=1e-5, rtol=1e-5)
     assert (holes[0, :, 40:50] == 0).all() and (holes[1, :, 170:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_received_attention_from_the_prefills_log_sum_exp_equals_the_softmax_path(dtype):
+    """H2O's prompt scores from the log-sum-exp the CPU flash kernel returns with the prefill's attention
+    equal those from normalising the softmax again (1e-5 of the largest score), right-padded rows
+    included; padding inside a row falls back to the softmax path, where that log-sum-exp would be wrong."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 300, 16, dtype=dtype), torch.randn(2, 2, 300, 16, dtype=dtype), torch.randn(2, 2, 300, 16, dtype=dtype)
+    input_pos = torch.arange(300).expand(2, 300).clone()
+    input_pos[1, 170:] = -1
+    _, lse = causal_attention_lse(q, k, v)
+    expected = received_attention(q.float(), k.float(), input_pos, chunk=64)
+    got = received_attention(q, k, input_pos, chunk=64, lse=lse)
+    torch.testing.assert_close(got, expected, atol=1e-5 * expected.max().item(), rtol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+    assert (got[1, :, 170:] == 0).all() and got.isfinite().all()
+    input_pos[0, 40:50] = -1
+    assert torch.equal(received_attention(q, k, input_pos, chunk=64, lse=lse), received_attention(q, k, input_pos, chunk=64))
 
 
 def test_prompt_attention_equals_textbook_softmax():
