@@ -111,15 +111,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     modes = [m for m in MODES if any(r["mode"] == m and r["method"] != FULL for r in rows)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False, sharey=True)
+    methods = sorted({r["method"] for r in rows} - {FULL})  # one colour and marker per method in every panel (tab20: up to 20 apart)
     for ax, mode in zip(axes[0], modes, strict=True):
         mine = [r for r in rows if r["mode"] == mode]
         full = [r["score"] for r in mine if r["method"] == FULL]
-        for i, method in enumerate(sorted({r["method"] for r in mine} - {FULL})):  # tab20: no two of up to 20 methods share a colour
+        for i, method in enumerate(methods):
             points = sorted((r["ratio"], r["score"]) for r in mine if r["method"] == method)
-            ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="os^Dv"[i % 5], color=plt.cm.tab20(i % 20), label=method)
+            if points:
+                ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="os^Dv"[i % 5], color=plt.cm.tab20(i % 20), label=method)
         ax.set(title=mode, xlabel="compression ratio (share of the prompt removed)", ylabel="mean RULER score")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -152,10 +152,13 @@ def test_query_agnostic_needs_a_context_question_split(tmp_path):
         kv_eval.main(["--out_dir", str(tmp_path), "--tasks", "book_kjv", "--cache_config", "snapkv", "--query_agnostic"])
 
 
-def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path):
+def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monkeypatch):
     """The table and plot from a summary.csv: the mean over tasks per (protocol, method, ratio), the full
-    cache the reference of both protocols, cache-size runs and other context lengths left out."""
+    cache the reference of both protocols, cache-size runs and other context lengths left out; in the plot a
+    method has one colour in every panel."""
     import importlib.util
+
+    import matplotlib.figure
 
     spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
     leaderboard = importlib.util.module_from_spec(spec)
@@ -185,5 +188,18 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path):
     ]
     assert "| kvzip | 60.0 |\n| snapkv | 20.0 |" in (tmp_path / "leaderboard.md").read_text()
     assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figures.append(fig))
+    points = [
+        ("query_agnostic", "full", 0.0),
+        ("query_agnostic", "ablation", 0.5),
+        ("query_agnostic", "kvzip", 0.5),
+        ("query_aware", "full", 0.0),
+        ("query_aware", "kvzip", 0.5),
+    ]
+    leaderboard.plot([dict(mode=mode, method=method, ratio=ratio, score=50.0) for mode, method, ratio in points], tmp_path / "again.png")
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in figures[0].axes]
+    assert set(colours[0]) == {"ablation", "kvzip"} and set(colours[1]) == {"kvzip"}
+    assert colours[0]["kvzip"] == colours[1]["kvzip"]  # a method keeps its colour when another panel has fewer methods
     args = leaderboard.build_parser().parse_args(["--methods", "kvzip", "--ratios", "0.5", "--num_samples", "3"])
     assert leaderboard.sweep_args(args, True)[-1] == "--query_agnostic" and "--compression_ratios" in leaderboard.sweep_args(args, False)
