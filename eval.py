@@ -43,8 +43,8 @@ def build_parser() -> ArgumentParser:
         nargs="+",
         type=parse_size,
         default=None,
-        help="cache sizes for every compressing config: fractions of each example's own length, or slot counts (default: 0.5, or none "
-        "when --compression_ratios is given)",
+        help="cache sizes for every compressing config: fractions of each example's own length, or slot counts (default: each strategy's "
+        "own, 0.5, or 1.0 for duo_attention and hybrid; none when --compression_ratios is given)",
     )
     p.add_argument(
         "--compression_ratios",
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")
     if args.tensor_parallel and args.attention_metrics:
         raise ValueError("--attention_metrics measures every head in one process; drop --tensor_parallel")
-    sizes = (args.cache_sizes or ([] if args.compression_ratios else ["0.5"])) + args.compression_ratios
+    sizes = None if not (args.cache_sizes or args.compression_ratios) else (args.cache_sizes or []) + args.compression_ratios
     if args.query_agnostic and any(isinstance(t, PerplexityTask) for t in tasks):
         raise ValueError("--query_agnostic compresses a context before its question; the perplexity tasks (book_*) have no question")
     jobs = jobs_for(args.cache_config, sizes, tasks, args.context_lengths, args.ppl_prompt_tokens, args.query_agnostic)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kvlab import parallel
 from kvlab.build import build_caches, plan_layer_budgets
+from kvlab.cache import KVCache
 from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config, model_scored
@@ -31,6 +32,7 @@ from kvlab.convert import default_checkpoint
 from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
 from kvlab.model import ModelArgs, Transformer
 from kvlab.results import FULL, append_record, rank_file, read_job_records, read_records, rewrite_complete_lines
+from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
 from kvlab.tasks.ruler import ContextTooShortError, minimum_context_length
@@ -175,14 +177,15 @@ def parse_size(text: str) -> str:
 
 def jobs_for(
     configs: list[str],
-    sizes: list[str],
+    sizes: list[str] | None,
     tasks: list[GenerationTask | PerplexityTask],
     context_lengths: list[int],
     ppl_prompt_tokens: int = 1,
     query_agnostic: bool = False,
 ) -> list[Job]:
     """The full config runs once (it keeps every token, so both protocols are the same run); every other
-    config once per size."""
+    config once per size, or with None at its strategy's default size (0.5; 1.0 for duo_attention and
+    hybrid, whose heads or policies set the compression)."""
     stems: dict[str, str] = {}
     for config in configs:
         stem = Path(config).stem
@@ -192,7 +195,8 @@ def jobs_for(
     jobs = []
     for config in configs:
         strategy = load_cache_config(config).get("cache_strategy", FULL)
-        for size in [FULL] if strategy == FULL else sizes:
+        own = [str(float(CACHE_STRATEGIES.get(strategy, KVCache).default_cache_length))]  # an unknown strategy: cache_spec names it later
+        for size in [FULL] if strategy == FULL else own if sizes is None else sizes:
             for task in tasks:
                 prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
                 agnostic = query_agnostic and strategy != FULL

@@ -484,3 +484,14 @@ def test_a_checkpoint_name_cannot_leave_out_dir(tmp_path, smollm_dir):
     with pytest.raises(SystemExit, match=r"checkpoint name '\.\./\.\./escaped'"):
         run_eval(tmp_path / "a" / "b" / "out", *KJV, "--checkpoint_path", str(checkpoint))
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "a" / "escaped").exists()
+
+
+def test_without_sizes_each_config_runs_at_its_strategys_default_size():
+    """No --cache_sizes: a config runs at its strategy's own default (duo_attention and hybrid keep every
+    token in their retrieval heads or policies, so a 0.5 cache could not hold their prompts); given sizes
+    and ratios apply to every compressing config."""
+    tasks = resolve_tasks(["niah_single_1"])
+    jobs = evaluate.jobs_for(["full", "snapkv", "duo_attention", "hybrid"], None, tasks, [1024])
+    assert [(j.config, j.size) for j in jobs] == [("full", "full"), ("snapkv", "0.5"), ("duo_attention", "1.0"), ("hybrid", "1.0")]
+    jobs = evaluate.jobs_for(["snapkv", "duo_attention"], ["0.25", "ratio0.5"], tasks, [1024])
+    assert [(j.config, j.size) for j in jobs] == [("snapkv", "0.25"), ("snapkv", "ratio0.5"), ("duo_attention", "0.25"), ("duo_attention", "ratio0.5")]
