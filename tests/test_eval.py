@@ -167,8 +167,8 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
     use_echo_task(monkeypatch)
     recorded, scored = [], []
     original_record, original_score = PrefillRecorder.prefill, AttentionScores.__call__
-    monkeypatch.setattr(PrefillRecorder, "prefill", lambda self, *a: recorded.append(1) or original_record(self, *a))
-    monkeypatch.setattr(AttentionScores, "__call__", lambda self, *a: scored.append(1) or original_score(self, *a))
+    monkeypatch.setattr(PrefillRecorder, "prefill", lambda self, *a, **kw: recorded.append(1) or original_record(self, *a, **kw))
+    monkeypatch.setattr(AttentionScores, "__call__", lambda self, *a, **kw: scored.append(1) or original_score(self, *a, **kw))
     configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv", "squeeze_heavy_hitter"], ["0.9", "0.8"]
     run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", *sizes, "--num_samples", "4")
     assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 9 runs (squeeze plans from the same prefill)
