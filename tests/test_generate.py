@@ -220,3 +220,21 @@ def test_checkpoint_of_unknown_shape_is_one_error_line(tmp_path, smollm_dir):
     unknown = f"unknown model config keys ['n_embd']; valid keys: {valid}"
     reconvert = f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {tmp_path} and convert again)"
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: bad 'model' section ({unknown}); {reconvert}"]
+
+
+def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys):
+    """Under --compile_prefill the warm-up prefills the real first batch, so a prompt longer than its cache
+    compiles the compressing branch before the timed prefill (8-token warm-up prompts never reached it, and
+    the timed prefill recompiled); without it, the warm-up stays 8 tokens."""
+    import generate as cli
+
+    calls = []
+    real = cli.generate
+    monkeypatch.setattr(cli, "generate", lambda model, prompts, *a, **kw: calls.append([len(p) for p in prompts]) or real(model, prompts, *a, **kw))
+    monkeypatch.setattr(cli.torch, "compile", lambda fn, **kw: fn)  # the wiring, not Inductor, is under test
+    prompt = "The history of the Roman Empire begins with the founding of the city, and over many centuries it grew into"
+    settings = ["--prompt", prompt, "--cache_strategy", "heavy_hitter", "--recent_window", "4", "--max_new_tokens", "4"]
+    cli.main([*settings, "--compile_prefill"])
+    cli.main(settings)
+    capsys.readouterr()
+    assert calls[0] == calls[1] == [21] and calls[2] == [8] and calls[3] == [21]  # warm-up, run; warm-up, run
