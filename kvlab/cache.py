@@ -59,6 +59,7 @@ class KVCache(nn.Module):
     takes_prompt_compressor: bool = False  # keeps the prompt tokens a `PromptCompressor` ranks highest
     keeps_history: bool = False  # recallable: holds every token (`history` slots) and attends `capacity` of them
     shares_pool: bool = False  # one object serves every layer (`for_layers`): a paged pool
+    attends_itself: bool = False  # decode attention comes from attend() (a kernel over its own storage), not update() + the model's
     per_layer: bool = False  # built with its model layer (`layer=`): heads calibrated per layer (DuoAttention)
     options: tuple[Option, ...] = STORAGE_OPTIONS
     default_global_tokens, default_recent_window = 0, 0  # protected tokens: a layer budget planner's floor
@@ -88,6 +89,10 @@ class KVCache(nn.Module):
         raise NotImplementedError
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        """Insert the step's keys/values and return its attention output [B, H, T, D]; only called when `attends_itself` is True."""
         raise NotImplementedError
 
     def observe(self, probs: Tensor) -> None:

@@ -8,6 +8,8 @@ to its KV cache only through the `KVCache` interface of `cache.py`:
     decode:   `cache.update(...)` inserts the step's keys/values and returns what to attend over
               plus each slot's token position (-1 = empty); the mask is derived from positions.
               Caches with `needs_attention` get the attention probabilities via `cache.observe`.
+              A cache that `attends_itself` (the paged pool's FlexAttention path) returns the
+              step's attention from `cache.attend(...)` instead.
 
 q/k layout: rotate-half (the Hugging Face convention). HF checkpoints load unchanged; GGUF files,
 whose q/k rows are permuted for interleaved RoPE, are un-permuted at conversion (checkpoint.py).
@@ -154,6 +156,8 @@ class Attention(nn.Module):
             else:
                 y = self.exact_attention(q, k, v)
             self.kv_cache.prefill(input_pos, k, v, q, **extra)
+        elif self.kv_cache.attends_itself:
+            y = self.kv_cache.attend(input_pos, k, v, q)
         else:
             keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **extra)
             mask = attention_mask(key_pos, input_pos)

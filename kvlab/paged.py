@@ -5,7 +5,8 @@ Memory is one pool of blocks shared by all layers, sequences and heads; a block 
 KVs of one (sequence, layer, KV head), and block tables list each head's blocks in order. A head that
 keeps fewer KVs holds fewer blocks, so with a pool sized to a memory budget the physical KV bytes
 really fall with the compression rate (a dense [B, H, C, D] buffer cannot give back what one head
-leaves unused). Attention gathers each head's blocks into a masked static-shape view.
+leaves unused). Attention gathers each head's blocks into a masked static-shape view, or (kvc_attention
+flex) FlexAttention reads them in place through a block mask built from the block tables.
 
 KV-Compress scores every KV by the *squared* attention probabilities it received, summed over the
 observed queries and over the query heads sharing its KV head (the cache is never repeated per query
@@ -35,7 +36,9 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kvlab import parallel
 from kvlab.cache import KVCache, refuse_decode_room
@@ -45,6 +48,7 @@ from kvlab.scores import pool_keys, received_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
+KVC_ATTENTION = ("gather", "flex")
 VIEW_ROUND = 8  # the attention view is VIEW_ROUND x a power of two blocks (capped): O(log) shapes for a compiled step
 
 
@@ -84,8 +88,16 @@ class PagedKV(nn.Module):
         scope: str = "model",
         head_floor: float = 0.0,
         compress_every: int = 1,
+        attention: str = "gather",
     ) -> None:
         super().__init__()
+        if attention not in KVC_ATTENTION:
+            raise ValueError(f"kvcompress: kvc_attention must be one of {', '.join(KVC_ATTENTION)}; got {attention!r}")
+        if attention == "flex" and compress_every > 0:
+            raise ValueError(
+                f"kvcompress: kvc_attention flex needs kvc_compress_every 0 (got {compress_every}): FlexAttention returns no probabilities "
+                "for the continual metric; use kvc_attention gather to compress during decoding"
+            )
         if metric not in KVC_METRICS or scope not in KVC_SCOPES:
             raise ValueError(
                 f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of {', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
@@ -98,7 +110,7 @@ class PagedKV(nn.Module):
         self.block_size, self.window, self.kernel, self.full, self.skip = block_size, window, kernel, full, skip
         self.protect = (32 if full else window) if protect is None else protect
         self.metric_kind, self.scope, self.head_floor, self.compress_every = metric, scope, head_floor, compress_every
-        self.continual = compress_every > 0
+        self.continual, self.attention = compress_every > 0, attention
         self.n_layer = n_layer
         self.max_blocks = math.ceil(history / block_size)  # per head: a head never holds more than the sequence
         self.full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks  # every sequence uncompressed
@@ -111,6 +123,10 @@ class PagedKV(nn.Module):
         self.register_buffer("budget", torch.full((B, L), history, dtype=torch.long, device=device), persistent=False)  # tokens per head
         self.register_buffer("last_pos", torch.full((B,), -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("active", torch.zeros(B, dtype=torch.bool, device=device), persistent=False)
+        # (layer, row, head) holding each slot's block, for FlexAttention's mask function; kept up to date host-side
+        # (`_track_owners`): built inside a compiled step, or read per block (owner[kv // block]), it broke
+        # Inductor's CPU flex kernel (torch 2.13: wrong values, then C++ that did not compile)
+        self.register_buffer("owner", torch.full(((self.pool.n_blocks + 1) * block_size,), -1, dtype=torch.long, device=device), persistent=False)
         self.prefill_rows: Tensor | None = None
         self.view_blocks = view_width(0, self.max_blocks)  # blocks per head the attention view gathers (host-side: see view_width)
         self.steps = 0
@@ -122,6 +138,51 @@ class PagedKV(nn.Module):
         """Write one token per row (input_pos [R, 1], -1: none) after each head's last KV; return the
         gathered view (keys, values [R, H, W x block, D], positions [R, H, W x block]). A step may run the
         first R <= batch rows only (a server whose higher rows are idle)."""
+        self._write(layer, input_pos, k, v)
+        return self.view(layer, input_pos.shape[0])
+
+    def attend(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        """`append`, then attention straight over the pool with FlexAttention (kvc_attention flex): each
+        row's query heads visit their KV head's blocks as the block table lists them, so no view is
+        gathered. Returns y [R, H_q, 1, D]; a row without a token this step gets zeros."""
+        self._write(layer, input_pos, k, v)
+        D = self.pool.k.shape[-1]
+        keys, values = self.pool.k.view(1, 1, -1, D), self.pool.v.view(1, 1, -1, D)
+        return flex_attention(q, keys, values, block_mask=self.block_mask(layer, input_pos, q.shape[1]), enable_gqa=True)
+
+    def block_mask(self, layer: int, input_pos: Tensor, n_query_heads: int) -> BlockMask:
+        """FlexAttention's block mask over the whole pool for one decode step of a layer, from its block
+        tables: every held block of a head but the last is full (compaction keeps its KVs a prefix), the
+        last is masked by position. The mask function also checks which head owns a block (`owner`), so
+        the unfused (eager) path, which applies it to every slot of the pool, gives the same answer."""
+        R, bs = input_pos.shape[0], self.block_size
+        n, table = self.length[layer, :R], self.table[layer, :R].clamp(min=0)  # [R, H], [R, H, M]
+        H, M = n.shape[1], table.shape[-1]
+        group, columns = n_query_heads // H, self.pool.n_blocks + 1  # flex wants block columns spanning the whole pool
+        full = n // bs
+        last = table.gather(-1, full.clamp(max=M - 1)[..., None])
+
+        def per_query_head(x: Tensor, width: int) -> Tensor:
+            return F.pad(x, (0, width)).repeat_interleave(group, dim=1)[:, :, None].to(torch.int32)
+
+        pos, current, first = self.pool.pos.view(-1), input_pos[:, -1], layer * self.table.shape[1] * H
+
+        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            key_pos = pos[kv_idx]
+            return (key_pos >= 0) & (key_pos <= current[b]) & (self.owner[kv_idx] == first + b * H + h // group)
+
+        return BlockMask.from_kv_blocks(
+            per_query_head(n % bs > 0, 0)[..., 0],
+            per_query_head(last, columns - 1),
+            per_query_head(full[..., None], 0)[..., 0],
+            per_query_head(table, columns - M),
+            BLOCK_SIZE=(1, bs),
+            mask_mod=visible,
+            seq_lengths=(1, columns * bs),
+            compute_q_blocks=False,
+        )
+
+    def _write(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         R = input_pos.shape[0]
         n = self.length[layer, :R]  # [R, H]
         writes = (input_pos >= 0).expand_as(n)
@@ -133,7 +194,6 @@ class PagedKV(nn.Module):
         self.pool.pos[block, offset] = torch.where(writes, input_pos, -1)
         self.pool.metric[block, offset] = 0.0
         self.length[layer, :R] += writes.long()
-        return self.view(layer, R)
 
     def view(self, layer: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
         blocks = self.table[layer, :rows, :, : self.view_blocks].clamp(min=0)  # [R, H, W]; -1 reads the null block
@@ -218,6 +278,22 @@ class PagedKV(nn.Module):
             where = full.nonzero(as_tuple=True)
             self.table[(*where, self.length[where] // self.block_size)] = self.pool.allocate(int(full.sum()))
         self.view_blocks = view_width(int(self._blocks_held().max()), self.max_blocks)
+        self._track_owners()
+
+    def _track_owners(self) -> None:
+        """After the host changed block tables: each slot's (layer, row, head), for FlexAttention's mask (`block_mask`)."""
+        if self.attention != "flex":
+            return
+        held = self.table >= 0
+        owner = torch.full((self.pool.n_blocks + 1,), -1, dtype=torch.long, device=self.table.device)
+        owner[self.table[held]] = torch.arange(held.numel() // held.shape[-1], device=held.device).repeat_interleave(held.shape[-1])[held.flatten()]
+        owner = owner.repeat_interleave(self.block_size)
+        if owner.shape == self.owner.shape:  # in place: a CUDA graph keeps reading the same buffer
+            self.owner.copy_(owner)
+            return
+        self.owner = owner
+        for pooled in (self.pool.k, self.pool.v, self.pool.pos, self.owner):  # a resized pool recompiles the step at its new size: with
+            torch._dynamo.mark_static(pooled)  # the KV length symbolic, Inductor's CPU flex kernel emits C++ that does not compile (torch 2.13)
 
     def compress_row(self, row: int) -> int:
         """Evict the lowest-scoring chunks of sequence `row` until its blocks fit its budget; compact the
@@ -310,6 +386,7 @@ class PagedKV(nn.Module):
         self.length[:, row] = 0
         self.active[row] = False
         self.last_pos[row] = -1
+        self._track_owners()
 
     def _release(self, table: Tensor) -> None:
         self.pool.release(table[table >= 0])
@@ -378,6 +455,14 @@ class KVCompressCache(KVCache):
             minimum=0,
             param="compress_every",
         ),
+        choice(
+            "kvc_attention",
+            KVC_ATTENTION,
+            "gather",
+            "kvcompress: decode attention over a gathered view of each head's blocks, or FlexAttention straight over the pool from the "
+            "block tables (flex: needs kvc_compress_every 0; pays with a compiled decode step, bench/results/paged_attention_cpu.md)",
+            param="attention",
+        ),
     )
 
     def __init__(self, paged: PagedKV, layer: int) -> None:
@@ -385,6 +470,7 @@ class KVCompressCache(KVCache):
         self.paged, self.layer = paged, layer
         self.capacity = paged.max_blocks * paged.block_size
         self.needs_attention = paged.continual
+        self.attends_itself = paged.attention == "flex"
 
     @classmethod
     def for_layers(
@@ -410,6 +496,9 @@ class KVCompressCache(KVCache):
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.paged.append(self.layer, input_pos, k, v)
+
+    def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        return self.paged.attend(self.layer, input_pos, k, v, q)
 
     def observe(self, probs: Tensor) -> None:
         self.paged.observe(self.layer, probs)

@@ -76,3 +76,15 @@ def test_kvcompress_compiled_equals_eager_on_cuda_float32(smollm_dir):
     torch._dynamo.reset()
     compiled = generate(model, prompts, 32, spec, decode_step=compile_decode_step(torch.device("cuda")))
     assert compiled.tokens == eager.tokens and eager.cache_stats["kvcompress: blocks freed"] > 0
+
+
+def test_kvcompress_flex_attention_compiled_equals_the_gathered_path_on_cuda_float32(smollm_dir):
+    model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
+    prompts = [tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)), tokenizer.encode("Water boils at")]
+    options = dict(kvc_block_size=16, kvc_compress_every=0)
+    gathered = generate(model, prompts, 32, spec_for(model, "kvcompress", 0.25, **options))
+    torch._dynamo.reset()
+    flex = generate(
+        model, prompts, 32, spec_for(model, "kvcompress", 0.25, kvc_attention="flex", **options), decode_step=compile_decode_step(torch.device("cuda"))
+    )
+    assert flex.tokens == gathered.tokens and gathered.cache_stats["kvcompress: blocks freed"] > 0

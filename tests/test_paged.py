@@ -5,6 +5,7 @@ and compiled == eager."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -329,3 +330,57 @@ def test_cli_reports_an_exhausted_pool_in_one_line():
     proc = run_cli("--cache_strategy", "kvcompress", "--kvc_pool_blocks", "1", "--max_new_tokens", "2")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: kvcompress: the pool has 1 free blocks of 1") and "--kvc_pool_blocks" in proc.stderr
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_over_the_pool_equals_attention_over_the_gathered_view(compiled):
+    """Two rows of different lengths after compression (heads holding different block counts, last
+    blocks partly filled), and an idle third row: FlexAttention over the pool from the block tables
+    gives the gathered view's attention for every active row and query head, and writes the same KVs."""
+    paged, _, _ = filled_pool(L=1, B=3, H=2, T=45, D=8, block_size=4, seed=5, attention="flex", compress_every=0)
+    paged.pool.k.normal_()
+    paged.pool.v.normal_()
+    paged.budget[0], paged.budget[1] = 9, 14
+    paged.release_row(2)
+    for row in (0, 1):
+        paged.compress_row(row)
+    paged.make_room()
+    gathered = copy.deepcopy(paged)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+    input_pos = torch.tensor([[45], [45], [-1]])
+    keys, values, pos = gathered.append(0, input_pos, k, v)
+    expected, _ = grouped_attention(q, keys, values, (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= input_pos[:, None, :, None]), False)
+    attend = torch.compile(paged.attend) if compiled else paged.attend
+    y = attend(0, input_pos, k, v, q)
+    assert (paged.length[0, 0] != paged.length[0, 1]).any() and (paged.length[0, :2] % 4 != 0).all()
+    torch.testing.assert_close(y[:2], expected[:2])
+    assert (y[2] == 0).all()
+    assert torch.equal(paged.length, gathered.length) and torch.equal(paged.pool.k, gathered.pool.k) and torch.equal(paged.pool.pos, gathered.pool.pos)
+
+
+def test_kvcompress_with_flex_attention_generates_the_gathered_paths_tokens_eager_compiled_and_served(tiny_model):
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
+    options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3, kvc_compress_every=0)
+    gathered = generate(tiny_model, prompts, 24, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=44)
+    spec = spec_for(tiny_model, "kvcompress", 0.4, kvc_attention="flex", **options)
+    flex = generate(tiny_model, prompts, 24, spec, max_seq_length=44)
+    assert tiny_model.layers[0].attention.kv_cache.attends_itself
+    assert flex.tokens == gathered.tokens and flex.cache_stats == gathered.cache_stats and flex.cache_stats["kvcompress: blocks freed"] > 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = compile_decode_step(torch.device("cpu"))
+    compiled = generate(tiny_model, prompts, 24, spec, max_seq_length=44, decode_step=step)
+    assert compiled.tokens == gathered.tokens and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one block-mask shape: no recompiles
+    other = [SERVED[2], SERVED[1][:3]]  # a batch whose pool is sized differently: one more graph, at that size
+    gathered_other = generate(tiny_model, other, 24, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=44)
+    assert generate(tiny_model, other, 24, spec, max_seq_length=44, decode_step=step).tokens == gathered_other.tokens
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    served = serve(tiny_model, SERVED, 12, 2, spec, max_seq_length=40)
+    assert served.tokens == serve(tiny_model, SERVED, 12, 2, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40).tokens
+
+
+def test_flex_attention_with_continual_compression_is_refused_naming_both_settings():
+    with pytest.raises(ValueError, match="kvc_attention flex needs kvc_compress_every 0 \\(got 1\\)"):
+        PagedKV(1, 1, 2, 4, torch.float32, None, history=64, attention="flex")
+    with pytest.raises(ValueError, match="kvc_attention must be one of gather, flex; got 'paged'"):
+        PagedKV(1, 1, 2, 4, torch.float32, None, history=64, attention="paged", compress_every=0)
