@@ -66,7 +66,7 @@ class AttentionProbe(nn.Module):
     """Stands in for a layer's cache: holds one sequence's prompt keys/values [1, H_kv, T, D], appends
     each pass's own, and keeps the attention each prompt key receives (max or sum over the passes)."""
 
-    needs_attention, needs_tokens = True, False
+    needs_attention, needs_tokens, attends_itself = True, False, False
 
     def __init__(self, k: Tensor, v: Tensor, reduce: str) -> None:
         super().__init__()
