@@ -234,6 +234,7 @@ class EvictionCache(KVCache):
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
         self.register_buffer("decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False)
+        self.decode_evicts = True  # False once limit_rows keeps room for every decoded token (a compression ratio)
 
     @classmethod
     def own_prompt_compressor(cls) -> PromptCompressor:
@@ -260,6 +261,7 @@ class EvictionCache(KVCache):
         self.row_budget.copy_(capacities.view(-1, 1, 1))
         self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))
         self.decode_room.copy_(room.view(-1, 1, 1))
+        self.decode_evicts = decode_room is None
 
     def head_budgets(self) -> Tensor:
         return self.row_capacity[..., 0]
@@ -269,8 +271,11 @@ class EvictionCache(KVCache):
         raise NotImplementedError
 
     def _eviction_idx(self, input_pos: Tensor) -> Tensor:
-        """[B, H_kv, 1] the slot each (sequence, KV head) gives to the incoming token: an empty one, else the least important."""
-        return self._slot_priorities(self._token_importances(), input_pos).argmin(dim=-1, keepdim=True)
+        """[B, H_kv, 1] the slot each (sequence, KV head) gives to the incoming token: an empty one, else the least important.
+        When the rows keep room for every decoded token, an empty slot always wins, so the strategy's score
+        (LagKV and KeyDiff rescore every held key) is not computed: the same slot, the first empty one."""
+        importances = self._token_importances() if self.decode_evicts else torch.zeros(self.pos.shape, device=self.pos.device)
+        return self._slot_priorities(importances, input_pos).argmin(dim=-1, keepdim=True)
 
     def _slot_priorities(self, importances: Tensor, input_pos: Tensor) -> Tensor:
         """Importances of the slots made ready for argmin: empty slots first, protected ones and slots beyond a

@@ -13,8 +13,10 @@ import torch
 import eval as kv_eval
 from conftest import ROOT
 from kvlab.build import build_caches
+from kvlab.cache import EvictionCache
 from kvlab.config import cache_spec
 from kvlab.engine import generate
+from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import resolve_tasks
 
 PROMPTS = [
@@ -104,6 +106,34 @@ def test_a_ratio_removes_that_share_of_the_prefill_and_evicts_nothing_after(smol
     after = torch.stack([(c.pos >= 0).sum(dim=-1)[0] for c in caches])
     assert after.eq(held + len(ids) - question + max_new - 1).all()  # every decoded token kept, no prompt token evicted
     assert all(before <= set(c.pos[0].flatten().tolist()) for before, c in zip(positions, caches, strict=True))
+    model.cache_key = None
+
+
+@pytest.mark.parametrize("strategy", ["lagkv", "expected_attention", "rkv"])
+def test_a_ratio_decode_skips_the_eviction_score_and_generates_the_same(smollm, monkeypatch, strategy):
+    """Under a ratio every decoded token has an empty slot, so the decode step does not score the held
+    tokens; forcing the score (as before) picks the same slots: the same tokens, in a batch of two."""
+    model, tokenizer, _ = smollm
+    spec = ratio_spec(model, strategy, 0.5, recent_window=4)
+    encoded = [encode(tokenizer, p) for p in PROMPTS]
+    prompts, decoded = [ids for ids, _ in encoded], [len(ids) - q for ids, q in encoded]
+    scored = []
+    cls = CACHE_STRATEGIES[strategy]
+    own = cls._token_importances
+    monkeypatch.setattr(cls, "_token_importances", lambda self: scored.append(1) or own(self))
+    skipped = generate(model, prompts, 8, spec, decoded_prompt_tokens=decoded).tokens
+    assert not scored
+
+    limit_rows = EvictionCache.limit_rows
+
+    def scoring_limit_rows(self, capacities, decode_room=None):
+        limit_rows(self, capacities, decode_room)
+        self.decode_evicts = True
+
+    monkeypatch.setattr(EvictionCache, "limit_rows", scoring_limit_rows)
+    model.cache_key = None
+    assert generate(model, prompts, 8, spec, decoded_prompt_tokens=decoded).tokens == skipped
+    assert scored  # the forced run did score
     model.cache_key = None
 
 
