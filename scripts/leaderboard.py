@@ -84,6 +84,20 @@ def leaderboard(summary: Path, context_length: int) -> list[dict[str, Any]]:
     return [dict(mode=m, method=c, ratio=float(x), score=sum(v) / len(v), tasks=len(v)) for (m, c, x), v in sorted(scores.items())]
 
 
+def cell_text(row: dict[str, Any] | None, full: dict[str, Any] | None) -> str:
+    """A cell's mean score, flagged when it covers fewer tasks than the full cache (a sweep still running)."""
+    if row is None:
+        return ""
+    missing = full is not None and row["tasks"] < full["tasks"]
+    return f"{row['score']:.1f}" + (f" ({row['tasks']}/{full['tasks']} tasks)" if missing else "")
+
+
+def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells over every task the full cache ran: a mean over fewer tasks would not be comparable."""
+    full_tasks = {r["mode"]: r["tasks"] for r in rows if r["method"] == FULL}
+    return [r for r in rows if r["tasks"] >= full_tasks.get(r["mode"], 0)]
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One table per protocol: methods by ratio, the full cache as the first row, methods by mean score."""
     out = []
@@ -93,11 +107,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         if not ratios:  # this protocol was not run (only the shared full cache is there)
             continue
         cell = {(r["method"], r["ratio"]): r for r in mine}
-        full = next((r["score"] for r in mine if r["method"] == FULL), None)
+        full = next((r for r in mine if r["method"] == FULL), None)
         methods = sorted({r["method"] for r in mine if r["method"] != FULL}, key=lambda m: -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell))
-        out += [f"**{mode}** (mean RULER score; full cache: {'-' if full is None else f'{full:.1f}'})", ""]
+        full_score = "-" if full is None else f"{full['score']:.1f}"
+        out += [f"**{mode}** (mean RULER score; full cache: {full_score})", ""]
         out += ["| method | " + " | ".join(f"{x:g}" for x in ratios) + " |", "|---|" + "---|" * len(ratios)]
-        out += [f"| {m} | " + " | ".join(f"{cell[m, x]['score']:.1f}" if (m, x) in cell else "" for x in ratios) + " |" for m in methods]
+        out += [f"| {m} | " + " | ".join(cell_text(cell.get((m, x)), full) for x in ratios) + " |" for m in methods]
         out.append("")
     return "\n".join(out)
 
@@ -140,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (args.out_dir / "leaderboard.md").write_text(markdown(rows))
-    plot(rows, args.out_dir / "leaderboard.png")
+    plot(complete(rows), args.out_dir / "leaderboard.png")
     print(markdown(rows), end="")
 
 

@@ -184,8 +184,9 @@ def test_query_agnostic_needs_a_context_question_split(tmp_path):
 
 def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monkeypatch):
     """The table and plot from a summary.csv: the mean over tasks per (protocol, method, ratio), the full
-    cache the reference of both protocols, cache-size runs and other context lengths left out; in the plot a
-    method has one colour in every panel."""
+    cache the reference of both protocols, cache-size runs and other context lengths left out; a cell over fewer
+    tasks than the full cache flagged in the table and left out of the plot; in the plot a method has one colour
+    in every panel."""
     import importlib.util
 
     import matplotlib.figure
@@ -216,10 +217,15 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         ("query_aware", "full", 0.0, 70.0, 2),
         ("query_aware", "kvzip", 0.5, 70.0, 1),
     ]
-    assert "| kvzip | 60.0 |\n| snapkv | 20.0 |" in (tmp_path / "leaderboard.md").read_text()
+    assert "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()  # a sweep still running
+    assert "| kvzip | 70.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()
     assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figures.append(fig))
+    leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
+    plotted = [{line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} for ax in figures[0].axes]
+    assert plotted == [{"kvzip": [70.0, 60.0]}]  # the cells over fewer tasks than the full cache are left out of the plot
+    figures.clear()
     points = [
         ("query_agnostic", "full", 0.0),
         ("query_agnostic", "ablation", 0.5),
