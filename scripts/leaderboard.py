@@ -47,7 +47,12 @@ MODES = {"query_agnostic": True, "query_aware": False}
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), help=f"cache configs (names in configs/ or YAML paths) (default: {' '.join(METHODS)})")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        help=f"cache configs (names in configs/ or YAML paths); the table and plot show these and the full cache, whatever else --out_dir holds (default: {' '.join(METHODS)})",
+    )
     p.add_argument("--ratios", nargs="+", default=list(RATIOS), help=f"compression ratios (default: {' '.join(RATIOS)})")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="protocols (default: both)")
     p.add_argument("--tasks", nargs="+", default=["ruler"], help="RULER tasks (default: ruler, all 13)")
@@ -70,12 +75,14 @@ def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
     return argv + ["--compile"] * args.compile + ["--query_agnostic"] * query_agnostic
 
 
-def leaderboard(summary: Path, context_length: int) -> list[dict[str, Any]]:
-    """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished."""
+def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[dict[str, Any]]:
+    """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished, for
+    `methods` and the full cache (an out_dir may also hold ablations and cache-size runs)."""
+    names = {FULL, *(Path(m).stem for m in methods)}
     scores: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     with summary.open(newline="") as f:
         for r in csv.DictReader(f):
-            if int(r["context_length"]) != context_length or not (r["size"] == FULL or r["size"].startswith("ratio")):
+            if int(r["context_length"]) != context_length or r["config"] not in names or not (r["size"] == FULL or r["size"].startswith("ratio")):
                 continue
             ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")
             modes = list(MODES) if r["size"] == FULL else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace) -> None:
     summary = args.out_dir / "summary.csv"
     if not summary.is_file():
         raise ValueError(f"no {summary}: run the sweeps first (drop --table_only)")
-    rows = leaderboard(summary, args.context_length)
+    rows = leaderboard(summary, args.context_length, args.methods)
     with (args.out_dir / "leaderboard.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mode", "method", "ratio", "score", "tasks"])
         writer.writeheader()

@@ -184,9 +184,9 @@ def test_query_agnostic_needs_a_context_question_split(tmp_path):
 
 def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monkeypatch):
     """The table and plot from a summary.csv: the mean over tasks per (protocol, method, ratio), the full
-    cache the reference of both protocols, cache-size runs and other context lengths left out; a cell over fewer
-    tasks than the full cache flagged in the table and left out of the plot; in the plot a method has one colour
-    in every panel."""
+    cache the reference of both protocols, cache-size runs, other context lengths and configs not in --methods
+    left out; a cell over fewer tasks than the full cache flagged in the table and left out of the plot; in
+    the plot a method has one colour in every panel."""
     import importlib.util
 
     import matplotlib.figure
@@ -203,6 +203,8 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         ("snapkv", "ratio0.5", True, "vt", 1024, 20.0),
         ("snapkv", "0.5", True, "vt", 1024, 99.0),  # a cache size, not a ratio
         ("snapkv", "ratio0.5", True, "vt", 2048, 99.0),  # another context length
+        ("ea_epsilon", "ratio0.5", True, "vt", 1024, 30.0),  # an ablation in the same out_dir, not in --methods
+        ("ea_epsilon", "ratio0.5", True, "qa_1", 1024, 10.0),
     ]
     with (tmp_path / "summary.csv").open("w", newline="") as f:
         writer = csv.writer(f)
@@ -225,6 +227,10 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
     plotted = [{line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} for ax in figures[0].axes]
     assert plotted == [{"kvzip": [70.0, 60.0]}]  # the cells over fewer tasks than the full cache are left out of the plot
+    leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024", "--methods", "kvzip", "docs/ablations/ea_epsilon.yaml"])
+    assert (
+        "| kvzip | 60.0 |\n| ea_epsilon | 20.0 |\n" in (tmp_path / "leaderboard.md").read_text() and "snapkv" not in (tmp_path / "leaderboard.md").read_text()
+    )
     figures.clear()
     points = [
         ("query_agnostic", "full", 0.0),
