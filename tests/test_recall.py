@@ -16,6 +16,7 @@ from kvlab.engine import compile_decode_step, generate
 from kvlab.recall import ClusterKVCache, QuestCache, cosine_kmeans
 from kvlab.strategies import WindowCache
 from test_generate import run_cli
+from tolerance import assert_reordered_close
 
 RECALLABLE = {"clusterkv": ClusterKVCache, "quest": QuestCache}
 
@@ -99,9 +100,14 @@ def test_a_budget_covering_the_sequence_equals_the_full_cache(smollm, strategy, 
 
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))
 def test_slow_tier_keeps_every_token(smollm, strategy):
-    """Every position's keys stay, exactly as a full cache holds them for the same tokens: all layers for the
-    prompt; layer 0 (whose keys depend on the token alone) for generated tokens too."""
+    """Every position's keys stay as a full cache holds them for the same tokens: all layers for the prompt;
+    layer 0 (whose keys depend on the token alone) for generated tokens too. The two runs differ only in
+    summation order (the full cache prefills prompt and generated tokens at once), so layer l's keys agree
+    to the rounding of l + 1 layers of sums of up to intermediate_size terms (tests/tolerance.py), and
+    layer 0's to one sum of dim terms: measured 5e-6 at most, bounds 2e-4 (layer 0) to 3e-2 (layer 29).
+    Keys stored in float16 (4e-3 off at layer 0) fail the layer-0 bound."""
     model, tokenizer, _ = smollm
+    a = model.config
     prompt = tokenizer.encode("Photosynthesis is the process by which plants turn light into sugar. " * 8)
     generated = generate(model, [prompt], 20, spec_for(model, strategy, 32, sink_tokens=4)).tokens[0]
     slow = [layer.attention.kv_cache.storage.k.clone() for layer in model.layers]
@@ -109,9 +115,11 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
     assert model.layers[3].attention.kv_cache.pos[0, :n].tolist() == list(range(n))
     generate(model, [prompt + generated[:19]], 1, spec_for(model, "full"))
     full = [layer.attention.kv_cache.storage.k for layer in model.layers]
-    for s, f in zip(slow, full, strict=True):
-        torch.testing.assert_close(s[:, :, : len(prompt)], f[:, :, : len(prompt)])
-    torch.testing.assert_close(slow[0][:, :, :n], full[0][:, :, :n])
+    for layer, (s, f) in enumerate(zip(slow, full, strict=True)):
+        assert_reordered_close(s[:, :, : len(prompt)], f[:, :, : len(prompt)], terms=a.intermediate_size, chain=layer + 1)
+    assert_reordered_close(slow[0][:, :, :n], full[0][:, :, :n], terms=a.dim)
+    with pytest.raises(AssertionError):
+        assert_reordered_close(slow[0][:, :, :n].half().float(), full[0][:, :, :n], terms=a.dim)
 
 
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))

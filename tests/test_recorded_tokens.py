@@ -1,7 +1,10 @@
 """Behaviour kept across refactors: every shipped config's greedy tokens, as recorded from main before the
 kvlab/ package move (tests/data/recorded_tokens.json), for a batch of two prompts of different lengths,
 for one prompt decoded through the compressed cache (compress_first_token, from a recorded prefill as
-eval runs it), and for kvcompress served by continuous batching."""
+eval runs it), and for kvcompress served by continuous batching. On torch's kernels (conftest.torch_kernels):
+kvlab's native ones part from the recording where a decision ties within rounding, e.g. kvc_ada_snapkv, whose
+eviction across every layer and head flips at the 4th decoded token (logits then 3.6e-2 apart, against 3e-5
+before) and whose 6th token's top two logits lie 0.0025 apart."""
 
 from __future__ import annotations
 
@@ -11,12 +14,18 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, torch_kernels
 from kvlab.config import CONFIGS_DIR, cache_spec, load_cache_config
 from kvlab.engine import RecordedPrefill, generate
 from kvlab.serving import serve
 
 RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def on_torch_kernels(smollm):
+    with torch_kernels(smollm[0]):
+        yield
 
 
 def test_every_shipped_config_is_recorded():

@@ -40,7 +40,9 @@ def test_writes_go_to_their_slots_only():
     storage.write(torch.tensor([[[2]]]), rows[:, :, 3:], rows[:, :, 3:])
     after = storage.read()[0]
     assert torch.equal(after[:, :, [0, 1, 3]], before[:, :, [0, 1, 3]]) and torch.equal(after[:, :, 2], before[:, :, 3])
-    assert torch.allclose(before, rows, atol=1e-3)  # each row lies on its own 4-bit grid (up to float16 scales)
+    low, high = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
+    float16_rounding = (high - low + low.abs()) * 2**-11  # each row on its own 4-bit grid, up to its float16 scale's and zero point's rounding
+    assert ((before - rows).abs() <= float16_rounding).all()
 
 
 @pytest.mark.parametrize("bits,key_axis", [(8, "token"), (4, "channel"), (2, "channel")])
@@ -63,27 +65,41 @@ def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
         return torch.cat([model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(n_prompt, len(ids))])
 
 
-def test_quantized_caches_stay_close_to_full_precision(smollm):
-    """8-bit: logits within 0.06 on average and 0.6 at worst, and the same greedy tokens; 4 bits: loss within 0.2
-    of full either way; 2 bits: per-channel keys (KIVI) beat per-token keys (bench/bench_quantization.py measures
-    4 bits too). The worst logit of 60 x 49,152 is a tail that moves with float summation order: 0.44 with
-    row-major weights, 0.52 column-major (lay_out_for_matvec), with mean errors 0.051 and 0.049."""
+def logit_errors_within_8bit_bounds(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> bool:
+    """8-bit KVs against full precision, teacher-forced: mean |logit error| < 0.06 and its 99.9th percentile
+    < 0.35, the same greedy tokens, and loss within 0.01. Measured on 60 x 49,152 logits: mean 0.049, 99.9th
+    percentile 0.27, max 0.44 to 0.61. The max is a tail of a few logits that moves with fp32 summation order
+    (weights' layout, AVX2 or AVX-512), so it is not bounded; the percentile moves by a few percent."""
+    errors = (logits - reference).abs().flatten()
+    tail = torch.quantile(errors[:: errors.numel() // 2**24 + 1], 0.999).item()  # torch.quantile takes at most 2^24 values
+    loss = F.cross_entropy(logits[:-1], targets).item() - F.cross_entropy(reference[:-1], targets).item()
+    return errors.mean().item() < 0.06 and tail < 0.35 and torch.equal(logits.argmax(-1), reference.argmax(-1)) and abs(loss) < 0.01
+
+
+def truncating_encode(storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """QuantizedKVStorage._encode with codes rounded down instead of to the nearest level: a half-step bias."""
+    codes = ((x.float() - zero.float()) / scale.float()).floor().clamp(0, 2**storage.bits - 1).to(torch.uint8)
+    return (codes.view(*codes.shape[:-1], -1, 8 // storage.bits) << storage.shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def test_quantized_caches_stay_close_to_full_precision(smollm, monkeypatch):
+    """8 bits: within logit_errors_within_8bit_bounds, which codes rounded down instead of to nearest
+    (measured mean 0.091, 99.9th percentile 0.40) fail; 4 bits: loss within 0.2 of full either way; 2 bits:
+    per-channel keys (KIVI) beat per-token keys (bench/bench_quantization.py measures 4 bits too)."""
     model, tokenizer, _ = smollm
     ids = tokenizer.encode(paul_graham_text()[:4000])[:360]
     n_prompt = 300
     targets = torch.tensor(ids[n_prompt + 1 :])
     reference = teacher_forced_logits(model, ids, n_prompt)
-    eight = teacher_forced_logits(model, ids, n_prompt, cache_bits=8)
-    assert (eight - reference).abs().mean() < 0.06
-    assert (eight - reference).abs().max() < 0.6
-    assert torch.equal(eight.argmax(-1), reference.argmax(-1))
-    nll = {"full": F.cross_entropy(reference[:-1], targets).item(), 8: F.cross_entropy(eight[:-1], targets).item()}
-    assert abs(nll[8] - nll["full"]) < 0.01
+    assert logit_errors_within_8bit_bounds(teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets)
+    nll = {"full": F.cross_entropy(reference[:-1], targets).item()}
     for bits in (4, 2):
         for axis in ("token", "channel"):
             nll[bits, axis] = F.cross_entropy(teacher_forced_logits(model, ids, n_prompt, cache_bits=bits, key_quant_axis=axis)[:-1], targets).item()
     assert abs(nll[4, "token"] - nll["full"]) < 0.2 and abs(nll[4, "channel"] - nll["full"]) < 0.2
     assert nll["full"] < nll[2, "channel"] < nll[2, "token"]
+    monkeypatch.setattr(QuantizedKVStorage, "_encode", truncating_encode)
+    assert not logit_errors_within_8bit_bounds(teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets)
 
 
 def channel_scores_direct(input_pos: torch.Tensor, k: torch.Tensor, q: torch.Tensor, window: int) -> torch.Tensor:
