@@ -15,8 +15,9 @@ from conftest import ROOT, make_tiny_model, spec_for
 from kvlab import kernels
 from kvlab.build import make_caches
 from kvlab.engine import generate
+from kvlab.kernels import reordering_atol
 from kvlab.quantize import Int8Linear, Quantization, quantize_int8, quantize_model
-from tolerance import assert_reordered_close, reordering_atol
+from tolerance import assert_reordered_close
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 

@@ -15,21 +15,9 @@ token, mask or scale moves values by whole percent or more), and each test that 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-LAMBDA = 8.0
-
-
-def reordering_atol(terms: int, magnitude: float, chain: int = 1, dtype: torch.dtype = torch.float32) -> float:
-    """The largest difference between two computations of the same value whose sums of `terms` products run
-    in different orders, for products of total magnitude `magnitude` (the largest magnitude compared, when
-    the test has no better one), through `chain` such sums in sequence."""
-    if terms < 1 or chain < 1 or magnitude < 0:
-        raise ValueError(f"terms and chain must be >= 1 and magnitude >= 0, got {terms}, {chain}, {magnitude}")
-    return chain * 2 * LAMBDA * math.sqrt(terms) * UNIT_ROUNDOFF[dtype] * magnitude
+from kvlab.kernels import reordering_atol
 
 
 def assert_reordered_close(actual: torch.Tensor, expected: torch.Tensor, terms: int, chain: int = 1, magnitude: float | None = None) -> None:

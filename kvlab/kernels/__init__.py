@@ -13,6 +13,7 @@ rows; torch's kernels run everything else (prefill, GPUs, other dtypes, autograd
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,21 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
 REASON = "not loaded"  # why not, or which instruction set they run
+
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+LAMBDA = 8.0
+
+
+def reordering_atol(terms: int, magnitude: float, chain: int = 1, dtype: torch.dtype = torch.float32) -> float:
+    """The largest difference between two computations of the same value whose sums of `terms` products run
+    in different orders (the native ops against torch's, AVX2 against AVX-512), for products of total
+    magnitude `magnitude`, through `chain` such sums in sequence: 2 lambda sqrt(terms) u per sum, the
+    probabilistic rounding bound of Higham and Mary (2019), exceeded with probability about 3e-14 at
+    lambda = 8 (tests/tolerance.py)."""
+    if terms < 1 or chain < 1 or magnitude < 0:
+        raise ValueError(f"terms and chain must be >= 1 and magnitude >= 0, got {terms}, {chain}, {magnitude}")
+    return chain * 2 * LAMBDA * math.sqrt(terms) * UNIT_ROUNDOFF[dtype] * magnitude
 
 
 def build_dir() -> Path:
