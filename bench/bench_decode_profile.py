@@ -3,6 +3,7 @@
     python bench/bench_decode_profile.py                  # CPU, float32, 512-token prompt
     python bench/bench_decode_profile.py --prompt_length 2048
     python bench/bench_decode_profile.py --weights int8 --settings default   # bench/results/decode_profile_int8_cpu.md
+    python bench/bench_decode_profile.py --settings default --out bench/results/decode_profile_native_cpu.md   # with kvlab's native kernels
 
 Three parts, all from one run:
 1. the floor: seconds to stream the model's weights once (a batch-1 pass over every Linear and the LM
@@ -38,6 +39,7 @@ from common import (
     table,
     write_results,
 )
+from kvlab import kernels
 from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.model import lay_out_for_matvec
 from kvlab.quantize import Int4Linear, Int8Embedding, Int8Linear
@@ -51,8 +53,8 @@ SETTINGS = {
     "max_autotune": {"max_autotune": True},
 }
 CATEGORIES = (
-    ("matmul (weights)", ("mm", "addmm", "linear", "mkl", "onednn", "mkldnn", "gemm", "_weight_int")),
-    ("attention", ("scaled_dot_product", "flash", "attention", "bmm")),
+    ("matmul (weights)", ("mm", "addmm", "linear", "mkl", "onednn", "mkldnn", "gemm", "_weight_int", "kvlab::gated")),
+    ("attention", ("scaled_dot_product", "flash", "attention", "bmm", "kvlab::attend")),
     ("fused Inductor kernels", ("cpp_fused", "triton_")),
     ("copies and indexing", ("copy_", "index", "scatter", "gather", "cat", "clone", "to_copy")),
     ("framework (graph call, guards)", ("compiledfxgraph", "dynamo", "compiled region", "pregraph")),
@@ -121,6 +123,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the median is reported (default: 3)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="Inductor settings to time (default: all)")
     args = parse_bench_args(p, "decode_profile")
+    kernels.load()
     bench = load_bench(args.device, args.dtype, args.weights)
     device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
 
@@ -128,7 +131,8 @@ def main() -> None:
     print(f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth {bandwidth:.1f} GB/s", flush=True)
     eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
     rates = {}
-    if device.type == "cpu" and args.weights == "float":  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
+    compare_layouts = device.type == "cpu" and args.weights == "float" and not kernels.NATIVE  # native kernels read row-major weights only
+    if compare_layouts:  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
         with row_major_weights(model):
             row_major_eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
             step = compile_decode_step(device)
@@ -151,16 +155,17 @@ def main() -> None:
         f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}"
         + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
-        f"torch {torch.__version__}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
+        f"torch {torch.__version__}; kernels: {'native ' + kernels.REASON if kernels.NATIVE else 'torch (' + kernels.REASON + ')'}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
         "",
         "## The floor",
         "",
         *table(
-            "weights (Linear + LM head) | batch-1 pass over them | read bandwidth (1 GiB sum) | weights / bandwidth | tok/s bound",
+            "weights (Linear + LM head) | batch-1 pass over them | the pass's GB/s | read bandwidth (1 GiB sum) | weights / bandwidth | tok/s bound",
             [
                 row(
                     f"{weight_bytes / 1e6:.0f} MB",
                     f"{pass_seconds * 1e3:.1f} ms",
+                    f"{weight_bytes / pass_seconds / 1e9:.1f}",
                     f"{bandwidth:.1f} GB/s",
                     f"{weight_bytes / bandwidth / 1e6:.1f} ms",
                     f"{1 / pass_seconds:.1f}",
@@ -174,7 +179,7 @@ def main() -> None:
             [row("eager", f"{eager:.1f}", f"{eager / base:.2f}x", "1.00x", f"{1e3 / eager:.1f}", f"{pass_seconds * eager:.0%}")]
             + [
                 row("eager, row-major weights", f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}")
-                for r in ([row_major_eager] if device.type == "cpu" and args.weights == "float" else [])
+                for r in ([row_major_eager] if compare_layouts else [])
             ]
             + [row(name, f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}") for name, r in rates.items()],
         ),

@@ -8,11 +8,12 @@ Two parts:
    product and the GB/s of weights read, native (row-major) against torch's F.linear on the layout
    `lay_out_for_matvec` gives it without native kernels (column-major for the wide ones), beside the
    machine's read bandwidth (summing a 1 GiB tensor), all measured here;
-2. compiled decode tokens/s of the whole model, float32 and int8 weights, native against torch's kernels,
-   whether they decode the same greedy tokens (int8: torch's kernel rounds its inputs to bfloat16, so
-   they may part).
+2. compiled decode tokens/s of the whole model, float32, int8 and int4 (g32) weights, every native op
+   (matrix-vector products, the gated projection, attention) against torch's kernels, and whether they
+   decode the same greedy tokens (int8 and int4: torch's kernels round their inputs to bfloat16, so they
+   may part).
 
-Writes bench/results/native_kernels_cpu.md and .json: {"decode_<fp32|int8>_<n>": {"native": tok/s, "torch":
+Writes bench/results/native_kernels_cpu.md and .json: {"decode_<fp32|int8|int4>_<n>": {"native": tok/s, "torch":
 tok/s, "ratio": native/torch}, "matvec": {...}, "bandwidth_gbs", "isa", "cpu", "threads", "load"}.
 """
 
@@ -78,11 +79,17 @@ def decode_rates(bench, model, lengths: list[int], new_tokens: int, repeats: int
     return rates
 
 
-def native_against_torch(bench, model, args) -> dict[int, tuple[float, float, bool]]:
-    """Per prompt length: (native tok/s, torch tok/s, same greedy tokens)."""
-    native = decode_rates(bench, model, args.prompt_lengths, args.new_tokens, args.repeats)
+def native_against_torch(bench, weights: str, args) -> dict[int, tuple[float, float, bool]]:
+    """Per prompt length: (native tok/s, torch tok/s, same greedy tokens), the model quantized (`weights`
+    int8 or int4) under each path, as loading it there would (int4 keeps its codes for the native kernel,
+    torch's kernel repacks them)."""
+
+    def model():
+        return bench.model if weights == "fp32" else quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[weights])
+
+    native = decode_rates(bench, model(), args.prompt_lengths, args.new_tokens, args.repeats)
     kernels.NATIVE = False
-    stock = decode_rates(bench, model, args.prompt_lengths, args.new_tokens, args.repeats)
+    stock = decode_rates(bench, model(), args.prompt_lengths, args.new_tokens, args.repeats)
     kernels.NATIVE = True
     return {n: (native[n][0], stock[n][0], native[n][1] == stock[n][1]) for n in args.prompt_lengths}
 
@@ -98,8 +105,7 @@ def main() -> None:
     bench = load_bench("cpu", "float32")
     bandwidth = read_bandwidth()
     matvecs = matvec_rows(bench.model)
-    decode = {"fp32": native_against_torch(bench, bench.model, args)}
-    decode["int8"] = native_against_torch(bench, quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int8"]), args)
+    decode = {weights: native_against_torch(bench, weights, args) for weights in ("fp32", "int8", "int4")}
     results = {f"decode_{w}_{n}": {"native": nat, "torch": st, "ratio": nat / st} for w, rates in decode.items() for n, (nat, st, _) in rates.items()}
     results["matvec"] = {name: {"bytes": b, "native_ms": nm, "torch_ms": tm} for name, b, nm, tm in matvecs}
     results |= {"bandwidth_gbs": bandwidth, "isa": kernels.REASON, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
@@ -121,8 +127,9 @@ def main() -> None:
         ),
         f"## Compiled decode, {args.new_tokens} new tokens, median of {args.repeats} runs after a warm-up",
         "",
-        "torch's kernels: F.linear (MKL) on the float32 weights, column-major where wide; for int8 torch's",
-        "`_weight_int8pack_mm` on bfloat16 inputs (kvlab.quantize.FUSED), the product this benchmark's native kernel replaces.",
+        "torch's kernels: F.linear (MKL) on the float32 weights, column-major where wide; for int8 and int4 torch's",
+        "`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on bfloat16 inputs (kvlab.quantize.FUSED); attention:",
+        "scaled_dot_product_attention under the positions' mask.",
         "",
         *table(
             "weights | prompt tokens | native tok/s | torch tok/s | native / torch | same greedy tokens",

@@ -161,8 +161,7 @@ class Attention(nn.Module):
             y = self.kv_cache.attend(input_pos, k, v, q)
         else:
             keys, values, key_pos = self.kv_cache.update(input_pos, k, v, q, **extra)
-            mask = attention_mask(key_pos, input_pos)
-            y, probs = grouped_attention(q, keys, values, mask, self.kv_cache.needs_attention)
+            y, probs = decode_attention(q, keys, values, key_pos, input_pos, self.kv_cache.needs_attention)
             if probs is not None:
                 self.kv_cache.observe(probs)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
@@ -186,6 +185,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return kernels.linear(x, self.weight, self.bias)
+
+    def gated(self, up: Linear, x: Tensor) -> Tensor:
+        """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
+        if self.bias is None and up.bias is None:
+            return kernels.gated(x, self.weight, up.weight)
+        return F.silu(self(x)) * up(x)
 
 
 def lay_out_for_matvec(model: nn.Module) -> None:
@@ -215,6 +220,14 @@ def attention_mask(key_pos: Tensor, query_pos: Tensor) -> Tensor:
     return (key_pos >= 0) & (key_pos <= query_pos[:, None, :, None])
 
 
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
+    """A decode step's attention over the cache's slots (`grouped_attention` under `attention_mask`): kvlab's
+    native kernel, with the mask and softmax fused, where it runs and no probabilities are wanted."""
+    if not return_probs and kernels.takes_attention(q, k, v):
+        return torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos), None
+    return grouped_attention(q, k, v, attention_mask(key_pos, query_pos), return_probs)
+
+
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
     """GQA attention without repeating K/V: the query heads sharing a KV head are folded into the
     query-length axis. q: [B, H, T, D]; k, v: [B, H_kv, S, D]; mask: [B, 1 or H_kv, T, S].
@@ -241,7 +254,7 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.w1.gated(self.w3, x))
 
 
 class RMSNorm(nn.Module):

@@ -24,8 +24,8 @@ int8 because the head is the most sensitive matrix: at 4 bits (g=32) it cost Smo
 top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 MB (21 MB with float32
 scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
 
-Kernels: int8 in a CPU float32 decode step takes kvlab's native matrix-vector product (kvlab.kernels), which
-keeps the inputs in float32 and widens the codes exactly. Everything else takes torch's fused ops
+Kernels: int8 and int4 in a CPU float32 decode step take kvlab's native matrix-vector products (kvlab.kernels),
+which keep the inputs in float32 and widen the codes exactly; int4's reads the checkpoint's codes as they are. Everything else takes torch's fused ops
 (`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA) or
 dequantize-then-matmul, per device as FUSED says. A fused kernel runs in
 its own activation dtype: x is cast to it and the product back to the model's dtype, so a float32 model
@@ -159,7 +159,7 @@ class Int8Linear(nn.Module):
         self.unit_scales = None if kernel is None else torch.ones_like(self.scales, dtype=kernel.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        if kernels.takes(x) and self.weight.is_contiguous():
+        if kernels.takes_weight(x, self.weight, self.scales):
             return torch.ops.kvlab.linear_int8(x, self.weight, self.scales, self.bias)
         if takes(self.kernel, x, self.in_features):
             rows = x.reshape(-1, self.in_features).to(self.kernel.dtype)
@@ -172,6 +172,12 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> Tensor:
         return dequantize_int8(self.weight, self.scales)
+
+    def gated(self, up: Int8Linear, x: Tensor) -> Tensor:
+        """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
+        if isinstance(up, Int8Linear) and kernels.takes_weight(x, self.weight, self.scales, up.weight, up.scales):
+            return torch.ops.kvlab.gated_int8(x, self.weight, self.scales, up.weight, up.scales)
+        return F.silu(self(x)) * up(x)
 
 
 class Int4Linear(nn.Module):
@@ -189,12 +195,19 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("packed", None, persistent=False)  # the fused kernel's layout, made by prepare()
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.register_buffer("offsets", None, persistent=False)  # zeros - 8 scales: kvlab's native kernel's
         self.kernel: Kernel | None = None
 
     def prepare(self, kernel: Kernel | None) -> None:
-        """Repack for the fused kernel of the weight's device, once; the plain codes, scales and zeros are
-        then dropped unless large inputs still need them. The kernels take whole tiles of 16 output rows;
-        other shapes keep dequantize-then-matmul."""
+        """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
+        model), the plain codes stay: decode steps take the native kernel, larger inputs dequantize.
+        Otherwise repack for torch's fused kernel; the plain codes, scales and zeros are then dropped unless
+        large inputs still need them. torch's kernels take whole tiles of 16 output rows; other shapes keep
+        dequantize-then-matmul."""
+        if self.weight is not None and self.weight.device.type == "cpu" and self.scales.dtype == torch.float32 and kernels.load():
+            self.offsets = (self.zeros - 8 * self.scales).contiguous()
+            self.kernel = None
+            return
         if self.packed is None and kernel is not None and self.out_features % 16 == 0:
             if self.weight.device.type == "cuda":
                 inner_k_tiles = next(t for t in (8, 4, 2) if self.padded_in % (16 * t) == 0)
@@ -209,6 +222,8 @@ class Int4Linear(nn.Module):
         self.kernel = kernel if self.packed is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
+            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
@@ -219,6 +234,18 @@ class Int4Linear(nn.Module):
 
     def dequantize(self) -> Tensor:
         return dequantize_int4(self.weight, self.scales, self.zeros)[:, : self.in_features]
+
+    def gated(self, up: Int4Linear, x: Tensor) -> Tensor:
+        """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
+        if (
+            isinstance(up, Int4Linear)
+            and self.offsets is not None
+            and up.offsets is not None
+            and self.groupsize == up.groupsize
+            and kernels.takes_weight(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets)
+        ):
+            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize)
+        return F.silu(self(x)) * up(x)
 
 
 class Int8Embedding(Int8Linear):

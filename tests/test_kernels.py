@@ -1,5 +1,5 @@
 """kvlab's native CPU kernels (kvlab/kernels) against torch's: every instruction-set path, odd shapes and
-tails, batches 1 to 8, inside torch.compile's graph, and the pure-torch fallback."""
+tails, every int4 group size, batches 1 to 8, inside torch.compile's graph, and the pure-torch fallback."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from kvlab import kernels
 from kvlab.build import make_caches
 from kvlab.engine import generate
 from kvlab.kernels import reordering_atol
-from kvlab.quantize import Int8Linear, Quantization, quantize_int8, quantize_model
+from kvlab.kernels.__main__ import attention_reference, int4_reference
+from kvlab.model import Linear
+from kvlab.quantize import GROUPSIZES, Int4Linear, Int8Linear, Quantization, quantize_int4, quantize_int8, quantize_linear, quantize_model
 from tolerance import assert_reordered_close
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
@@ -101,15 +103,23 @@ def test_compiled_graph_keeps_the_native_op_and_equals_eager():
         graphs.append([node.target for node in gm.graph.nodes])
         return gm
 
-    quantized = quantize_model(make_tiny_model(), Quantization("int8")).layers[0].feed_forward.w1
+    int8, int4 = (quantize_model(make_tiny_model(), q).layers[0].feed_forward for q in (Quantization("int8"), Quantization("int4", 32)))
+    gate, up = torch.nn.Linear(32, 20, bias=False), torch.nn.Linear(32, 20, bias=False)
+
+    q, k, v, key_pos, query_pos = attention_inputs(3, 4, 2, 1, 40, 8, False)
 
     def step(x):
-        return quantized(kernels.linear(x, linear.weight, linear.bias)[..., :32]).relu()
+        h = kernels.linear(x, linear.weight, linear.bias)[..., :32]
+        h = h + torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos).reshape(3, 1, 32)
+        return int8.w1(h).relu() + int4.w1(h) + int8.w1.gated(int8.w3, h) + int4.w1.gated(int4.w3, h) + kernels.gated(h, gate.weight, up.weight)[..., :1]
 
     with torch.no_grad():
         torch._dynamo.reset()
         torch.compile(step, backend=record, fullgraph=True)(x)
-        assert {torch.ops.kvlab.linear_fp32, torch.ops.kvlab.linear_int8} <= set(graphs[0])  # Dynamo records the op packets
+        ops = [
+            getattr(torch.ops.kvlab, name) for name in ("linear_fp32", "linear_int8", "linear_int4", "gated_fp32", "gated_int8", "gated_int4", "attend_fp32")
+        ]
+        assert set(ops) <= set(graphs[0])  # Dynamo records the op packets
         torch._dynamo.reset()
         assert torch.equal(torch.compile(step, fullgraph=True)(x), step(x))
 
@@ -129,10 +139,90 @@ def test_int8_linear_equals_the_float_product_of_its_codes(rows, k, n):
 
 
 @native
-def test_int8_decode_step_matches_dequantize_then_matmul(monkeypatch):
-    """A quantized model's decode step on the native int8 kernel against the same model dequantizing its
-    weights to float32 (torch's kernels): logits to summation order through the model's chain of sums."""
-    model = quantize_model(make_tiny_model(), Quantization("int8"))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("groupsize", GROUPSIZES)
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (577, 130), (40, 3)])
+def test_int4_linear_equals_the_product_of_its_dequantized_weights(rows, groupsize, k, n):
+    """x @ w^T for 4-bit weights (K padded to whole groups) against torch's product with the weights
+    dequantized: within the rounding of the kernel's two sums (codes, offsets) of up to Kp terms."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + groupsize)
+    x, w, b = torch.randn(rows, 1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    codes, scales, zeros = quantize_int4(w, groupsize)
+    want, magnitude = int4_reference(x, codes, scales, zeros)
+    got = torch.ops.kvlab.linear_int4(x, codes, scales, zeros - 8 * scales, groupsize, b)
+    torch.testing.assert_close(got, want + b, rtol=0, atol=reordering_atol(2 * codes.shape[1], magnitude))
+
+
+@native
+def test_int4_codes_in_the_wrong_nibble_are_caught():
+    """The even column lives in the high nibble: the same codes with their nibbles swapped fail the bound."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 576, generator=g), torch.randn(64, 576, generator=g)
+    codes, scales, zeros = quantize_int4(w, 32)
+    want, magnitude = int4_reference(x, codes, scales, zeros)
+    swapped = (codes << 4 | codes >> 4).contiguous()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(
+            torch.ops.kvlab.linear_int4(x, swapped, scales, zeros - 8 * scales, 32, None), want, rtol=0, atol=reordering_atol(576, magnitude)
+        )
+
+
+def kvlab_linear(linear: torch.nn.Linear) -> Linear:
+    module = Linear(linear.in_features, linear.out_features, bias=False)
+    module.weight.data = linear.weight.data
+    return module
+
+
+def gated_operands(mode: str, k: int, n: int, generator: torch.Generator) -> tuple[list[torch.nn.Module], int]:
+    """A gate and an up projection [n, k] quantized as `mode`, and the terms of each one's sums."""
+    linears = [torch.nn.Linear(k, n, bias=False) for _ in range(2)]
+    for linear in linears:
+        linear.weight.data = torch.randn(n, k, generator=generator)
+    if mode == "fp32":
+        return [kvlab_linear(linear) for linear in linears], k
+    modules = [quantize_linear(linear, Quantization(mode, 32 if mode == "int4" else None)) for linear in linears]
+    for module in modules:
+        module.prepare(None)
+    return modules, k + -k % 32
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("k,n", [(576, 1536), (65, 300)])
+def test_gated_projection_equals_silu_of_gate_times_up(rows, mode, k, n, monkeypatch):
+    """silu(gate(x)) * up(x) in one native call against torch's three ops on the same weights (for int8
+    and int4, the dequantized ones): |silu'| <= 1.1 turns each product's rounding bound at magnitude m
+    into at most 2.1 m^2 x the same factor for the result."""
+    g = torch.Generator().manual_seed(rows + k)
+    (gate, up), terms = gated_operands(mode, k, n, g)
+    x = torch.randn(rows, 1, k, generator=g)
+    (gate_y, gate_m), (up_y, up_m) = (torch_product(m, x) for m in (gate, up))
+    calls = []
+    op = getattr(torch.ops.kvlab, f"gated_{mode}")
+    monkeypatch.setattr(torch.ops.kvlab, f"gated_{mode}", lambda *a: calls.append(1) or op(*a))
+    with torch.no_grad():
+        got = gate.gated(up, x)
+    assert calls == [1]
+    torch.testing.assert_close(got, F.silu(gate_y) * up_y, rtol=0, atol=reordering_atol(terms, 2.1 * max(gate_m, up_m) ** 2))
+
+
+def torch_product(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """x @ w^T with the module's weights (dequantized) in torch, and the magnitude of the kernel's sums."""
+    if isinstance(module, Int4Linear):
+        return int4_reference(x, module.weight, module.scales, module.zeros)
+    w = module.dequantize() if isinstance(module, Int8Linear) else module.weight
+    return F.linear(x, w), (x.abs() @ w.abs().T).max().item()
+
+
+@native
+@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 128)], ids=["int8", "int4-g32", "int4-g128"])
+def test_quantized_decode_step_matches_dequantize_then_matmul(quant, monkeypatch):
+    """A quantized model's decode step on the native kernels (every Linear and the gated projection)
+    against the same model dequantizing its weights to float32 (torch's kernels): logits to summation
+    order through the model's chain of sums."""
+    model = quantize_model(make_tiny_model(), quant)
+    assert all(m.offsets is not None for m in model.modules() if isinstance(m, Int4Linear))
     for module in model.modules():
         if isinstance(module, Int8Linear):
             module.prepare(None)
@@ -143,7 +233,68 @@ def test_int8_decode_step_matches_dequantize_then_matmul(monkeypatch):
         with torch.no_grad():
             model(torch.tensor([[3, 9, 27, 17, 5], [7, 21, 63, 1, 8]]), torch.arange(5).expand(2, 5), prefill=True)
             logits[native_path] = model(torch.tensor([[4], [6]]), torch.full((2, 1), 5))
-    assert_reordered_close(logits[True], logits[False], terms=64, chain=2 * model.config.n_layer + 1)
+    assert_reordered_close(logits[True], logits[False], terms=128, chain=4 * model.config.n_layer + 1)
+
+
+def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: int, dim: int, per_head: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v and positions: some slots empty (-1), some later than the earliest query (masked)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(batch, heads, steps, dim, generator=g),
+        torch.randn(batch, kv_heads, slots, dim, generator=g),
+        torch.randn(batch, kv_heads, slots, dim, generator=g),
+    )
+    key_pos = torch.randint(-1, slots + steps, (batch, kv_heads, slots) if per_head else (batch, slots), generator=g)
+    key_pos[..., 0] = 0
+    return q, k, v, key_pos, torch.arange(slots, slots + steps).expand(batch, steps)
+
+
+@native
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,steps,slots,dim,per_head",
+    [(1, 9, 3, 1, 512, 64, False), (1, 9, 3, 1, 2049, 64, True), (2, 4, 2, 3, 257, 64, False), (3, 8, 8, 8, 33, 40, True), (1, 2, 1, 1, 1, 16, False)],
+)
+def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head):
+    """Decode attention over a cache's slots (shared or per-head positions, empty and future slots masked;
+    one or several runs of 256 slots merged; head_dim with an 8-lane tail; up to 8 query positions)
+    against grouped_attention under attention_mask, within the bound `attention_reference` derives."""
+    q, k, v, key_pos, query_pos = attention_inputs(batch, heads, kv_heads, steps, slots, dim, per_head)
+    want, atol = attention_reference(q, k, v, key_pos, query_pos)
+    torch.testing.assert_close(torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos), want, rtol=0, atol=atol)
+
+
+@native
+def test_attention_that_ignores_the_mask_is_caught():
+    """The bound is far below a masking fault: attending over every slot, future and empty ones too, fails it."""
+    q, k, v, key_pos, query_pos = attention_inputs(1, 9, 3, 1, 300, 64, True)
+    want, atol = attention_reference(q, k, v, key_pos, query_pos)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(torch.ops.kvlab.attend_fp32(q, k, v, torch.zeros_like(key_pos), query_pos), want, rtol=0, atol=atol)
+
+
+@native
+def test_a_query_that_sees_no_slot_gets_zeros_as_in_torch():
+    q, k, v, _, _ = attention_inputs(1, 4, 2, 2, 3, 16, False)
+    key_pos, query_pos = torch.tensor([[2, -1, 3]]), torch.tensor([[1, 2]])  # the first query sees none, the second one slot
+    y = torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos)
+    assert torch.equal(y[:, :, 0], torch.zeros_like(y[:, :, 0])) and torch.allclose(y[:, :, 1], v[:, :, [0]].repeat_interleave(2, 1)[:, :, 0], atol=1e-6)
+
+
+@native
+@pytest.mark.parametrize("strategy", ["full", "l2"])
+def test_decode_step_with_native_attention_matches_torch(strategy, monkeypatch):
+    """A tiny model's decode step over a full cache and a compressed one (per-head slots, 6 of 9 prompt
+    tokens kept) on every native kernel against torch's: logits to summation order through its chain of sums."""
+    model = make_tiny_model()
+    logits = {}
+    for native_path in (True, False):
+        monkeypatch.setattr(kernels, "NATIVE", native_path)
+        options = {} if strategy == "full" else {"global_tokens": 1, "recent_window": 2}
+        model.setup_caches(make_caches(strategy, 2, 2, 2, 16 if strategy == "full" else 6, 8, torch.float32, **options))
+        with torch.no_grad():
+            model(torch.arange(18).view(2, 9) * 3 % 64, torch.arange(9).expand(2, 9), prefill=True)
+            logits[native_path] = model(torch.tensor([[4], [6]]), torch.full((2, 1), 9))
+    assert_reordered_close(logits[True], logits[False], terms=64, chain=4 * model.config.n_layer + 1)
 
 
 @native

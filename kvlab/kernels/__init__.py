@@ -6,9 +6,10 @@ torch.compile keeps them inside the compiled graph. Without a compiler, or with 
 every op runs torch's kernels instead, and one line says so. `python -m kvlab.kernels` prints which path
 is active and checks it against torch.
 
-The model calls `linear` for every float Linear, and kvlab.quantize's int8 Linear `linear_int8` where
-`takes` its input: the native matrix-vector products run a CPU float32 decode step of at most MAX_ROWS
-rows; torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
+The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
+call for both) and `attend_fp32` for a decode step's attention where `takes_attention`, and kvlab.quantize's int8 and int4 Linears their ops where `takes_weight`: the native
+matrix-vector products run a CPU float32 decode step of at most MAX_ROWS rows; torch's kernels run
+everything else (prefill, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 8  # rows of x (batch x tokens) up to which a matrix-vector kernel beats a matrix-matrix one
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "gemv_int8.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "attention.cpp")]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
 REASON = "not loaded"  # why not, or which instruction set they run
@@ -91,6 +92,26 @@ def register_fakes() -> None:
     def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
+    @torch.library.register_fake("kvlab::linear_int4")
+    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None) -> Tensor:
+        return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+    @torch.library.register_fake("kvlab::attend_fp32")
+    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("kvlab::gated_fp32")
+    def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], gate.shape[0])
+
+    @torch.library.register_fake("kvlab::gated_int8")
+    def _(x: Tensor, q_gate: Tensor, s_gate: Tensor, q_up: Tensor, s_up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], q_gate.shape[0])
+
+    @torch.library.register_fake("kvlab::gated_int4")
+    def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, groupsize: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], c_gate.shape[0])
+
 
 def takes(x: Tensor) -> bool:
     """Whether the native matrix-vector kernels run this input: a CPU float32 decode step (at most MAX_ROWS
@@ -98,8 +119,29 @@ def takes(x: Tensor) -> bool:
     return NATIVE and x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.numel() <= MAX_ROWS * x.shape[-1]
 
 
+def takes_weight(x: Tensor, *tensors: Tensor) -> bool:
+    """Whether the native kernels run x against a weight stored as `tensors`: `takes(x)`, and every one of
+    them a contiguous tensor on the CPU (float ones in float32), as the ops read them."""
+    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+
+
+def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the native decode attention runs: CPU float32 q, k and v outside autograd, at most
+    MAX_ROWS query positions."""
+    tensors = (q, k, v)
+    return NATIVE and q.shape[2] <= MAX_ROWS and all(t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in tensors)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias: the native kernel where it `takes` x and the weight is float32 row-major, else F.linear."""
-    if takes(x) and weight.dtype == torch.float32 and weight.is_contiguous():
+    """x @ weight.T + bias: the native kernel where it `takes_weight`, else F.linear."""
+    if takes_weight(x, weight):
         return torch.ops.kvlab.linear_fp32(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+    """silu(x @ gate.T) * (x @ up.T), SwiGLU's gate and up projections: one native call where it
+    `takes_weight`, else torch's three ops."""
+    if takes_weight(x, gate, up):
+        return torch.ops.kvlab.gated_fp32(x, gate, up)
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)

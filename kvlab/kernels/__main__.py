@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels
-from kvlab.quantize import quantize_int8
+from kvlab.model import attention_mask, grouped_attention
+from kvlab.quantize import GROUPSIZES, dequantize_int4, int4_codes, quantize_int4, quantize_int8
 
 
 def mismatch(op: str, got: Tensor, want: Tensor, terms: int, magnitude: float) -> list[str]:
@@ -18,16 +19,75 @@ def mismatch(op: str, got: Tensor, want: Tensor, terms: int, magnitude: float) -
     return [f"{op} {tuple(got.shape)} K={terms}: off by {error:.2e} > {bound:.2e}"] if error > bound else []
 
 
+def int4_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, float]:
+    """x @ w^T for 4-bit weights dequantized in torch (x zero-padded to the codes' rows), and the magnitude
+    of its sums: the codes' and the offsets' parts are summed apart in the kernel."""
+    w = dequantize_int4(codes, scales, zeros)
+    x = F.pad(x, (0, w.shape[1] - x.shape[-1]))
+    parts = (
+        int4_codes(codes).float().unflatten(-1, (scales.shape[1], -1)) * scales[..., None],
+        (zeros - 8 * scales)[..., None].expand(-1, -1, w.shape[1] // scales.shape[1]),
+    )
+    return F.linear(x, w), sum((x.abs() @ part.flatten(1).abs().T).max().item() for part in parts)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, float]:
+    """torch's decode attention, and the bound on a different order's rounding: each score (a sum of D
+    products) off by d moves every softmax weight p by at most 2 d p, so the output by 2 d max|v|; the
+    exponentials and the normalization add a few units of roundoff; the weighted sum of S values its own."""
+    D, S = q.shape[-1], k.shape[2]
+    score_error = kernels.reordering_atol(D, (q.abs().amax() * k.abs().amax() * D**0.5).item())
+    v_max = v.abs().amax().item()
+    return grouped_attention(q, k, v, attention_mask(key_pos, query_pos), False)[0], v_max * (2 * score_error + 8 * 2.0**-24) + kernels.reordering_atol(
+        S, v_max
+    )
+
+
+def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
+    """The float32, int8 and int4 products and gated projections on one shape."""
+    x, w, b, up = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)
+    q, scales = quantize_int8(w)
+    magnitude = (x.abs() @ w.abs().T).max().item()
+    failures = mismatch("linear_fp32", torch.ops.kvlab.linear_fp32(x, w, b), F.linear(x, w, b), k, magnitude)
+    codes_magnitude = (x.abs() @ q.float().abs().T).max().item() * scales.max().item()
+    failures += mismatch("linear_int8", torch.ops.kvlab.linear_int8(x, q, scales, b), F.linear(x, q.float()) * scales + b, k, codes_magnitude)
+    # silu(a) b: |silu'| <= 1.1, so the errors of a and b (each within the bound for its own magnitude,
+    # at most the larger one's) reach the product as at most 2.1 x that magnitude squared.
+    gated_magnitude = 2.1 * max(magnitude, (x.abs() @ up.abs().T).max().item()) ** 2
+    failures += mismatch("gated_fp32", torch.ops.kvlab.gated_fp32(x, w, up), F.silu(F.linear(x, w)) * F.linear(x, up), k, gated_magnitude)
+    q_up, s_up = quantize_int8(up)
+    want = F.silu(F.linear(x, q.float()) * scales) * (F.linear(x, q_up.float()) * s_up)
+    failures += mismatch("gated_int8", torch.ops.kvlab.gated_int8(x, q, scales, q_up, s_up), want, k, gated_magnitude)
+    for groupsize in GROUPSIZES:
+        codes, scales4, zeros = quantize_int4(w, groupsize)
+        want, magnitude4 = int4_reference(x, codes, scales4, zeros)
+        got = torch.ops.kvlab.linear_int4(x, codes, scales4, zeros - 8 * scales4, groupsize, b)
+        failures += mismatch(f"linear_int4 g{groupsize}", got, want + b, codes.shape[1] * 2, magnitude4)
+        c_up, sc_up, z_up = quantize_int4(up, groupsize)
+        want_up, magnitude_up = int4_reference(x, c_up, sc_up, z_up)
+        got = torch.ops.kvlab.gated_int4(x, codes, scales4, zeros - 8 * scales4, c_up, sc_up, z_up - 8 * sc_up, groupsize)
+        failures += mismatch(f"gated_int4 g{groupsize}", got, F.silu(want) * want_up, codes.shape[1] * 2, 2.1 * max(magnitude4, magnitude_up) ** 2)
+    return failures
+
+
+def check_attention(g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, slots: int, per_head: bool) -> list[str]:
+    """Decode attention over `slots` slots, some empty (-1), positions shared or per KV head."""
+    q, (k, v) = torch.randn(batch, heads, steps, 64, generator=g), torch.randn(2, batch, kv_heads, slots, 64, generator=g)
+    key_pos = torch.randint(-1, slots, (batch, kv_heads, slots) if per_head else (batch, slots), generator=g)
+    query_pos = torch.arange(slots - steps, slots).expand(batch, steps)
+    want, atol = attention_reference(q, k, v, key_pos, query_pos)
+    error = (torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos) - want).abs().max().item()
+    return [f"attend_fp32 {tuple(q.shape)} over {slots} slots: off by {error:.2e} > {atol:.2e}"] if error > atol else []
+
+
 def check() -> list[str]:
     """Every native op against its torch reference; the failures, one line each."""
-    failures = []
     g = torch.Generator().manual_seed(0)
+    failures = []
     for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5)]:
-        x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        q, scales = quantize_int8(w)
-        failures += mismatch("linear_fp32", torch.ops.kvlab.linear_fp32(x, w, b), F.linear(x, w, b), k, (x.abs() @ w.abs().T).max().item())
-        codes_magnitude = (x.abs() @ q.float().abs().T).max().item() * scales.max().item()
-        failures += mismatch("linear_int8", torch.ops.kvlab.linear_int8(x, q, scales, b), F.linear(x, q.float()) * scales + b, k, codes_magnitude)
+        failures += check_matvec(g, rows, k, n)
+    for shape in [(1, 9, 3, 1, 600, False), (2, 4, 2, 3, 70, True)]:
+        failures += check_attention(g, *shape)
     return failures
 
 

@@ -94,21 +94,32 @@ __attribute__((target("avx512f"))) static void gemv_rows_avx512(const float* x, 
   }
 }
 
-// y [..., N] = x [..., K] @ weight [N, K]^T + bias [N]: float32, weight contiguous.
-at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(), "kvlab::linear_fp32 takes a contiguous float32 [N, K] weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
+// The rows of x w^T on the chosen path, for matvec.h: w float32 [N, K] contiguous.
+static auto fp32_rows(const char* op, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(), op, " takes contiguous float32 [N, K] weights");
   const float* wp = weight.data_ptr<float>();
-  at::Tensor y = matvec("kvlab::linear_fp32", x, N, K, [&](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return [wp, N, K](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
     if (isa == Isa::avx512)
       gemv_rows_avx512(xp, wp, yp, M, N, K, n0, n1);
     else if (isa == Isa::avx2)
       gemv_rows_avx2(xp, wp, yp, M, N, K, n0, n1);
     else
       gemv_rows_scalar(xp, wp, yp, M, N, K, n0, n1);
-  });
+  };
+}
+
+// y [..., N] = x [..., K] @ weight [N, K]^T + bias [N]: float32, weight contiguous.
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  at::Tensor y = matvec("kvlab::linear_fp32", x, weight.size(0), weight.size(1), fp32_rows("kvlab::linear_fp32", weight));
   if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+// silu(x gate^T) * (x up^T): SwiGLU's two projections of the same x in one call.
+at::Tensor gated_fp32(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "kvlab::gated_fp32: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  return gated_matvec("kvlab::gated_fp32", x, gate.size(0), gate.size(1), fp32_rows("kvlab::gated_fp32", gate), fp32_rows("kvlab::gated_fp32", up));
 }
 
 std::string isa() { return isa_name(kernel_isa()); }
@@ -117,7 +128,11 @@ std::string isa() { return isa_name(kernel_isa()); }
 
 TORCH_LIBRARY(kvlab, m) {
   m.def("linear_fp32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gated_fp32(Tensor x, Tensor gate, Tensor up) -> Tensor");
   m.def("isa() -> str", &kvlab::isa);
 }
 
-TORCH_LIBRARY_IMPL(kvlab, CPU, m) { m.impl("linear_fp32", &kvlab::linear_fp32); }
+TORCH_LIBRARY_IMPL(kvlab, CPU, m) {
+  m.impl("linear_fp32", &kvlab::linear_fp32);
+  m.impl("gated_fp32", &kvlab::gated_fp32);
+}

@@ -11,19 +11,19 @@
 
 namespace kvlab {
 
-static void gemv_int8_rows_scalar(const float* x, const int8_t* q, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+static void gemv_int8_rows_scalar(const float* x, const int8_t* q, const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
       for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * static_cast<float>(q[n * K + k]);
-      y[m * N + n] = acc;
+      y[m * N + n] = acc * scales[n];
     }
 }
 
 // One weight row against MB rows of x: 16 codes per step widened to two float vectors, U steps unrolled
 // with their own accumulators (2U chains per row of x hide the FMA latency); the tail in scalar.
 template <int MB, int U>
-__attribute__((target("avx2,fma"))) static void dot_row_int8_avx2(const float* x, const int8_t* qr, float* y, int64_t N, int64_t K, int64_t n, int64_t m) {
+__attribute__((target("avx2,fma"))) static void dot_row_int8_avx2(const float* x, const int8_t* qr, float scale, float* y, int64_t N, int64_t K, int64_t n, int64_t m) {
   __m256 acc[MB][2 * U];
   for (int b = 0; b < MB; ++b)
     for (int u = 0; u < 2 * U; ++u) acc[b][u] = _mm256_setzero_ps();
@@ -42,25 +42,25 @@ __attribute__((target("avx2,fma"))) static void dot_row_int8_avx2(const float* x
     for (int u = 1; u < 2 * U; ++u) acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);
     float s = hsum256(acc[b][0]);
     for (int64_t t = k; t < K; ++t) s += x[(m + b) * K + t] * static_cast<float>(qr[t]);
-    y[(m + b) * N + n] = s;
+    y[(m + b) * N + n] = s * scale;
   }
 }
 
-__attribute__((target("avx2,fma"))) static void gemv_int8_rows_avx2(const float* x, const int8_t* q, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+__attribute__((target("avx2,fma"))) static void gemv_int8_rows_avx2(const float* x, const int8_t* q, const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                                                      int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_row_int8_avx2<4, 1>(x, qr, y, N, K, n, m);
-    if (M - m == 3) dot_row_int8_avx2<3, 1>(x, qr, y, N, K, n, m);
-    if (M - m == 2) dot_row_int8_avx2<2, 2>(x, qr, y, N, K, n, m);
-    if (M - m == 1) dot_row_int8_avx2<1, 2>(x, qr, y, N, K, n, m);
+    for (; m + 4 <= M; m += 4) dot_row_int8_avx2<4, 1>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 3) dot_row_int8_avx2<3, 1>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 2) dot_row_int8_avx2<2, 2>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 1) dot_row_int8_avx2<1, 2>(x, qr, scales[n], y, N, K, n, m);
   }
 }
 
 // The AVX-512 twin: 32 codes per step, 16 lanes per register.
 template <int MB>
-__attribute__((target("avx512f"))) static void dot_row_int8_avx512(const float* x, const int8_t* qr, float* y, int64_t N, int64_t K, int64_t n, int64_t m) {
+__attribute__((target("avx512f"))) static void dot_row_int8_avx512(const float* x, const int8_t* qr, float scale, float* y, int64_t N, int64_t K, int64_t n, int64_t m) {
   __m512 lo[MB], hi[MB];
   for (int b = 0; b < MB; ++b) lo[b] = hi[b] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -75,43 +75,62 @@ __attribute__((target("avx512f"))) static void dot_row_int8_avx512(const float* 
   for (int b = 0; b < MB; ++b) {
     float s = _mm512_reduce_add_ps(_mm512_add_ps(lo[b], hi[b]));
     for (int64_t t = k; t < K; ++t) s += x[(m + b) * K + t] * static_cast<float>(qr[t]);
-    y[(m + b) * N + n] = s;
+    y[(m + b) * N + n] = s * scale;
   }
 }
 
-__attribute__((target("avx512f"))) static void gemv_int8_rows_avx512(const float* x, const int8_t* q, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+__attribute__((target("avx512f"))) static void gemv_int8_rows_avx512(const float* x, const int8_t* q, const float* scales, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                                                       int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_row_int8_avx512<4>(x, qr, y, N, K, n, m);
-    if (M - m == 3) dot_row_int8_avx512<3>(x, qr, y, N, K, n, m);
-    if (M - m == 2) dot_row_int8_avx512<2>(x, qr, y, N, K, n, m);
-    if (M - m == 1) dot_row_int8_avx512<1>(x, qr, y, N, K, n, m);
+    for (; m + 4 <= M; m += 4) dot_row_int8_avx512<4>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 3) dot_row_int8_avx512<3>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 2) dot_row_int8_avx512<2>(x, qr, scales[n], y, N, K, n, m);
+    if (M - m == 1) dot_row_int8_avx512<1>(x, qr, scales[n], y, N, K, n, m);
   }
+}
+
+// The rows of (x q^T) * scales on the chosen path, for matvec.h: q int8 [N, K] contiguous, scales [N].
+static auto int8_rows(const char* op, const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), op, " takes contiguous int8 [N, K] weights");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == q.size(0) && scales.is_contiguous(), op, ": ", q.size(0),
+              " weight rows need as many contiguous float32 scales, got ", scales.sizes());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t N = q.size(0), K = q.size(1);
+  return [qp, sp, N, K](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
+    if (isa == Isa::avx512)
+      gemv_int8_rows_avx512(xp, qp, sp, yp, M, N, K, n0, n1);
+    else if (isa == Isa::avx2)
+      gemv_int8_rows_avx2(xp, qp, sp, yp, M, N, K, n0, n1);
+    else
+      gemv_int8_rows_scalar(xp, qp, sp, yp, M, N, K, n0, n1);
+  };
 }
 
 // y [..., N] = (x [..., K] @ q [N, K]^T) * scales [N] + bias [N]: x float32, q int8 contiguous.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "kvlab::linear_int8 takes a contiguous int8 [N, K] weight");
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(scales.numel() == N, "kvlab::linear_int8: ", N, " weight rows, ", scales.numel(), " scales");
-  const int8_t* qp = q.data_ptr<int8_t>();
-  at::Tensor y = matvec("kvlab::linear_int8", x, N, K, [&](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
-    if (isa == Isa::avx512)
-      gemv_int8_rows_avx512(xp, qp, yp, M, N, K, n0, n1);
-    else if (isa == Isa::avx2)
-      gemv_int8_rows_avx2(xp, qp, yp, M, N, K, n0, n1);
-    else
-      gemv_int8_rows_scalar(xp, qp, yp, M, N, K, n0, n1);
-  });
-  y.mul_(scales.to(at::kFloat));
+  at::Tensor y = matvec("kvlab::linear_int8", x, q.size(0), q.size(1), int8_rows("kvlab::linear_int8", q, scales));
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
+// silu(x gate^T) * (x up^T) with both weights in int8.
+at::Tensor gated_int8(const at::Tensor& x, const at::Tensor& q_gate, const at::Tensor& s_gate, const at::Tensor& q_up, const at::Tensor& s_up) {
+  TORCH_CHECK(q_gate.sizes() == q_up.sizes(), "kvlab::gated_int8: gate ", q_gate.sizes(), " and up ", q_up.sizes(), " differ");
+  return gated_matvec("kvlab::gated_int8", x, q_gate.size(0), q_gate.size(1), int8_rows("kvlab::gated_int8", q_gate, s_gate),
+                      int8_rows("kvlab::gated_int8", q_up, s_up));
+}
+
 }  // namespace kvlab
 
-TORCH_LIBRARY_FRAGMENT(kvlab, m) { m.def("linear_int8(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kvlab, m) {
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("gated_int8(Tensor x, Tensor q_gate, Tensor s_gate, Tensor q_up, Tensor s_up) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(kvlab, CPU, m) { m.impl("linear_int8", &kvlab::linear_int8); }
+TORCH_LIBRARY_IMPL(kvlab, CPU, m) {
+  m.impl("linear_int8", &kvlab::linear_int8);
+  m.impl("gated_int8", &kvlab::gated_int8);
+}

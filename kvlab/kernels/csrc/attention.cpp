@@ -1,0 +1,214 @@
+// Decode attention over a cache's slots, the softmax fused: y[b, h, t] = sum_j p_j v[b, h_kv, j] with
+// p = softmax_j(q[b, h, t] . k[b, h_kv, j] / sqrt(D)) over the slots j whose position is filled (>= 0)
+// and no later than the query's (key_pos [B, S] shared by the KV heads, or [B, H_kv, S] per head, -1 for
+// an empty slot), h_kv = h / (H / H_kv). The same mask as kvlab.model.attention_mask, so it serves the
+// static cache and every compressed cache's slots alike.
+//
+// Each (sequence, KV head, run of kChunk slots) is one task: the query heads sharing the KV head read
+// each key and value row once. A task keeps its rows' maximum score, sum of exponentials and weighted
+// sum of values (flash-decoding's partials); one pass merges the tasks' partials.
+#include <torch/library.h>
+
+#include <limits>
+
+#include "matvec.h"
+
+namespace kvlab {
+
+constexpr int64_t kChunk = 256;  // slots per task: a 2K cache gives 8 tasks per KV head to split over the cores
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// s[r * n + j] = scale * q_r . k_j for R query rows and n key rows of D floats.
+static void scores_scalar(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      s[r * n + j] = acc * scale;
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void scores_avx2(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * D + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), _mm256_loadu_ps(k + j * D + d + 8), a1);
+      }
+      float acc = hsum256(_mm256_add_ps(a0, a1));
+      for (; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      s[r * n + j] = acc * scale;
+    }
+}
+
+__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), _mm512_loadu_ps(k + j * D + d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), _mm512_loadu_ps(k + j * D + d + 16), a1);
+      }
+      float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+      for (; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      s[r * n + j] = acc * scale;
+    }
+}
+
+// e^x for 8 floats (Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, a degree-5 polynomial in f, times 2^n):
+// within 2 ulp over the range; scores are <= 0 here (the row's maximum is subtracted first).
+__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+// p_j = e^(s_j - m) in place (0 where s_j is -inf: a masked slot); returns sum_j p_j.
+static float exp_scalar(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = s[j] == kNegInf ? 0.f : std::exp(s[j] - m));
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) static float exp_avx2(float* s, int64_t n, float m) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, _mm256_set1_ps(m))));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return hsum256(sum) + exp_scalar(s + j, n - j, m);
+}
+
+// acc[r] += sum_j p[r * n + j] v_j for R rows, n value rows of D floats.
+static void weighted_sum_scalar(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * v[j * D + d];
+}
+
+__attribute__((target("avx2,fma"))) static void weighted_sum_avx2(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = p[r * n + j];
+      if (w == 0.f) continue;
+      const __m256 wv = _mm256_set1_ps(w);
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + r * D + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + j * D + d), _mm256_loadu_ps(acc + r * D + d)));
+      for (; d < D; ++d) acc[r * D + d] += w * v[j * D + d];
+    }
+}
+
+__attribute__((target("avx512f"))) static void weighted_sum_avx512(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = p[r * n + j];
+      if (w == 0.f) continue;
+      const __m512 wv = _mm512_set1_ps(w);
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + j * D + d), _mm512_loadu_ps(acc + r * D + d)));
+      for (; d < D; ++d) acc[r * D + d] += w * v[j * D + d];
+    }
+}
+
+// One task's partials: for R query rows (query_pos[r]) over n slots (key_pos[j]), each row's maximum
+// score m[r], sum of e^(s - m) l[r] and unnormalized output acc[r] (zeroed by the caller).
+static void attend_chunk(Isa isa, const float* q, const float* k, const float* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
+                         int64_t D, float scale, float* m, float* l, float* acc) {
+  std::vector<float> s(R * n);
+  if (isa == Isa::avx512)
+    scores_avx512(q, k, s.data(), R, n, D, scale);
+  else if (isa == Isa::avx2)
+    scores_avx2(q, k, s.data(), R, n, D, scale);
+  else
+    scores_scalar(q, k, s.data(), R, n, D, scale);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s.data() + r * n;
+    m[r] = kNegInf;
+    for (int64_t j = 0; j < n; ++j) {
+      if (key_pos[j] < 0 || key_pos[j] > query_pos[r]) row[j] = kNegInf;
+      m[r] = std::max(m[r], row[j]);
+    }
+    l[r] = m[r] == kNegInf ? 0.f : isa == Isa::scalar ? exp_scalar(row, n, m[r]) : exp_avx2(row, n, m[r]);
+    if (m[r] == kNegInf) std::fill(row, row + n, 0.f);
+  }
+  if (isa == Isa::avx512)
+    weighted_sum_avx512(s.data(), v, acc, R, n, D);
+  else if (isa == Isa::avx2)
+    weighted_sum_avx2(s.data(), v, acc, R, n, D);
+  else
+    weighted_sum_scalar(s.data(), v, acc, R, n, D);
+}
+
+// Each row's output from its tasks' partials m, l [..., chunks, R] and acc [..., chunks, R, D]:
+// y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M = max_c m_c -> [..., R, D].
+static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc) {
+  const int64_t chunks = m.size(2), R = m.size(3), D = acc.size(4), heads = m.numel() / (chunks * R);
+  at::Tensor y = at::empty({m.size(0), m.size(1), R, D}, acc.options());
+  const float *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>(), *ap = acc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < R; ++r) {
+      float M = kNegInf, L = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mp[(h * chunks + c) * R + r]);
+      float* out = yp + (h * R + r) * D;
+      std::fill(out, out + D, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = (h * chunks + c) * R + r;
+        const float w = M == kNegInf ? 0.f : std::exp(mp[i] - M);
+        L += w * lp[i];
+        for (int64_t d = 0; d < D; ++d) out[d] += w * ap[i * D + d];
+      }
+      if (L > 0.f)
+        for (int64_t d = 0; d < D; ++d) out[d] /= L;  // else no slot seen: zeros
+    }
+  return y;
+}
+
+// y [B, H, T, D] for q [B, H, T, D], k and v [B, H_kv, S, D] float32, key_pos [B, S] or [B, H_kv, S] and
+// query_pos [B, T] int64. A query that sees no slot gets zeros, as torch's attention gives it.
+at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos, const at::Tensor& query_pos) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "kvlab::attend_fp32: q [B, H, T, D], k and v [B, H_kv, S, D]");
+  for (const at::Tensor* t : {&q, &k, &v}) TORCH_CHECK(t->scalar_type() == at::kFloat, "kvlab::attend_fp32 takes float32 q, k and v");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0, "kvlab::attend_fp32: q ", q.sizes(), " does not match k ", k.sizes());
+  const bool per_head = key_pos.dim() == 3;
+  TORCH_CHECK(key_pos.scalar_type() == at::kLong && key_pos.size(0) == B && key_pos.size(-1) == S && (!per_head || key_pos.size(1) == Hkv),
+              "kvlab::attend_fp32: key_pos must be int64 [B, S] or [B, H_kv, S], got ", key_pos.sizes());
+  TORCH_CHECK(query_pos.scalar_type() == at::kLong && query_pos.dim() == 2 && query_pos.size(0) == B && query_pos.size(1) == T,
+              "kvlab::attend_fp32: query_pos must be int64 [B, T], got ", query_pos.sizes());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), kp = key_pos.contiguous(), qp = query_pos.contiguous();
+  const int64_t G = H / Hkv, R = G * T, chunks = (S + kChunk - 1) / kChunk;
+  at::Tensor m = at::empty({B, Hkv, chunks, R}, q.options()), l = at::empty_like(m), acc = at::zeros({B, Hkv, chunks, R, D}, q.options());
+  std::vector<int64_t> row_pos(B * R);  // the position of each (sequence, row): row r is query head r / T's time r % T
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp.data_ptr<int64_t>()[b * T + r % T];
+  const Isa isa = kernel_isa();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / (Hkv * chunks), h = task / chunks % Hkv, c = task % chunks, j0 = c * kChunk, n = std::min(kChunk, S - j0);
+      const int64_t head = b * Hkv + h;
+      const int64_t* positions = kp.data_ptr<int64_t>() + (per_head ? head * S : b * S) + j0;
+      attend_chunk(isa, qc.data_ptr<float>() + head * R * D, kc.data_ptr<float>() + (head * S + j0) * D, vc.data_ptr<float>() + (head * S + j0) * D, positions,
+                   row_pos.data() + b * R, R, n, D, scale, m.data_ptr<float>() + task * R, l.data_ptr<float>() + task * R, acc.data_ptr<float>() + task * R * D);
+    }
+  });
+  return merge(m, l, acc).view({B, H, T, D});
+}
+}  // namespace kvlab
+
+TORCH_LIBRARY_FRAGMENT(kvlab, m) { m.def("attend_fp32(Tensor q, Tensor k, Tensor v, Tensor key_pos, Tensor query_pos) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(kvlab, CPU, m) { m.impl("attend_fp32", &kvlab::attend_fp32); }
