@@ -1,0 +1,73 @@
+"""Does compression pay at decode? A compressed cache against kvlab's full cache, in one run (issue 31).
+
+    python bench/bench_compression_pays.py                       # prompts of 2048 and 8000 tokens, ratios 0.5 and 0.875
+    python bench/bench_compression_pays.py --strategy recent_global --new_tokens 64
+
+Compiled decode, float32, batch 1, on the kernels this machine runs (native where built). A cache at
+compression ratio r (`--compression_ratio r`, kvpress's meaning) evicts the share r of the prompt's
+tokens per layer and KV head at prefill and keeps every decoded token, so its decode step reads fewer
+slots and scores nothing; the full cache keeps them all. Each row gives the decode rate, the KV bytes the step reads, and
+what those bytes predict: the full step's time less the bytes saved at the machine's read bandwidth
+(summing 1 GiB, measured in the same run). A measured speed-up close to the predicted one means the
+kernels turn saved bytes into saved time.
+
+Writes bench/results/compression_pays_<device>.md and .json: {"<n>": {"<ratio>": {"tok_s", "kv_bytes",
+"predicted_tok_s"}}}, with the full cache at ratio 0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from common import RESULTS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, read_bandwidth, row, table, write_results
+from kvlab import kernels
+from kvlab.engine import compile_decode_step, generate
+
+
+def measure(bench, prompt: list[int], strategy: str, ratio: float, new_tokens: int, repeats: int, step) -> tuple[float, int]:
+    """(median decode tok/s, KV bytes the caches hold) for `strategy` at `ratio` (0: the full cache)."""
+    spec = bench.spec("full") if ratio == 0 else bench.spec(strategy, compression_ratio=ratio)
+    runs = after_warmup(lambda: generate(bench.model, [prompt], new_tokens, spec, decode_step=step, max_seq_length=len(prompt) + new_tokens), repeats)
+    return median_decode_rate(runs), runs[0].kv_cache_bytes
+
+
+def main() -> None:
+    p = bench_parser(__doc__, dtype=False)
+    p.add_argument("--prompt_lengths", type=int, nargs="+", default=[2048, 8000], help="prompt lengths in tokens (default: 2048 8000)")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.875], help="compression ratios, the share of the prompt evicted (default: 0.5 0.875)")
+    p.add_argument("--strategy", default="keydiff", help="the compressing strategy (default: keydiff, scored from the keys alone)")
+    p.add_argument("--new_tokens", type=int, default=32, help="tokens decoded per run (default: 32)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per point, after a warm-up; the median is reported (default: 2)")
+    args = parse_bench_args(p, "compression_pays")
+    kernels.load()
+    bench = load_bench("cpu", "float32")
+    bandwidth = read_bandwidth() * 1e9
+    step = compile_decode_step(bench.device)
+    results, rows = {}, []
+    for n in args.prompt_lengths:
+        prompt = bench.ids[:n]
+        full_rate, full_bytes = measure(bench, prompt, args.strategy, 0, args.new_tokens, args.repeats, step)
+        results[str(n)] = {"0": {"tok_s": full_rate, "kv_bytes": full_bytes, "predicted_tok_s": full_rate}}
+        rows.append(row(n, "full", f"{full_bytes / 1e6:.0f}", f"{full_rate:.1f}", "1.00x", "1.00x"))
+        for ratio in args.ratios:
+            rate, kv_bytes = measure(bench, prompt, args.strategy, ratio, args.new_tokens, args.repeats, step)
+            predicted = 1 / (1 / full_rate - (full_bytes - kv_bytes) / bandwidth)
+            results[str(n)][str(ratio)] = {"tok_s": rate, "kv_bytes": kv_bytes, "predicted_tok_s": predicted}
+            rows.append(row(n, f"{args.strategy} {ratio}", f"{kv_bytes / 1e6:.0f}", f"{rate:.1f}", f"{rate / full_rate:.2f}x", f"{predicted / full_rate:.2f}x"))
+            print(rows[-1], flush=True)
+    lines = [
+        f"# Compression at decode: {bench.config['name']}, float32 ({machine(bench.device)})",
+        "",
+        f"torch {torch.__version__}; kernels: {'native ' + kernels.REASON if kernels.NATIVE else 'torch (' + kernels.REASON + ')'}; compiled decode, batch 1, "
+        f"{args.new_tokens} new tokens, median of {args.repeats} after a warm-up; read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum).",
+        "",
+        *table("prompt tokens | cache | KV MB | decode tok/s | / full | predicted / full (bytes saved at bandwidth)", rows, align="---:"),
+    ]
+    write_results(lines, args.out, "compression_pays", bench.device)
+    (args.out or RESULTS / "compression_pays_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
