@@ -60,7 +60,7 @@ def main() -> None:
     lines = [
         f"# Compression at decode: {bench.config['name']}, float32 ({machine(bench.device)})",
         "",
-        f"torch {torch.__version__}; kernels: {'native ' + kernels.REASON if kernels.NATIVE else 'torch (' + kernels.REASON + ')'}; compiled decode, batch 1, "
+        f"torch {torch.__version__}; kernels: {kernels.path()}; compiled decode, batch 1, "
         f"{args.new_tokens} new tokens, median of {args.repeats} after a warm-up; read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum).",
         "",
         *table("prompt tokens | cache | KV MB | decode tok/s | / full | predicted / full (bytes saved at bandwidth)", rows, align="---:"),

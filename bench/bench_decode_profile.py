@@ -155,7 +155,7 @@ def main() -> None:
         f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}"
         + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
-        f"torch {torch.__version__}; kernels: {'native ' + kernels.REASON if kernels.NATIVE else 'torch (' + kernels.REASON + ')'}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
+        f"torch {torch.__version__}; kernels: {kernels.path()}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
         "",
         "## The floor",
         "",

@@ -172,7 +172,7 @@ def report_lines(args, bench, results: dict, theirs: dict, int4_gguf: str | None
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
         "",
-        f"torch {torch.__version__}; kvlab's kernels: {'native ' + kernels.REASON if kernels.NATIVE else 'torch (' + kernels.REASON + ')'}; batch 1, greedy;",
+        f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy;",
         f"{args.new_tokens} new tokens; medians of {args.repeats} runs after a warm-up; the same prompt ids on both sides.",
         "",
         *table(

@@ -7,9 +7,9 @@ every op runs torch's kernels instead, and one line says so. `python -m kvlab.ke
 is active and checks it against torch.
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
-call for both) and `attend_fp32` for a decode step's attention where `takes_attention`, and kvlab.quantize's int8 and int4 Linears their ops where `takes_weight`: the native
-matrix-vector products run a CPU float32 decode step of at most MAX_ROWS rows; torch's kernels run
-everything else (prefill, GPUs, other dtypes, autograd).
+call for both) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
+int8 and int4 Linears call their ops where `takes_weight`. The native ops run a CPU float32 decode step
+of at most MAX_ROWS rows; torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -111,6 +111,11 @@ def register_fakes() -> None:
     @torch.library.register_fake("kvlab::gated_int4")
     def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, groupsize: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], c_gate.shape[0])
+
+
+def path() -> str:
+    """Which kernels run, for reports: "native <instruction set>", or "torch (<why not native>)"."""
+    return f"native {REASON}" if NATIVE else f"torch ({REASON})"
 
 
 def takes(x: Tensor) -> bool:
