@@ -30,7 +30,7 @@ from pathlib import Path
 from kvlab import parallel
 from kvlab.cli import ArgumentParser, resolve_device_dtype, run_cli
 from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
-from kvlab.results import FULL, markdown_table, write_summary
+from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
 from kvlab.tasks import PerplexityTask, resolve_tasks
 
 
@@ -137,11 +137,16 @@ def run(args: argparse.Namespace) -> None:
     if args.tensor_parallel and args.attention_metrics:
         raise ValueError("--attention_metrics measures every head in one process; drop --tensor_parallel")
     sizes = None if not (args.cache_sizes or args.compression_ratios) else (args.cache_sizes or []) + args.compression_ratios
+    for flag, values in (("--cache_sizes", args.cache_sizes or []), ("--compression_ratios", args.compression_ratios)):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag} gives the same value twice: {' '.join(map(str, values))}; give each once")
     if args.query_agnostic and any(isinstance(t, PerplexityTask) for t in tasks):
         raise ValueError("--query_agnostic compresses a context before its question; the perplexity tasks (book_*) have no question")
     jobs = jobs_for(args.cache_config, sizes, tasks, args.context_lengths, args.ppl_prompt_tokens, args.query_agnostic)
     device = parallel.init(resolve_device_dtype(args.device, args.dtype)[0], timeout=SWEEP_TIMEOUT)
     with contextlib.ExitStack() as stack:
+        if parallel.rank() == 0:
+            stack.enter_context(removed_unless_results(args.out_dir))
         done = on_rank0(lambda: open_out_dir(jobs, args, stack))
         if done:
             print(f"resuming: {done} example(s) already done in {args.out_dir}, not recomputed", file=sys.stderr)
@@ -157,12 +162,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        run_cli(run, args)
-    except KeyboardInterrupt:
-        print("interrupted; rerun to resume", file=sys.stderr)
-        sys.exit(130)
+    run_cli(run, build_parser().parse_args(argv), interrupted="interrupted (Ctrl-C); rerun the same command to resume")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,34 @@ from pathlib import Path
 import torch
 
 from kvlab import parallel
-from kvlab.build import cache_slots
+from kvlab.build import layer_slots, quiet_notices
 from kvlab.checkpoint import load_checkpoint
-from kvlab.cli import ArgumentParser, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
+from kvlab.cli import ArgumentParser, check_fits, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
 from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
 from kvlab.convert import default_checkpoint
-from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, prefill
+from kvlab.duo import with_default_gates
+from kvlab.engine import Sampling, compile_cache_dir, compile_decode_step, decode_one_token, generate, prefill
 from kvlab.quantize import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
 from kvlab.strategies import CACHE_STRATEGIES
 
 DEFAULT_PROMPT = "The history of the printing press begins"
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 text file's contents; a directory, binary data or an unreadable file is a one-line error."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory")
+    try:
+        data = Path(path).read_bytes()
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path!r} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
 
 
 def read_prompts(values: Sequence[str]) -> list[str]:
@@ -46,17 +62,10 @@ def read_prompts(values: Sequence[str]) -> list[str]:
         except (OSError, ValueError):  # e.g. a long literal prompt: too long to be a path
             exists = False
         if exists:
-            if os.path.isdir(value):
-                raise ValueError(f"--prompt {value!r} is a directory; give a text file or the prompt text itself")
             try:
-                data = Path(value).read_bytes()
-                if b"\0" in data:
-                    raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
-                value = data.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"--prompt {value!r} is not a UTF-8 text file; give a text file or the prompt text itself") from None
-            except OSError as e:
-                raise ValueError(f"--prompt {value!r} cannot be read ({e.strerror}); give a text file or the prompt text itself") from None
+                value = read_text_file(value, "--prompt")
+            except ValueError as e:
+                raise ValueError(f"{e}; give a text file or the prompt text itself") from None
         elif value.endswith(".txt"):
             raise ValueError(f"prompt file {value!r} does not exist")
         prompts.append(value)
@@ -113,16 +122,26 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> None:
-    settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
-    if not math.isfinite(args.temperature):
-        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature} (0 means greedy)")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: sampling would be greedy, or nan
+
+
+def check_args(args: argparse.Namespace, settings: dict) -> None:
+    """Flags that cannot be right together: one error each, never silently ignored."""
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {args.temperature}")
+    if args.top_k is not None and args.temperature == 0:
+        raise ValueError(f"--top_k {args.top_k} applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)")
+    if args.system_prompt is not None and not args.chat:
+        raise ValueError("--system_prompt applies to --chat; add --chat, or drop --system_prompt")
     if args.compile and settings.get("slow_tier") == "host":
         raise ValueError("--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs eagerly; drop --compile")
     if args.attention_loss and (args.compile or args.compile_prefill):
         raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
+
+
+def run(args: argparse.Namespace) -> None:
+    settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
+    check_args(args, settings)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     tensor_parallel = parallel.launched()  # torchrun --nproc_per_node N: one model sharded over the N ranks
     if tensor_parallel and args.attention_loss:
@@ -131,15 +150,21 @@ def run(args: argparse.Namespace) -> None:
     parallel.quiet_other_ranks()
     texts = read_prompts(args.prompt or ([] if args.prompts_file else [DEFAULT_PROMPT]))
     if args.prompts_file:
-        if not args.prompts_file.is_file():
+        if not args.prompts_file.exists():
             raise ValueError(f"--prompts_file {str(args.prompts_file)!r} does not exist")
-        texts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        try:
+            text = read_text_file(str(args.prompts_file), "--prompts_file")
+        except ValueError as e:
+            raise ValueError(f"{e}; give a UTF-8 text file, one prompt per line") from None
+        texts += [line for line in text.splitlines() if line.strip()]
         if not texts:
             raise ValueError(f"--prompts_file {str(args.prompts_file)!r} holds no prompt (one per non-empty line)")
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    model, tokenizer, config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype, tensor_parallel)
+    checkpoint = args.checkpoint_path or default_checkpoint()
+    model, tokenizer, config = load_checkpoint(checkpoint, device, dtype, tensor_parallel)
+    settings = with_default_gates(settings, checkpoint, config["name"])
     spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
     if "quantization" in config:  # its matrices are integer buffers, not parameters
         size = f"{config['quantization']['mode']} weights, {weight_bytes(model) / 1e6:.0f} MB"
@@ -153,6 +178,8 @@ def run(args: argparse.Namespace) -> None:
         prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": t}]) for t in texts]
     else:
         prompts = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
+    if not all(prompts):
+        raise ValueError("the prompt is empty (0 tokens); give some text with --prompt (or a file holding it), or use --chat")
     batch_size = args.batch_size or len(prompts)
     if len(prompts) == 1:
         prompts = prompts * batch_size
@@ -160,6 +187,8 @@ def run(args: argparse.Namespace) -> None:
     sampling = Sampling(args.temperature, args.top_k)
 
     decode_step = compile_decode_step(device) if args.compile else decode_one_token
+    if args.compile:
+        print(f"compiling the decode step (the first run takes up to a minute; later runs reuse {compile_cache_dir()})", file=sys.stderr)
     if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
         if tensor_parallel:
             raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
@@ -176,6 +205,8 @@ def run(args: argparse.Namespace) -> None:
         return
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
+    cfg = model.config  # a full cache per sequence bounds every cache's buffers (sized by max_seq_length)
+    check_fits("--batch_size", batch_size, 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize, device)
 
     # Warm-up (prefill only): one-time initialisation, and prefill compilation under --compile_prefill,
     # would otherwise count as prefill time. The decode step compiles at its first real step (reported).
@@ -183,10 +214,12 @@ def run(args: argparse.Namespace) -> None:
     # branch, which 8-token warm-up prompts never reach (the real prefill recompiled: 49 s for 21 tokens).
     t0 = time.perf_counter()
     if max_seq_length <= model.config.block_size:  # else generate() reports the error below
-        short_rows = [n if n is None else cache_slots(n, max_seq_length) for n in spec.lengths]  # warm-up rows: no per-row fractions
-        warm_spec = dataclasses.replace(spec, lengths=short_rows, layer_budget="uniform", budget_options={})
+        warm_spec = dataclasses.replace(spec, layer_budget="uniform", budget_options={})
+        if spec.compression_ratio is None:  # warm-up rows: no per-row fractions
+            warm_spec.lengths = [n if n is None else slots for n, slots in zip(spec.lengths, layer_slots(spec, max_seq_length), strict=True)]
         warm_prompts = prompts[:batch_size] if args.compile_prefill else [p[:8] for p in prompts[:batch_size]]
-        generate(model, warm_prompts, 1, warm_spec, prefill_step=prefill_step, max_seq_length=max_seq_length)
+        with quiet_notices():
+            generate(model, warm_prompts, 1, warm_spec, prefill_step=prefill_step, max_seq_length=max_seq_length)
     warm_up_seconds = time.perf_counter() - t0
     totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
     for start in range(0, len(prompts), batch_size):
@@ -225,11 +258,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        run_cli(run, build_parser().parse_args(argv))
-    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's exit status for SIGINT
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_cli(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

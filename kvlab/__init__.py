@@ -5,4 +5,16 @@ layer budgets planned per prompt) -> `engine.generate`. The model is `model.py`;
 `cache.py`; each score, `scores.py`; the registry, `strategies.py`.
 """
 
+import os
+from pathlib import Path
+
 __version__ = "0.2.0"
+
+# torch.compile's graphs persist between processes, so a second run skips most of the first compile:
+# in $KVLAB_COMPILE_CACHE, else a TORCHINDUCTOR_CACHE_DIR the user set, else ~/.cache/kvlab/inductor.
+# Set on import, before torch settles on its default (a temporary directory).
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
+    os.environ.get("KVLAB_COMPILE_CACHE")
+    or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor")
+)

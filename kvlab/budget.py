@@ -139,7 +139,7 @@ def plan_budgets(
         weights = squeeze_weights(similarity, squeeze_p)
     else:
         raise ValueError(f"unknown layer budget planner {planner!r}; choose from: {', '.join(LAYER_BUDGETS)}")
-    return split_budget(weights, total, floor, [length] * n)
+    return split_budget(weights, total, floor, [max(length, f) for f in floor])  # a floor above the sequence keeps all of it
 
 
 @contextmanager

@@ -3,7 +3,9 @@ sequence limited to its own budget, and layer budgets planned per prompt (budget
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ from kvlab.budget import plan_budgets
 from kvlab.cache import DEFAULT_ADAKV_FLOOR, KVCache, adakv_slots
 from kvlab.config import CacheSpec, strategy_options
 from kvlab.model import Transformer
-from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, make_prompt_compressor
+from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, PROMPT_COMPRESSORS, make_prompt_compressor
 
 
 def make_caches(
@@ -51,6 +53,8 @@ def make_caches(
         kwargs["rope"] = rope  # the model's RoPE cos/sin tables, for compressors that read positions from queries
         compressor_options = {k: options.pop(k) for k in list(options) if k in COMPRESSOR_OPTIONS}
         name = options.pop("prompt_compression_strategy", None)
+        if compressor_options and name is None and strategy in PROMPT_COMPRESSORS:
+            name = strategy  # its own prompt compressor takes its own options (lagkv with --lagkv_size)
         if compressor_options and name is None:
             raise ValueError(
                 f"{', '.join(compressor_options)} apply to --prompt_compression_strategy {', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}"
@@ -81,6 +85,52 @@ def cache_slots(length: int | float | None, max_seq_length: int) -> int:
     if length is None:
         return max_seq_length
     return min(round(length * max_seq_length) if isinstance(length, float) else length, max_seq_length)
+
+
+def fitted_slots(strategy: str, options: dict[str, Any], length: int | float | None, whole: int) -> int:
+    """cache_slots over `whole` tokens, raised to what the strategy needs (`min_slots`: its protected
+    tokens + 1) when a fraction gives fewer, or when a large enough count is cut to a short sequence.
+    A count below the need is left as it is: the cache refuses it, naming both numbers."""
+    slots = cache_slots(length, whole)
+    least = CACHE_STRATEGIES[strategy].min_slots(layer_options(strategy, options))
+    if length is None or slots >= least or (isinstance(length, int) and length < least):
+        return slots
+    return least
+
+
+def layer_slots(spec: CacheSpec, max_seq_length: int) -> list[int]:
+    """Slots of each layer's buffer for sequences of up to max_seq_length tokens (fitted_slots), with
+    one line saying so when a fraction was raised to the strategy's minimum."""
+    slots = [fitted_slots(s, spec.options, n, max_seq_length) for s, n in zip(spec.strategies, spec.lengths, strict=True)]
+    for s, n, fitted in zip(spec.strategies, spec.lengths, slots, strict=True):
+        if isinstance(n, float) and fitted > cache_slots(n, max_seq_length):
+            outcome = "nothing is evicted" if fitted >= max_seq_length else f"using {fitted}"
+            say_once(
+                f"note: --max_cache_length {n} gives {cache_slots(n, max_seq_length)} of {max_seq_length} slots here; {s} needs at least "
+                f"{fitted} (its protected tokens + 1), so {outcome}"
+            )
+    return slots
+
+
+_SAID: set[str] = set()
+_QUIET = [False]
+
+
+def say_once(line: str) -> None:
+    """Print a notice to stderr the first time this process meets it (never inside `quiet_notices`)."""
+    if line not in _SAID and not _QUIET[0]:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def quiet_notices() -> Iterator[None]:
+    """No notices from the caches built inside: a warm-up's are about its own short prompts."""
+    _QUIET[0] = True
+    try:
+        yield
+    finally:
+        _QUIET[0] = False
 
 
 def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacities: list[int], history: int) -> list[KVCache]:
@@ -132,23 +182,23 @@ def build_caches(
     if spec.compression_ratio is not None:
         return ratio_caches(model, spec, prompt_lengths, prefilled or prompt_lengths, max_new_tokens, max_seq_length)
     if budgets is None:
-        slots = [cache_slots(n, max_seq_length) for n in spec.lengths]
+        slots = layer_slots(spec, max_seq_length)
     else:
         largest = budgets.max(dim=0).values.tolist()
-        slots = [max_seq_length if n is None else min(m, max_seq_length) for n, m in zip(spec.lengths, largest, strict=True)]
+        slots = [max_seq_length if n is None else m for n, m in zip(spec.lengths, largest, strict=True)]  # m <= max(sequence, layer floor)
     capacities = [
-        s if n is None else min(head_slots(model, s, layer_options(strategy, spec.options)), max_seq_length)
+        s if n is None else min(head_slots(model, s, layer_options(strategy, spec.options)), max(max_seq_length, s))
         for strategy, s, n in zip(spec.strategies, slots, spec.lengths, strict=True)
     ]
-    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max_seq_length)
-    for layer, (cache, length, most) in enumerate(zip(caches, spec.lengths, slots, strict=True)):
+    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
+    for layer, (cache, strategy, length, most) in enumerate(zip(caches, spec.strategies, spec.lengths, slots, strict=True)):
         if budgets is not None and length is not None:
             mark_slots_dynamic(cache)
             own = budgets[:, layer].tolist()
         elif budgets is not None:
             own = [most] * len(prompt_lengths)
         else:
-            own = [cache_slots(length, n + max_new_tokens) if isinstance(length, float) else most for n in prompt_lengths]
+            own = [fitted_slots(strategy, spec.options, length, n + max_new_tokens) if isinstance(length, float) else most for n in prompt_lengths]
         cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
     return caches
 
@@ -160,14 +210,14 @@ def ratio_caches(
     its slots hold every token decoded afterwards (the prompt's remaining tokens, then all but the last
     generated one), so nothing is evicted after prefill. The slot axis is dynamic: one compiled step
     serves every batch."""
-    keep = [int((1 - spec.compression_ratio) * p) for p in prefilled]
+    keep = ratio_keep(spec, prefilled)
     room = [n - p + max_new_tokens - 1 for n, p in zip(prompt_lengths, prefilled, strict=True)]
     own = [k + r for k, r in zip(keep, room, strict=True)]
     capacities = [
-        max_seq_length if n is None else min(head_slots(model, max(own), layer_options(s, spec.options)), max_seq_length)
+        max_seq_length if n is None else min(head_slots(model, max(own), layer_options(s, spec.options)), max(max_seq_length, *own))
         for s, n in zip(spec.strategies, spec.lengths, strict=True)
     ]
-    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max_seq_length)
+    caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
     device = model.tok_embeddings.weight.device
     for cache, length in zip(caches, spec.lengths, strict=True):
         if length is None:
@@ -176,6 +226,22 @@ def ratio_caches(
             mark_slots_dynamic(cache)
             cache.limit_rows(torch.tensor(own, device=device), torch.tensor(room, device=device))
     return caches
+
+
+def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[int]:
+    """Prompt tokens each sequence keeps at spec.compression_ratio: int((1 - ratio) x its prefilled
+    tokens), raised to what the compressing layers' strategies need (min_slots), with one line saying so."""
+    compressing = [s for s, n in dict.fromkeys(zip(spec.strategies, spec.lengths, strict=True)) if n is not None]
+    least = max(CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options)) for s in compressing)
+    keep = [int((1 - spec.compression_ratio) * p) for p in prefilled]
+    if min(keep) < least:
+        short = min(range(len(keep)), key=keep.__getitem__)
+        outcome = "nothing is evicted" if least >= prefilled[short] else f"keeping {least}"
+        say_once(
+            f"note: --compression_ratio {spec.compression_ratio} keeps {keep[short]} of {prefilled[short]} prompt tokens here; "
+            f"{'/'.join(dict.fromkeys(compressing))} needs at least {least} (its protected tokens + 1), so {outcome}"
+        )
+    return [max(k, least) for k in keep]
 
 
 def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
@@ -201,8 +267,7 @@ def mark_slots_dynamic(cache: KVCache) -> None:
 
 def layer_floor(strategy: str, options: dict[str, Any]) -> int:
     """The fewest slots a layer of this strategy can work with: its protected tokens + 1."""
-    cls = CACHE_STRATEGIES[strategy]
-    return options.get("global_tokens", cls.default_global_tokens) + options.get("recent_window", cls.default_recent_window) + 1
+    return CACHE_STRATEGIES[strategy].protected_tokens(options) + 1
 
 
 def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: int, similarity: Tensor) -> Tensor:
@@ -215,6 +280,9 @@ def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: 
     for row, n in enumerate(lengths):
         own = n + max_new_tokens
         total = sum(cache_slots(spec.lengths[i], own) for i in compressing)
+        if total < sum(floor):
+            outcome = "nothing is evicted" if min(floor) >= own else "raising each layer to its minimum"
+            say_once(f"note: the cache lengths give {total} slots over the compressing layers here; their strategies need {sum(floor)}, so {outcome}")
         planned = plan_budgets(spec.layer_budget, total, own, floor, similarity[row, compressing], **spec.budget_options)
         budgets = [0] * len(spec.lengths)
         for i, slots in zip(compressing, planned, strict=True):

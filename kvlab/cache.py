@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,6 +65,16 @@ class KVCache(nn.Module):
     options: tuple[Option, ...] = STORAGE_OPTIONS
     default_global_tokens, default_recent_window = 0, 0  # protected tokens: a layer budget planner's floor
     default_cache_length = 0.5  # max_cache_length when none is given (a fraction of each sequence)
+
+    @classmethod
+    def protected_tokens(cls, options: dict[str, Any]) -> int:
+        """Tokens this strategy never evicts, with these options (sinks + recent window)."""
+        return options.get("global_tokens", cls.default_global_tokens) + options.get("recent_window", cls.default_recent_window)
+
+    @classmethod
+    def min_slots(cls, options: dict[str, Any]) -> int:
+        """The fewest slots per sequence that the cache accepts, with these options."""
+        return 1
 
     def __init__(
         self,
@@ -175,6 +186,11 @@ class EvictionCache(KVCache):
     default_global_tokens = 4
     default_recent_window = 10
     default_value_weight = "none"
+
+    @classmethod
+    def min_slots(cls, options: dict[str, Any]) -> int:
+        return cls.protected_tokens(options) + 1
+
     options = (
         *KVCache.options,
         *KEY_PRUNING_OPTIONS,
@@ -220,6 +236,11 @@ class EvictionCache(KVCache):
                 option.validate(value)
         self.value_weight = self.default_value_weight if value_weight is None else value_weight
         self.value_epsilon, self.chunk_size = value_epsilon, chunk_size  # wrappers of the prompt scores (wrap_scores)
+        if head_budget == "adakv" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
+            raise ValueError(
+                f"{type(self).__name__}: --head_budget adakv shares a layer's slots by how each head scores its prompt tokens; these "
+                "scores (by position) are the same in every head, so it would change nothing: drop it, or give a --prompt_compression_strategy"
+            )
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
         self.recent_window = self.default_recent_window if recent_window is None else recent_window
         self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated

@@ -29,6 +29,7 @@ from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "kvlab-checkpoint-1"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CHECKPOINTS_DIR = Path(os.environ.get("KVLAB_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
 
 
@@ -48,8 +49,6 @@ def contained(directory: Path, name: str, what: str) -> Path:
 
 def reconvert_hint(checkpoint_dir: Path) -> str:
     """How to get a good copy of this checkpoint back."""
-    from kvlab.convert import DEFAULT_MODEL  # convert imports this module
-
     if Path(checkpoint_dir).resolve() == (Path(CHECKPOINTS_DIR) / DEFAULT_MODEL).resolve():
         return f"delete {checkpoint_dir}; it is converted again on first use"
     return f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {checkpoint_dir} and convert again)"
@@ -149,6 +148,24 @@ def read_weights(path: Path, device: torch.device | str, dtype: torch.dtype, sli
     return state
 
 
+def check_destination(out_dir: Path, source_dir: Path | None = None) -> None:
+    """Refuse (CheckpointError) a destination whose files a write would destroy: the source checkpoint
+    itself, or an existing directory that holds anything but a kvlab checkpoint. An existing kvlab
+    checkpoint is replaced; nothing else is ever deleted."""
+    out_dir = Path(out_dir)
+    if source_dir is not None and out_dir.resolve() == Path(source_dir).resolve():
+        raise CheckpointError(f"--out_dir {out_dir} is the source checkpoint; choose another directory")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out_dir {out_dir} is a file, not a directory; choose another path")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        try:
+            read_config(out_dir)
+        except CheckpointError:
+            raise CheckpointError(
+                f"--out_dir {out_dir} already holds files that are not a kvlab checkpoint; nothing was written (choose a new or empty directory)"
+            ) from None
+
+
 def save_checkpoint(
     out_dir: Path,
     name: str,
@@ -161,6 +178,7 @@ def save_checkpoint(
     """Write a checkpoint atomically: build it in a temporary sibling directory, then rename, so an
     interrupted conversion never leaves a half-written checkpoint behind."""
     out_dir = Path(out_dir)
+    check_destination(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
@@ -174,11 +192,24 @@ def save_checkpoint(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for path in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a checkpoint is meant to be shared
             path.chmod(0o755 if path.is_dir() else 0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        move_into_place(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished tmp to out_dir; a checkpoint already there is moved aside, put back if the
+    rename fails, and deleted only once the new one is in place."""
+    replaced = tmp.with_name(f"{tmp.name}-replaced")
+    if out_dir.exists():
+        out_dir.rename(replaced)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        if replaced.exists():
+            replaced.rename(out_dir)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

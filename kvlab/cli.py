@@ -26,22 +26,39 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, interrupted: str = "interrupted (Ctrl-C)") -> None:
+    """Run a command's body: a user error or Ctrl-C ends with one line (status 1, or 130 for SIGINT)."""
     try:
         fn(args)
     except USER_ERRORS as e:
         if os.environ.get("KVLAB_DEBUG"):
             raise
         exit_with_error(f"error: {e}")
+    except KeyboardInterrupt:
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        exit_with_error(interrupted, code=130)
+    except (MemoryError, RuntimeError) as e:
+        if os.environ.get("KVLAB_DEBUG") or not out_of_memory(e):
+            raise
+        exit_with_error(f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}")
 
 
-def exit_with_error(message: str) -> NoReturn:
+MEMORY_FLAGS = "--batch_size, the cache's size (--max_cache_length, --kvc_pool_blocks) or the sizes given to the strategy's options"
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's CPU allocator or CUDA running out."""
+    return isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def exit_with_error(message: str, code: int = 1) -> NoReturn:
     """Exit 1 after `message` as one line in one write: torchrun's ranks share stderr, and sys.exit(message)
     writes the newline apart, so two ranks' lines could run together. The SystemExit still carries the
     message for callers that catch it."""
     sys.stderr.write(message + "\n")
     stop = SystemExit(message)
-    stop.code = 1
+    stop.code = code
     raise stop
 
 
@@ -75,3 +92,25 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on the device: the GPU's free memory, or Linux's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(flag: str, value: int, bytes_each: int, device: torch.device) -> None:
+    """Refuse, before allocating, a size whose memory (value x bytes_each) is more than the device has free,
+    naming the largest value that fits."""
+    free = free_memory(device)
+    if value * bytes_each > free:
+        raise ValueError(
+            f"{flag} {value} needs about {value * bytes_each / 2**30:.1f} GiB for its KV cache, more than the {free / 2**30:.1f} GiB free "
+            f"here; lower it (at most {max(free // bytes_each, 1)} fits)"
+        )

@@ -230,6 +230,19 @@ def config_path(name_or_path: str) -> Path:
     return CONFIGS_DIR / f"{name_or_path}.yaml" if not path.suffix else path
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives one key twice (where the last would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_cache_config(name_or_path: str) -> dict[str, Any]:
     """A validated config: a path to a .yaml file, or the name of one in configs/."""
     path = config_path(name_or_path)
@@ -237,7 +250,9 @@ def load_cache_config(name_or_path: str) -> dict[str, Any]:
         known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
         raise ValueError(f"cache config {name_or_path!r} not found; give a .yaml path or one of: {known}")
     try:
-        config = yaml.safe_load(path.read_text()) or {}
+        config = yaml.load(path.read_text(encoding="utf-8"), UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
@@ -268,6 +283,8 @@ def per_layer(value: Any, pattern: str | None, n_layer: int, key: str | None = N
     n_layer values needs none); `key` names the setting in errors, `source` its YAML file."""
     if not isinstance(value, list):
         return [value] * n_layer
+    if not value:
+        raise ValueError(f"{f'{source}: ' if source else ''}{key or 'a per-layer setting'}: an empty list; give one value, or one per layer")
     if len(value) == n_layer and pattern is None:
         return list(value)
     if pattern == "tile":

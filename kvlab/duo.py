@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -43,6 +45,19 @@ def read_gates(path: str | Path) -> Tensor:
     if gates.dim() != 2:
         raise ValueError(f"--duo_gates {path}: gates must be [layers][KV heads], got shape {list(gates.shape)}")
     return gates
+
+
+def with_default_gates(settings: dict[str, Any], checkpoint_dir: Path, model_name: str) -> dict[str, Any]:
+    """Settings whose duo_attention layers have no --duo_gates get the gates calibrated for this checkpoint:
+    beside it (scripts/calibrate_duo.py's default) or shipped in configs/duo/, with one line saying which."""
+    strategies = settings.get("cache_strategy")
+    if "duo_attention" not in (strategies if isinstance(strategies, list) else [strategies]) or settings.get("duo_gates") is not None:
+        return settings
+    for path in (Path(checkpoint_dir) / GATES_FILE, PROJECT_ROOT / "configs" / "duo" / f"{model_name}.json"):
+        if path.is_file():
+            print(f"duo_attention: the gates calibrated for {model_name} ({path.name})", file=sys.stderr)
+            return {**settings, "duo_gates": str(path)}
+    return settings
 
 
 def retrieval_heads(gates: Tensor, share: float) -> Tensor:

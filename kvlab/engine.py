@@ -8,10 +8,12 @@ shapes) and `generate` for a batch of prompts through the caches a `CacheSpec` d
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,12 +67,18 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
+def compile_cache_dir() -> Path:
+    """Where compiled graphs persist between processes (chosen when kvlab is imported: kvlab/__init__.py)."""
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> Callable[..., Tensor]:
     """`step` compiled whole (fullgraph; CUDA graphs on a GPU). Dynamo treats every module buffer as
     static-shape unless force_parameter_static_shapes is off; planned caches mark their slot axis
     dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. The setting is applied to
     this step's calls only, not to the importing program. `inductor` passes Inductor settings
-    (bench/bench_decode_profile.py measures which ones pay on a machine)."""
+    (bench/bench_decode_profile.py measures which ones pay on a machine). Compiled graphs persist in
+    `compile_cache_dir()`."""
     mode = None if inductor else "reduce-overhead" if device.type == "cuda" else "default"
     compiled = torch.compile(step, mode=mode, options=inductor, fullgraph=True)
 

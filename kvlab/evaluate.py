@@ -167,12 +167,13 @@ def parse_ratio(text: str) -> str:
 
 
 def parse_size(text: str) -> str:
-    """A cache size as given (a fraction in (0, 1] or a slot count), checked like --max_cache_length."""
+    """A cache size (a fraction in (0, 1] or a slot count), checked like --max_cache_length, written one way
+    (".5" and "0.50" are "0.5"): it names the run's directory."""
     try:
-        check_value("max_cache_length", int(text) if text.isdigit() else float(text))
+        size = check_value("max_cache_length", int(text) if text.isdigit() else float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}") from None
-    return text
+    return str(size)
 
 
 def jobs_for(

@@ -52,6 +52,7 @@ class ModelArgs:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
 
     def __post_init__(self) -> None:
+        self.check_values()
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim == 0:
@@ -60,6 +61,20 @@ class ModelArgs:
             raise ConfigError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             raise ConfigError(f"unsupported rope scaling {self.rope_scaling!r}; supported: llama3")
+
+    def check_values(self) -> None:
+        """Each field of the right type and in range (ConfigError naming the field and its value)."""
+        kinds = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false")}
+        for f in fields(self):
+            value, (kind, words) = getattr(self, f.name), kinds.get(str(f.type), (object, ""))
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ConfigError(f"model config {f.name} must be {words}, got {value!r}")
+        positive = ("vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "block_size", "rope_base", "norm_eps")
+        for name in positive:
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"model config {name} must be > 0 (and finite), got {getattr(self, name)!r}")
+        if not (self.n_local_heads == -1 or self.n_local_heads > 0) or self.head_dim < 0:
+            raise ConfigError(f"model config n_local_heads must be > 0 and head_dim >= 0, got {self.n_local_heads} and {self.head_dim}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:

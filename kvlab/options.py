@@ -4,6 +4,7 @@ README's flag table from those declarations."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +34,17 @@ class Option:
     def validate(self, value: Any) -> Any:
         """`value` if valid, else a ValueError naming the setting and its valid values."""
         wrong_type = not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types)
-        if wrong_type or not self.check(value):
+        if wrong_type or (isinstance(value, float) and not math.isfinite(value)) or not self.check(value):
             raise ValueError(f"{self.name} must be {self.valid}, got {value!r}")
         return value
 
 
-def integer(name: str, default: int | None, help: str, minimum: int = 1, odd: bool = False, **kw: Any) -> Option:
-    valid = f"an {'odd ' if odd else ''}integer >= {minimum}"
-    return Option(name, (int,), valid, help, default, lambda v: v >= minimum and (not odd or v % 2 == 1), **kw)
+MAX_TOKENS = 2**17  # the longest context of any supported model: no count of tokens, blocks or steps needs more
+
+
+def integer(name: str, default: int | None, help: str, minimum: int = 1, odd: bool = False, maximum: int = MAX_TOKENS, **kw: Any) -> Option:
+    valid = f"an {'odd ' if odd else ''}integer from {minimum} to {maximum}"
+    return Option(name, (int,), valid, help, default, lambda v: minimum <= v <= maximum and (not odd or v % 2 == 1), **kw)
 
 
 def fraction(name: str, default: float | None, help: str, closed: bool = False, **kw: Any) -> Option:

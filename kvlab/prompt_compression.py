@@ -25,6 +25,7 @@ from kvlab.scores import (
     pool_keys,
     query_statistics,
     received_attention,
+    recency,
     rkv,
     unrotate,
     value_weighted,
@@ -58,6 +59,7 @@ class PromptCompressor:
     needs_model = False  # its scores come from a further pass of the model, which the engine runs (reconstruction.py)
     uses_lse = False  # takes the prompt attention's log-sum-exp [B, H, T] as `lse=` when the prefill has it (CPU)
     options: tuple[Option, ...] = ()  # settings it takes (flag and YAML names), passed as their `keyword`
+    same_in_every_head = False  # its scores never differ between heads (by position alone): nothing for Ada-KV to share out
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError
@@ -82,6 +84,10 @@ class KeyScores(PromptCompressor):
 
     def __init__(self, score: Callable[[Tensor, Tensor], Tensor]) -> None:
         self.score = score
+
+    @property
+    def same_in_every_head(self) -> bool:
+        return self.score is recency
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return self.score(k, input_pos[:, None, :].expand(k.shape[:3]))

@@ -24,6 +24,7 @@ rate a selection cache of R = reuse_steps steps would have.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,11 @@ class RecallableCache(KVCache):
     positions_per_head = False  # the slow tier: position p in slot p for every head
     keeps_history = True  # the builder passes `history` (the longest sequence) and `n_heads`
     default_sink_tokens = 16
+
+    @classmethod
+    def min_slots(cls, options: dict[str, Any]) -> int:
+        return options.get("sink_tokens", cls.default_sink_tokens) + 1
+
     options = (
         integer("sink_tokens", None, "clusterkv/quest: first tokens always attended, attention sinks", minimum=0, default_help="16"),
         choice(
@@ -281,7 +287,7 @@ class ClusterKVCache(RecallableCache):
         integer("tokens_per_cluster", 80, "clusterkv: prompt tokens per cluster, C0 = prompt / N clusters per KV head"),
         integer("cluster_every", 320, "clusterkv: cluster the decoded tokens every N steps"),
         integer("new_clusters", 8, "clusterkv: clusters made from each cluster_every decoded tokens"),
-        integer("kmeans_iterations", 20, "clusterkv: k-means iterations"),
+        integer("kmeans_iterations", 20, "clusterkv: k-means iterations", maximum=1000),
     )
 
     def __init__(

@@ -3,14 +3,31 @@ interrupted sweep resumes where it stopped), and summaries over every finished t
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 FULL = "full"
+
+
+@contextlib.contextmanager
+def removed_unless_results(out_dir: Path) -> Iterator[None]:
+    """A results directory this run creates is removed again if the run stops before any example is
+    recorded (a refused setting, Ctrl-C while starting): nothing is left behind. Once a record exists
+    it stays, so the same command resumes."""
+    new = not out_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if new and out_dir.is_dir() and not any(out_dir.rglob("*.jsonl")):
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
 
 
 def read_records(path: Path) -> dict[str, dict[str, Any]]:
@@ -63,6 +80,21 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+TASK_METRICS = ("metric", "value", "n", "compression")  # every task@ctx.json holds them
+
+
+def read_task_metrics(path: Path) -> dict[str, Any]:
+    """A finished task's metrics file, refused in one line when damaged or incomplete."""
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it and rerun the same command to recompute the task") from None
+    missing = [k for k in TASK_METRICS if not isinstance(metrics, dict) or k not in metrics]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)}; delete it and rerun the same command to recompute the task")
+    return metrics
+
+
 def write_summary(out_dir: Path) -> list[dict[str, Any]]:
     """summary.csv and summary.md over every finished task in out_dir, each score also relative to the
     full cache of the same model, task and context length."""
@@ -71,7 +103,7 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
         model_name, config, run = path.parts[-4:-1]
         size, _, protocol = run.partition("+")  # "ratio0.5+query_agnostic"
         task, ctx = path.stem.split("@")
-        metrics = json.loads(path.read_text())
+        metrics = read_task_metrics(path)
         rows.append(
             dict(
                 model=model_name,

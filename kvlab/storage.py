@@ -136,12 +136,12 @@ class QuantizedKVStorage(KVStorage):
     def _encode(self, x: Tensor, zero: Tensor, scale: Tensor) -> Tensor:
         """[..., D] -> packed uint8 [..., D * bits / 8]: code i of a byte sits at bits i*bits.."""
         codes = ((x.float() - zero.float()) / scale.float()).round().clamp(0, 2**self.bits - 1).to(torch.uint8)
-        codes = codes.view(*codes.shape[:-1], -1, 8 // self.bits) << self.shifts
+        codes = codes.view(*codes.shape[:-1], codes.shape[-1] * self.bits // 8, 8 // self.bits) << self.shifts  # sizes spelt out: a layer may have 0 heads
         return codes.sum(dim=-1, dtype=torch.uint8)
 
     def _decode(self, packed: Tensor, zero: Tensor, scale: Tensor) -> Tensor:
         codes = (packed[..., None] >> self.shifts) & (2**self.bits - 1)
-        codes = codes.view(*packed.shape[:-1], -1)
+        codes = codes.view(*packed.shape[:-1], packed.shape[-1] * 8 // self.bits)
         return (codes.float() * scale.float() + zero.float()).to(self.dtype)
 
 

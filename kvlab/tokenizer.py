@@ -421,16 +421,23 @@ def load_tokenizer(checkpoint_dir: Path, config: dict) -> Tokenizer:
     path = Path(checkpoint_dir) / name
     if not path.resolve().is_relative_to(Path(checkpoint_dir).resolve()):
         raise ValueError(f"tokenizer file {name!r} lies outside {checkpoint_dir}; a checkpoint may only name files inside its own directory")
-    if kind == "bpe":
-        tokenizer: Tokenizer = _load_bpe(path, config)
-    elif kind == "tiktoken":
-        tokenizer = _load_tiktoken(path, config)
-    else:
-        sp = spm.SentencePieceProcessor(model_file=str(path))
-        tokenizer = SentencePieceTokenizer(sp, config.get("chat_template"), config.get("default_system_prompt"))
+    try:
+        tokenizer = read_tokenizer(kind, path, config)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RuntimeError) as e:  # each library's own complaint about a damaged file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable {kind} tokenizer file ({reason})") from None
     # Whether plain text starts with BOS (Llama 2/3 were trained so; SmolLM2 and Qwen2 were not).
     tokenizer.add_bos = bool(config.get("add_bos", kind != "bpe"))
     return tokenizer
+
+
+def read_tokenizer(kind: str, path: Path, config: dict) -> Tokenizer:
+    if kind == "bpe":
+        return _load_bpe(path, config)
+    if kind == "tiktoken":
+        return _load_tiktoken(path, config)
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    return SentencePieceTokenizer(sp, config.get("chat_template"), config.get("default_system_prompt"))
 
 
 def chat_template_family(template: str | None) -> str | None:

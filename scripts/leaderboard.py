@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.cli import ArgumentParser, run_cli
+from kvlab.evaluate import parse_ratio
 from kvlab.results import FULL
 
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
@@ -45,6 +46,12 @@ RATIOS = ("0.25", "0.5", "0.75", "0.875")
 MODES = {"query_agnostic": True, "query_aware": False}
 
 
+def checked_ratio(text: str) -> str:
+    """A ratio for eval.py's --compression_ratios, refused here as eval.py would refuse it."""
+    parse_ratio(text)
+    return text
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -53,7 +60,7 @@ def build_parser() -> ArgumentParser:
         default=list(METHODS),
         help=f"cache configs (names in configs/ or YAML paths); the table and plot show these and the full cache, whatever else --out_dir holds (default: {' '.join(METHODS)})",
     )
-    p.add_argument("--ratios", nargs="+", default=list(RATIOS), help=f"compression ratios (default: {' '.join(RATIOS)})")
+    p.add_argument("--ratios", nargs="+", type=checked_ratio, default=list(RATIOS), help=f"compression ratios, each in [0, 1) (default: {' '.join(RATIOS)})")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="protocols (default: both)")
     p.add_argument("--tasks", nargs="+", default=["ruler"], help="RULER tasks (default: ruler, all 13)")
     p.add_argument("--context_length", type=int, default=4096, help="RULER context length in tokens (default: 4096, kvpress's)")
@@ -75,13 +82,20 @@ def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
     return argv + ["--compile"] * args.compile + ["--query_agnostic"] * query_agnostic
 
 
+SUMMARY_COLUMNS = ("config", "size", "query_agnostic", "context_length", "value")  # what the leaderboard reads of summary.csv
+
+
 def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[dict[str, Any]]:
     """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished, for
     `methods` and the full cache (an out_dir may also hold ablations and cache-size runs)."""
     names = {FULL, *(Path(m).stem for m in methods)}
     scores: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     with summary.open(newline="") as f:
-        for r in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        missing = [c for c in SUMMARY_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{summary}: no column(s) {', '.join(missing)}; rerun the sweeps (or eval.py on --out_dir) to rewrite it")
+        for r in reader:
             if int(r["context_length"]) != context_length or r["config"] not in names or not (r["size"] == FULL or r["size"].startswith("ratio")):
                 continue
             ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,9 +35,13 @@ def read_summary(summary: Path) -> list[dict[str, str]]:
     for line, r in enumerate(rows, 2):
         for column in ("value", "compression"):
             try:
-                float(r[column])
+                number = float(r[column])
             except (TypeError, ValueError):
                 raise ValueError(f"{summary} line {line}: {column} {r[column]!r} is not a number") from None
+            if not math.isfinite(number) or (column == "compression" and number <= 0):
+                raise ValueError(
+                    f"{summary} line {line}: {column} {r[column]!r} cannot be plotted (a finite number{', > 0' if column == 'compression' else ''})"
+                )
     if not rows:
         raise ValueError(f"{summary} has no rows: no finished task to plot")
     return rows

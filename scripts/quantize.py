@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.checkpoint import CheckpointError, contained, load_checkpoint, read_config, save_checkpoint
+from kvlab.checkpoint import CheckpointError, check_destination, contained, load_checkpoint, read_config, save_checkpoint
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.convert import default_checkpoint
 from kvlab.model import ModelArgs
@@ -34,6 +34,8 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
     config = read_config(checkpoint_dir)
     if "quantization" in config:
         raise CheckpointError(f"{checkpoint_dir} is already quantized ({config['quantization']}); quantize the float checkpoint")
+    out_dir = Path(out_dir or quantized_dir(checkpoint_dir, quant))
+    check_destination(out_dir, checkpoint_dir)
     model, _, config = load_checkpoint(checkpoint_dir, "cpu", torch.float32)
     tok_config = config["tokenizer"]
 
@@ -42,7 +44,6 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
             shutil.copy2(contained(checkpoint_dir, tok_config["file"], "tokenizer file"), out / tok_config["file"])
         return tok_config
 
-    out_dir = out_dir or quantized_dir(checkpoint_dir, quant)
     name = f"{config['name']}-{out_dir.name.removeprefix(checkpoint_dir.name + '-')}"
     source = {**config["source"], "quantized_from": str(checkpoint_dir)}
     save_checkpoint(out_dir, name, ModelArgs.from_dict(config["model"]), quantized_state(model, quant), copy_tokenizer, source, quant.to_dict())
@@ -50,7 +51,8 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
 
 
 def convert(args: argparse.Namespace) -> None:
-    quant = Quantization(args.mode, args.groupsize or (DEFAULT_GROUPSIZE if args.mode == "int4" else None))
+    groupsize = DEFAULT_GROUPSIZE if args.groupsize is None and args.mode == "int4" else args.groupsize
+    quant = Quantization(args.mode, groupsize)
     out_dir = quantize_checkpoint(args.checkpoint_path or default_checkpoint(), quant, args.out_dir)
     print(f"wrote {out_dir}")
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlab import kernels  # noqa: E402
-from kvlab.checkpoint import load_checkpoint  # noqa: E402
+from kvlab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from kvlab.config import CacheSpec, cache_spec  # noqa: E402
 from kvlab.convert import default_checkpoint  # noqa: E402
 from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec  # noqa: E402
@@ -46,6 +47,18 @@ def torch_kernels(model: Transformer):
     finally:
         kernels.NATIVE = native
         lay_out_for_matvec(model)
+
+
+def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
+    """A 1-layer kvlab checkpoint with the default model's tokenizer."""
+    args = ModelArgs(vocab_size=49152, n_layer=1, n_head=2, n_local_heads=1, dim=16, intermediate_size=32, block_size=64, tie_embeddings=True)
+    state = dict(Transformer(args).state_dict())
+
+    def write_tokenizer(tmp):
+        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+        return {"kind": "bpe", "file": "tokenizer.json"}
+
+    save_checkpoint(out_dir, "tiny", args, {k: v for k, v in state.items() if not k.startswith("rope")}, write_tokenizer, {})
 
 
 @pytest.fixture(scope="session")

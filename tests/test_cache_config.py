@@ -35,7 +35,7 @@ def test_command_line_overrides_config_which_overrides_defaults():
         ("max_cache_length: 1.5\n", "max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5"),
         ("cache_bits: 3\n", "cache_bits must be one of 8, 4, 2, got 3"),
         ("cache_strategy: h2o\n", "cache_strategy must be one of full, window, recent_global"),
-        ("global_tokens: four\n", "global_tokens must be an integer >= 0, got 'four'"),
+        ("global_tokens: four\n", "global_tokens must be an integer from 0 to 131072, got 'four'"),
         ("compress_first_token: 1\n", "compress_first_token must be true or false, got 1"),
         ("max_cache_length: [0.5, 2.5]\nmax_cache_length_pattern: tile\n", "got 2.5"),
         ("cache_strategy: [full, l2]\ncache_strategy_pattern: zigzag\n", "cache_strategy_pattern must be one of tile, repeat, got 'zigzag'"),

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from conftest import write_tiny_checkpoint
 from kvlab.checkpoint import CheckpointError, load_checkpoint
 from kvlab.convert import convert_hf_checkpoint, unpermute_rope_rows
 from kvlab.model import ModelArgs
@@ -243,21 +244,6 @@ def test_interrupted_conversion_leaves_nothing_behind(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / "ckpt", "x", args, {}, failing_tokenizer, {})
     assert list(tmp_path.iterdir()) == []
-
-
-def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
-    """A 1-layer kvlab checkpoint with the default model's tokenizer."""
-    from kvlab.checkpoint import save_checkpoint
-    from kvlab.model import Transformer
-
-    args = ModelArgs(vocab_size=49152, n_layer=1, n_head=2, n_local_heads=1, dim=16, intermediate_size=32, block_size=64, tie_embeddings=True)
-    state = dict(Transformer(args).state_dict())
-
-    def write_tokenizer(tmp):
-        shutil.copy(tokenizer_json, tmp / "tokenizer.json")
-        return {"kind": "bpe", "file": "tokenizer.json"}
-
-    save_checkpoint(out_dir, "tiny", args, {k: v for k, v in state.items() if not k.startswith("rope")}, write_tokenizer, {})
 
 
 def edit_config(ckpt, **changes) -> None:

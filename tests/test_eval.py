@@ -76,11 +76,12 @@ def test_pg19_reads_a_directory_and_explains_how_to_get_it_offline(tmp_path, mon
     monkeypatch.delenv("KVLAB_PG19_DIR", raising=False)
 
     def offline(**kwargs):
-        raise ConnectionError("no network")
+        raise ConnectionError("no network\n(a second line of the hub's message)")
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
-    with pytest.raises(ValueError, match="PG19 needs the hub dataset emozilla/pg19-test .* set KVLAB_PG19_DIR"):
+    with pytest.raises(ValueError, match="task pg19 needs the hub dataset emozilla/pg19-test, .*no network .* set KVLAB_PG19_DIR") as info:
         pg19_books()
+    assert "\n" not in str(info.value)
 
 
 def test_unknown_task_lists_families_and_tasks():
@@ -458,7 +459,7 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(kv_eval, "Evaluator", Interrupted)
     with pytest.raises(SystemExit) as exit_info:
         run_eval(tmp_path, *KJV)
-    assert exit_info.value.code == 130 and capsys.readouterr().err.strip().endswith("interrupted; rerun to resume")
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C); rerun the same command to resume")
 
 
 def test_plot_reports_a_malformed_summary(tmp_path):

@@ -109,7 +109,7 @@ def test_ctrl_c_says_interrupted_and_exits_130(monkeypatch, capsys):
         cli.main(["--prompt", "hello"])
     assert exit_info.value.code == 130
     err = capsys.readouterr().err
-    assert err.strip() == "interrupted" and "Traceback" not in err
+    assert err.strip() == "interrupted (Ctrl-C)" and "Traceback" not in err
 
 
 def test_cli_generates_and_reports_stats():
@@ -162,12 +162,15 @@ BAD_INPUTS = {
     "zero tokens": (["--max_new_tokens", "0"], "error: argument --max_new_tokens: must be >= 1, got 0 (see --help)"),
     "not a number": (["--max_new_tokens", "many"], "error: argument --max_new_tokens: invalid positive_int value: 'many' (see --help)"),
     "unknown flag": (["--cache_size", "3"], "error: unrecognized arguments: --cache_size 3 (see --help)"),
-    "negative temperature": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
+    "negative temperature": (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got -1.0"),
     "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
     "prompt is a directory": (["--prompt", "tests/data"], "error: --prompt 'tests/data' is a directory; give a text file or the prompt text itself"),
     "prompt is a binary file": (["--prompt", sys.executable], f"error: --prompt {sys.executable!r} is not a UTF-8 text file"),
-    "nan temperature": (["--temperature", "nan"], "error: --temperature must be a finite number >= 0, got nan"),
-    "infinite temperature": (["--temperature", "inf"], "error: --temperature must be a finite number >= 0, got inf"),
+    "nan temperature": (["--temperature", "nan"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got nan"),
+    "infinite temperature": (["--temperature", "inf"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got inf"),
+    "subnormal temperature": (["--temperature", "1e-310"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got 1e-310"),
+    "top_k when greedy": (["--top_k", "5"], "error: --top_k 5 applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)"),
+    "system prompt without chat": (["--system_prompt", "Be brief."], "error: --system_prompt applies to --chat; add --chat, or drop --system_prompt"),
     "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
     "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length needs a compressing --cache_strategy; full keeps every token"),
     "bad cache length": (

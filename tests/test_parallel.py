@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from tp_worker import TINY_SETTINGS, per_head_slots
+from tp_worker import SHORT_PROMPT, TINY_SETTINGS, per_head_slots
 
 from conftest import ROOT, torch_kernels
 from kvlab import parallel
@@ -85,6 +85,18 @@ def test_sharded_generation_equals_one_process(tmp_path, smollm):
     for seen in ranks:
         torch.testing.assert_close(torch.tensor(seen["logits"]), alone, atol=2e-4, rtol=1e-4)
     assert ranks[0]["sampled_random"] == ranks[1]["sampled_random"]  # rank 0's samples, fed on every rank
+
+
+@pytest.mark.slow
+def test_the_core_set_runs_sharded_on_a_one_token_prompt(tmp_path, smollm):
+    """Issue 33's short prompts under torchrun: every core config runs, and gives one process's tokens."""
+    ranks = torchrun(tmp_path, "short", *CORE)
+    model, tokenizer, _ = smollm
+    for name in CORE:
+        torch.manual_seed(0)
+        spec = cache_spec(load_cache_config(name), model.config.n_layer, tokenizer)
+        alone = generate(model, [tokenizer.encode(SHORT_PROMPT)], 8, spec).tokens
+        assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == alone, name
 
 
 def test_torchrun_generate_prints_the_text_of_one_process():

@@ -6,6 +6,7 @@ the prefill logits of the first prompt.
 
     torchrun --nproc_per_node 2 tests/tp_worker.py OUT smollm full heavy_hitter ...
     torchrun --nproc_per_node 2 tests/tp_worker.py OUT tiny        # compiled decode on a tiny random model
+    torchrun --nproc_per_node 2 tests/tp_worker.py OUT short full heavy_hitter ...   # 8 tokens after a 1-token prompt
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvlab.engine import RecordedPrefill, Sampling, compile_decode_step, generat
 from kvlab.model import Transformer  # noqa: E402
 
 RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
+SHORT_PROMPT = "Hello"
 TINY_SETTINGS = {
     "heavy_hitter": {"cache_strategy": "heavy_hitter", "max_cache_length": 0.5},
     "kvcompress": {"cache_strategy": "kvcompress", "max_cache_length": 0.5},
@@ -61,6 +63,13 @@ def main() -> None:
         for name, settings in TINY_SETTINGS.items():
             spec = cache_spec(settings, model.config.n_layer)
             seen[name] = dict(eager=generate(model, prompts, 24, spec).tokens, compiled=generate(model, prompts, 24, spec, decode_step=step).tokens)
+    elif mode == "short":  # a 1-token prompt: each config's fractions raised to what its strategy protects
+        model, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu", torch.float32, tensor_parallel=True)
+        for name in names:
+            torch.manual_seed(0)
+            seen[name] = dict(
+                tokens=generate(model, [tokenizer.encode(SHORT_PROMPT)], 8, cache_spec(load_cache_config(name), model.config.n_layer, tokenizer)).tokens
+            )
     else:
         model, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu", torch.float32, tensor_parallel=True)
         prompts = [tokenizer.encode(p) for p in RECORDED["prompts"]]

@@ -51,9 +51,10 @@ def pg19_books(data_dir: str | Path | None = None) -> list[tuple[str, str]]:
 
             data_dir = snapshot_download(repo_id=PG19_REPO, repo_type="dataset")
         except Exception as e:
+            reason = " ".join(str(e).split())[:200]  # the hub's message, on one line
             raise ValueError(
-                f"PG19 needs the hub dataset {PG19_REPO} ({type(e).__name__}: {e}); offline, copy its parquet files "
-                "(or DeepMind's test/*.txt books) into a directory and set KVLAB_PG19_DIR to it"
+                f"task pg19 needs the hub dataset {PG19_REPO}, which could not be fetched ({type(e).__name__}: {reason}); offline, copy its "
+                "parquet files (or DeepMind's test/*.txt books) into a directory and set KVLAB_PG19_DIR to it"
             ) from None
     root = Path(data_dir)
     books = [(p.stem, p.read_text()) for p in sorted(root.rglob("*.txt"))]

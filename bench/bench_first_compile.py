@@ -1,0 +1,71 @@
+"""The first compiled decode step, cold and warm: how long a new user waits for `generate.py --compile`.
+
+    python bench/bench_first_compile.py             # 2 processes on an empty compile cache, then 2 on the warm one
+
+Each run is `python generate.py --compile --max_new_tokens 16` as a new process. The first runs on an
+empty compile cache (a new $KVLAB_COMPILE_CACHE directory): Dynamo traces, Inductor generates and builds
+C++. The later ones find Inductor's graphs in the cache that kvlab keeps between processes
+(~/.cache/kvlab/inductor by default); Dynamo still traces. Reported: the first decode step (the compile,
+as generate.py reports it) and the process's wall time, load and warm-up included.
+
+Writes bench/results/first_compile_cpu.md and .json: {"cold": {"first_step_s", "wall_s"}, "warm": {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, bench_parser, machine, parse_bench_args, row, table, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def first_step(cache_dir: str) -> tuple[float, float]:
+    """(the first decode step's seconds, the process's wall seconds) of one compiled generate.py run."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "KVLAB_COMPILE_CACHE": cache_dir}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), "--compile", "--max_new_tokens", "16"], capture_output=True, text=True, env=env, check=True
+    )
+    wall = time.perf_counter() - t0
+    return float(re.search(r"first step \(compile\): ([\d.]+) s", proc.stderr)[1]), wall
+
+
+def main() -> None:
+    p = bench_parser(__doc__, dtype=False)
+    p.add_argument("--repeats", type=int, default=2, help="processes per row; each row reports the median (default: 2)")
+    args = parse_bench_args(p, "first_compile")
+    results, rows = {}, []
+    with tempfile.TemporaryDirectory() as scratch:
+        for label in ("cold", "warm"):
+            runs = []
+            for i in range(args.repeats):
+                cache = os.path.join(scratch, f"cold{i}") if label == "cold" else os.path.join(scratch, "cold0")
+                runs.append(first_step(cache))
+            step, wall = (sorted(values)[len(values) // 2] for values in zip(*runs, strict=True))
+            results[label] = {"first_step_s": step, "wall_s": wall}
+            rows.append(row(label, f"{step:.1f}", f"{wall:.1f}"))
+            print(rows[-1], flush=True)
+    lines = [
+        f"# The first compiled decode step, cold and warm ({machine(torch.device('cpu'))})",
+        "",
+        f"torch {torch.__version__}; `generate.py --compile --max_new_tokens 16` on the default prompt, each run a new process; "
+        f"median of {args.repeats}. cold: an empty compile cache; warm: the cache a cold run filled.",
+        "",
+        *table("compile cache | first decode step (s) | process wall (s)", rows, align="---:"),
+    ]
+    write_results(lines, args.out, "first_compile", torch.device("cpu"))
+    (args.out or RESULTS / "first_compile_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""Bad and edge inputs on every command line: each gives its one-line `error:` (naming the bad value) or
+its correct run, and none loses the user's files."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, paul_graham_text, write_tiny_checkpoint
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import convert_hf_checkpoint  # noqa: E402
+import quantize  # noqa: E402
+
+import generate  # noqa: E402
+from kvlab.build import make_caches  # noqa: E402
+from kvlab.model import ModelArgs, Transformer  # noqa: E402
+from kvlab.strategies import CACHE_STRATEGIES  # noqa: E402
+
+
+def one_line_error(capsys, exit_info) -> str:
+    """The command's stderr, checked to be exactly one `error:` line with a non-zero exit."""
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path, smollm_dir):
+    ckpt = tmp_path / "tiny"
+    write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
+    return ckpt
+
+
+def user_files(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "thesis.tex").write_text("years of work")
+    (directory / "notes").mkdir()
+    (directory / "notes" / "a.txt").write_text("more")
+    return snapshot(directory)
+
+
+def snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() if p.is_file() else None for p in directory.rglob("*")}
+
+
+def test_quantize_refuses_an_out_dir_holding_other_files(tiny_ckpt, tmp_path, capsys):
+    before = user_files(tmp_path / "mine")
+    with pytest.raises(SystemExit) as exit_info:
+        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int8", "--out_dir", str(tmp_path / "mine")])
+    err = one_line_error(capsys, exit_info)
+    assert str(tmp_path / "mine") in err and "not a kvlab checkpoint" in err
+    assert snapshot(tmp_path / "mine") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "tiny"]  # no temporary directory left
+
+
+def test_convert_refuses_an_out_dir_holding_other_files(tmp_path, capsys):
+    before = user_files(tmp_path / "mine")
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        convert_hf_checkpoint.main(["--hf_dir", str(tmp_path / "hf"), "--out_dir", str(tmp_path / "mine")])
+    assert "not a kvlab checkpoint" in one_line_error(capsys, exit_info)
+    assert snapshot(tmp_path / "mine") == before
+
+
+def test_the_source_checkpoint_is_never_the_destination(tiny_ckpt, capsys):
+    before = snapshot(tiny_ckpt)
+    with pytest.raises(SystemExit) as exit_info:
+        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int8", "--out_dir", str(tiny_ckpt / ".." / tiny_ckpt.name)])
+    assert "is the source checkpoint" in one_line_error(capsys, exit_info)
+    assert snapshot(tiny_ckpt) == before and "quantization" not in json.loads((tiny_ckpt / "config.json").read_text())
+
+
+def test_an_existing_checkpoint_is_replaced_only_once_the_new_one_is_complete(tiny_ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int8", "--out_dir", str(out)])
+    before = snapshot(out)
+
+    def interrupted_write(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvlab.checkpoint.save_file", interrupted_write)
+    with pytest.raises(SystemExit):
+        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int4", "--out_dir", str(out)])
+    assert snapshot(out) == before  # the interrupted write left the old checkpoint whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "tiny"]
+    monkeypatch.undo()
+    quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int4", "--out_dir", str(out)])
+    assert json.loads((out / "config.json").read_text())["quantization"] == {"mode": "int4", "groupsize": 32}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "tiny"]
+
+
+@pytest.mark.parametrize("groupsize", ["0", "-32", "48"])
+def test_quantize_refuses_a_bad_group_size(groupsize, tiny_ckpt, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int4", "--groupsize", groupsize, "--out_dir", str(tmp_path / "q")])
+    assert f"got {groupsize}" in one_line_error(capsys, exit_info) and not (tmp_path / "q").exists()
+
+
+STRATEGIES_AND_CONFIGS = [["--cache_strategy", s] for s in CACHE_STRATEGIES] + [
+    ["--cache_config", f"configs/{p.name}"] for p in sorted((ROOT / "configs").glob("*.yaml"))
+]
+
+
+@pytest.fixture
+def generate_cli(monkeypatch, smollm, smollm_dir):
+    """generate.main on the session's loaded model (the command line, sizing and warm-up as a user runs them)."""
+    monkeypatch.setattr(generate, "load_checkpoint", lambda *args, **kwargs: smollm)
+    monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
+    monkeypatch.setattr("kvlab.build._SAID", set())  # each command is a new process: its notices are new
+    return generate.main
+
+
+@pytest.mark.parametrize("case", STRATEGIES_AND_CONFIGS, ids=lambda case: case[1])
+def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli, capsys):
+    """Defaults that fit any prompt: a fraction or ratio below what the strategy protects is raised to it,
+    and on a prompt this short nothing is evicted, which one line says."""
+    generate_cli([*case, "--prompt", "Hello", "--max_new_tokens", "8", "--ignore_eos"])
+    err = capsys.readouterr().err
+    assert "prefill: 1 tokens" in err and "decode: 6 tokens" in err, err  # the first step is timed apart
+    report = next(line for line in err.splitlines() if line.startswith("KV cache ("))
+    assert "8 of 8 tokens held" in report or "hybrid" in case[1], report  # FastGen's policies drop tokens by design
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert all(note.endswith("so nothing is evicted") for note in notes), notes
+    assert bool(notes) == (case[1] not in WITHOUT_A_FLOOR), notes
+
+
+# Nothing to raise: keeps every token, sizes itself (FastGen, the paged pool, DuoAttention's retrieval heads),
+# or a slot count of its own (the ClusterKV and Quest configs: 512 slots, more than this run's 9 tokens).
+WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {
+    f"configs/{name}.yaml"
+    for name in ("full", "hybrid", "kvcompress", "kvcompress_full", "kvc_ada_snapkv", "duo_attention", "quantized_4bit", "clusterkv", "quest")
+}
+
+
+@pytest.mark.parametrize(
+    "flags, note",
+    [
+        (
+            ["--max_cache_length", "0.5"],
+            "note: --max_cache_length 0.5 gives 9 of 18 slots here; heavy_hitter needs at least 15 (its protected tokens + 1), so using 15",
+        ),
+        (
+            ["--compression_ratio", "0.9"],
+            "note: --compression_ratio 0.9 keeps 0 of 6 prompt tokens here; heavy_hitter needs at least 15 (its protected tokens + 1), so nothing is evicted",
+        ),
+        (
+            ["--compression_ratio", "0"],
+            "note: --compression_ratio 0.0 keeps 6 of 6 prompt tokens here; heavy_hitter needs at least 15 (its protected tokens + 1), so nothing is evicted",
+        ),
+    ],
+)
+def test_a_fraction_below_the_protected_tokens_is_raised_to_them(flags, note, generate_cli, capsys):
+    """The design card's command on a short prompt: 6 prompt + 12 new tokens (a cache of 17 tokens:
+    the last one generated is never stored)."""
+    generate_cli(["--cache_strategy", "heavy_hitter", *flags, "--prompt", "The history of the printing press", "--max_new_tokens", "12", "--ignore_eos"])
+    err = capsys.readouterr().err
+    held = 15 if flags[0] == "--max_cache_length" else 17
+    assert f"KV cache (heavy_hitter): {held} of 17 tokens held" in err, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [note], err
+
+
+def miniature_smollm() -> Transformer:
+    """SmolLM2-135M's shape in miniature: its 30 layers, 9 query and 3 KV heads, vocabulary and 8K context,
+    at width 72 with random weights. Every config fits it (the DuoAttention gates too), and 3,000 prompt
+    tokens prefill in a moment."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=72, intermediate_size=96, block_size=8192, tie_embeddings=True)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def long_prompt(smollm, tmp_path_factory):
+    tokenizer = smollm[1]
+    path = tmp_path_factory.mktemp("prompt") / "long.txt"
+    path.write_text(tokenizer.decode(tokenizer.encode(paul_graham_text())[:3000]))
+    assert len(tokenizer.encode(path.read_text())) == 3000
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", STRATEGIES_AND_CONFIGS, ids=lambda case: case[1])
+def test_every_strategy_and_config_runs_on_a_long_prompt(case, long_prompt, smollm, smollm_dir, monkeypatch, capsys):
+    """3,000 prompt tokens, 8 new, through the command line on the miniature: the defaults compress without a note."""
+    miniature = (miniature_smollm(), smollm[1], {"name": "SmolLM2-135M-Instruct"})  # the default model's name: its shipped DuoAttention gates
+    monkeypatch.setattr(generate, "load_checkpoint", lambda *args, **kwargs: miniature)
+    monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
+    generate.main([*case, "--prompt", str(long_prompt), "--max_new_tokens", "8", "--ignore_eos"])
+    err = capsys.readouterr().err
+    report = next(line for line in err.splitlines() if line.startswith("KV cache ("))
+    assert "prefill: 3000 tokens" in err and "of 3007 tokens held" in report and "note:" not in err, err
+    if case[0] == "--cache_strategy" and case[1] in (
+        "window",
+        "recent_global",
+        "l2",
+        "keydiff",
+        "heavy_hitter",
+        "tova",
+        "expected_attention",
+        "lagkv",
+        "rkv",
+        "random",
+    ):
+        assert "1504 of 3007 tokens held" in report, report  # the default 0.5 of 3,008 slots
+
+
+@pytest.mark.parametrize(
+    "strategy, option, value, attribute",
+    [("lagkv", "lagkv_size", 8, "lag"), ("rkv", "rkv_window", 4, "window"), ("expected_attention", "ea_future", 64, "future")],
+)
+def test_a_strategy_takes_its_own_prompt_options(strategy, option, value, attribute):
+    """--lagkv_size with --cache_strategy lagkv configures lagkv's own prompt compressor (no
+    --prompt_compression_strategy needed); with another strategy it stays an error naming the owner."""
+    cache = make_caches(strategy, 1, 1, 1, 32, 8, torch.float32, **{option: value})[0]
+    assert getattr(cache.prompt_compressor, attribute) == value
+    with pytest.raises(ValueError, match=rf"got \['{option}'\] \(they apply to {strategy}\)"):
+        make_caches("l2", 1, 1, 1, 32, 8, torch.float32, **{option: value})
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--cache_config", "{tmp}/dup.yaml"], "not valid YAML: duplicate key 'recent_window'"),
+        (["--cache_config", "{tmp}/latin1.yaml"], "latin1.yaml: not UTF-8 text"),
+        (["--cache_config", "{tmp}/empty_tile.yaml"], "empty_tile.yaml: max_cache_length: an empty list; give one value, or one per layer"),
+        (["--cache_config", "{tmp}/empty_repeat.yaml"], "empty_repeat.yaml: cache_strategy: an empty list; give one value, or one per layer"),
+        (["--prompts_file", "{tmp}"], "is a directory; give a UTF-8 text file, one prompt per line"),
+        (["--prompts_file", "{tmp}/latin1.yaml"], "latin1.yaml' is not a UTF-8 text file"),
+        (["--prompt", "{tmp}/empty.txt"], "the prompt is empty (0 tokens)"),
+        (["--cache_strategy", "l2", "--value_epsilon", "inf"], "value_epsilon must be a number >= 0, got inf"),
+        (["--cache_strategy", "heavy_hitter", "--count_threshold", "inf"], "count_threshold must be"),
+        (["--cache_strategy", "clusterkv", "--kmeans_iterations", "100000"], "kmeans_iterations must be an integer from 1 to 1000, got 100000"),
+        (["--cache_strategy", "lagkv", "--lagkv_size", str(2**40)], "lagkv_size must be an integer from 1 to 131072"),
+        (["--batch_size", "100000000"], "--batch_size 100000000 needs about"),
+        (["--cache_strategy", "window", "--head_budget", "adakv"], "WindowCache: --head_budget adakv shares a layer's slots by how each head scores"),
+    ],
+)
+def test_bad_generate_inputs_are_one_line_naming_the_value(argv, error, tmp_path, capsys):
+    (tmp_path / "dup.yaml").write_text("cache_strategy: l2\nrecent_window: 4\nrecent_window: 8\n")
+    (tmp_path / "latin1.yaml").write_bytes("cache_strategy: l2 # café\n".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty_tile.yaml").write_text("cache_strategy: l2\nmax_cache_length: []\nmax_cache_length_pattern: tile\n")
+    (tmp_path / "empty_repeat.yaml").write_text("cache_strategy: []\ncache_strategy_pattern: repeat\n")
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main([arg.format(tmp=tmp_path) for arg in argv])
+    lines = capsys.readouterr().err.splitlines()  # the error, after at most the line saying the model loaded
+    assert exit_info.value.code in (1, 2) and lines[-1].startswith("error: ") and error in lines[-1] and len(lines) <= 2, lines
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("n_layer", "30", "model config n_layer must be an integer, got '30'"),
+        ("n_local_heads", 0, "model config n_local_heads must be > 0"),
+        ("rope_base", 0.0, "model config rope_base must be > 0 (and finite), got 0.0"),
+        ("norm_eps", -1e-5, "model config norm_eps must be > 0 (and finite), got -1e-05"),
+        ("tie_embeddings", "yes", "model config tie_embeddings must be true or false, got 'yes'"),
+    ],
+)
+def test_a_checkpoint_config_out_of_range_is_refused(field, value, error, tiny_ckpt):
+    from kvlab.checkpoint import CheckpointError, load_checkpoint
+
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    config["model"][field] = value
+    (tiny_ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape(f"{tiny_ckpt / 'config.json'}: bad 'model' section ({error}")):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_eval_writes_each_cache_size_one_way_and_refuses_repeats(capsys):
+    import eval as kv_eval
+    from kvlab.evaluate import parse_size
+
+    assert [parse_size(text) for text in ("0.5", ".5", "0.50", "512", "1.0", "1")] == ["0.5", "0.5", "0.5", "512", "1.0", "1"]
+    with pytest.raises(SystemExit):
+        kv_eval.main(["--tasks", "niah_single_1", "--cache_config", "l2", "--cache_sizes", "0.5", ".5", "0.50"])
+    assert capsys.readouterr().err == "error: --cache_sizes gives the same value twice: 0.5 0.5 0.5; give each once\n"
+
+
+def test_leaderboard_checks_its_ratios_before_any_sweep(capsys):
+    import leaderboard
+
+    with pytest.raises(SystemExit):
+        leaderboard.main(["--ratios", "0.5", "1"])
+    assert "a compression ratio is the share of the prompt removed, in [0, 1), got '1'" in capsys.readouterr().err
+
+
+def test_out_of_memory_is_one_line_naming_what_to_lower(capsys):
+    from kvlab.cli import run_cli
+
+    def allocate(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 GB")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(allocate, None)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: out of memory (") and "lower --batch_size" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("bits", [[], ["--cache_bits", "4"]])
+def test_duo_attention_finds_the_shipped_gates_of_the_default_model(bits, generate_cli, capsys):
+    """No --duo_gates: the gates shipped for the default model; quantized storage works too, though some
+    layers have no retrieval (or no streaming) heads."""
+    generate_cli(["--cache_strategy", "duo_attention", *bits, "--prompt", "Hello", "--max_new_tokens", "2"])
+    err = capsys.readouterr().err
+    assert "duo_attention: the gates calibrated for SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.json)" in err and "heads retrieval: 45" in err
+
+
+@pytest.mark.parametrize(
+    "config, weights, error",
+    [
+        ("[1, 2]", None, "config.json: expected a JSON object of model settings, got list"),
+        ('{"model_type": "llama"}', None, "config.json: no 'num_attention_heads', which a llama config.json gives"),
+        ("{oops", None, "config.json: not valid JSON ("),
+        (
+            '{"model_type": "llama", "vocab_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 4, "intermediate_size": 8}',
+            b"garbage" * 10,
+            "model.safetensors: not a readable safetensors file (",
+        ),
+    ],
+)
+def test_a_bad_hugging_face_directory_is_one_line_naming_the_file(config, weights, error, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(config)
+    if weights:
+        (hf / "model.safetensors").write_bytes(weights)
+    with pytest.raises(SystemExit) as exit_info:
+        convert_hf_checkpoint.main(["--hf_dir", str(hf), "--out_dir", str(tmp_path / "out")])
+    assert str(hf) in one_line_error(capsys, exit_info) and error in str(exit_info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--tasks", "niah_single_1", "--cache_config", "l2", "--cache_sizes", "8", "--context_lengths", "512"], "L2Cache: --max_cache_length gives 8 slots"),
+        (["--tasks", "book_kjv", "--ppl_prompt_tokens", "0"], "--ppl_prompt_tokens must lie in [1, 2047]"),
+    ],
+)
+def test_a_refused_eval_leaves_no_directory_behind(flags, error, tmp_path, capsys):
+    import eval as kv_eval
+
+    with pytest.raises(SystemExit):
+        kv_eval.main([*flags, "--num_samples", "1", "--out_dir", str(tmp_path / "sweep")])
+    assert error in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_damaged_results_are_one_line_naming_the_file(tmp_path, capsys):
+    import leaderboard
+    import plot
+
+    from kvlab.results import write_summary
+
+    (tmp_path / "summary.csv").write_text("config,task\nl2,vt\n")
+    with pytest.raises(SystemExit) as exit_info:
+        leaderboard.main(["--table_only", "--out_dir", str(tmp_path)])
+    assert "summary.csv: no column(s) size, query_agnostic, context_length, value" in one_line_error(capsys, exit_info)
+    (tmp_path / "summary.csv").write_text("config,task,context_length,metric,value,compression\nl2,vt,512,acc,50,inf\n")
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main([str(tmp_path)])
+    assert "line 2: compression 'inf' cannot be plotted (a finite number, > 0)" in one_line_error(capsys, exit_info)
+    run = tmp_path / "SmolLM2-135M-Instruct" / "l2" / "0.5"
+    run.mkdir(parents=True)
+    (run / "vt@512.json").write_text('{"metric": "acc", "value": 50.0}')
+    with pytest.raises(ValueError, match=r"vt@512.json: no n, compression; delete it and rerun"):
+        write_summary(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["{garbage", '{"model": 3}', ""])
+def test_a_damaged_tokenizer_file_is_one_error_naming_it(content, tiny_ckpt):
+    from kvlab.checkpoint import load_checkpoint
+
+    (tiny_ckpt / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError, match=re.escape(f"{tiny_ckpt / 'tokenizer.json'}: not a readable bpe tokenizer file (")):
+        load_checkpoint(tiny_ckpt)

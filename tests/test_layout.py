@@ -1,0 +1,72 @@
+"""The package's shape: imports inside kvlab go one way (no cycle, function-level imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imported(path: Path, package: str) -> set[str]:
+    """Every module name an import statement in the file names (a `from a import b` names a and a.b)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """kvlab module -> the kvlab modules it imports."""
+    paths = {module_name(p): p for p in (ROOT / "kvlab").rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = {m for m in imported(path, package) if m in paths and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None: depth-first search for an edge back into the path."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        for dep in sorted(graph[node]):
+            if dep in path:
+                return path[path.index(dep) :] + [dep]
+            if dep not in done:
+                cycle = visit(dep, path + [dep])
+                if cycle:
+                    return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = None if start in done else visit(start, [start])
+        if cycle:
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_imports_inside_kvlab_go_one_way():
+    graph = import_graph()
+    assert {"kvlab.config", "kvlab.cache", "kvlab.model", "kvlab.engine", "kvlab.kernels"} <= set(graph)
+    assert "kvlab.checkpoint" in graph["kvlab.convert"]  # the graph sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
