@@ -17,11 +17,9 @@ Writes bench/results/compression_pays_<device>.md and .json: {"<n>": {"<ratio>":
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from common import RESULTS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, read_bandwidth, row, table, write_results
+from common import after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, read_bandwidth, row, table, write_results
 from kvlab import kernels
 from kvlab.engine import compile_decode_step, generate
 
@@ -65,8 +63,7 @@ def main() -> None:
         "",
         *table("prompt tokens | cache | KV MB | decode tok/s | / full | predicted / full (bytes saved at bandwidth)", rows, align="---:"),
     ]
-    write_results(lines, args.out, "compression_pays", bench.device)
-    (args.out or RESULTS / "compression_pays_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(lines, args.out, "compression_pays", bench.device, results=results)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Writes bench/results/first_compile_cpu.md and .json: {"cold": {"first_step_s", "
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS, bench_parser, machine, parse_bench_args, row, table, write_results
+from common import bench_parser, machine, parse_bench_args, row, table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +62,7 @@ def main() -> None:
         "",
         *table("compile cache | first decode step (s) | process wall (s)", rows, align="---:"),
     ]
-    write_results(lines, args.out, "first_compile", torch.device("cpu"))
-    (args.out or RESULTS / "first_compile_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(lines, args.out, "first_compile", torch.device("cpu"), results=results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ tok/s, "ratio": native/torch}, "matvec": {...}, "bandwidth_gbs", "isa", "cpu", "
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 
@@ -29,7 +28,6 @@ import torch.nn.functional as F
 
 from common import (
     QUANTIZATIONS,
-    RESULTS,
     after_warmup,
     bench_parser,
     load_bench,
@@ -141,8 +139,7 @@ def main() -> None:
             align="---:",
         ),
     ]
-    write_results(lines, args.out, "native_kernels", bench.device)
-    (args.out or RESULTS / "native_kernels_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(lines, args.out, "native_kernels", bench.device, results=results)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ greedy tokens kvlab float32 and llama.cpp F32 share}.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import QUANTIZATIONS, RESULTS, after_warmup, bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
 from kvlab import kernels
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, generate
@@ -205,8 +204,7 @@ def main() -> None:
     kernels.load()
     bench, ours, theirs, int4_gguf = measure(args)
     results = results_of(args, ours, theirs, int4_gguf)
-    write_results(report_lines(args, bench, results, theirs, int4_gguf), args.out, "vs_llamacpp", bench.device)
-    (args.out or RESULTS / "vs_llamacpp_cpu.md").with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    write_results(report_lines(args, bench, results, theirs, int4_gguf), args.out, "vs_llamacpp", bench.device, results=results)
 
 
 if __name__ == "__main__":

@@ -166,11 +166,13 @@ def load_note() -> str:
     return f"Load average when written: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cores} cores: {shared}."
 
 
-def write_results(lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True) -> None:
+def write_results(lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True, results: dict | None = None) -> None:
     """Write a benchmark's markdown to `out`, by default bench/results/<name>_<device>.md, and print it
-    (or, with show=False, where it went)."""
+    (or, with show=False, where it went); `results`, when given, go beside it as the same name's .json."""
     out = out or RESULTS / f"{name}_{device.type}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join([*lines, load_note(), ""])
     out.write_text(text)
+    if results is not None:
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print(text if show else f"wrote {out}")
