@@ -101,14 +101,15 @@ def fitted_slots(strategy: str, options: dict[str, Any], length: int | float | N
 def layer_slots(spec: CacheSpec, max_seq_length: int) -> list[int]:
     """Slots of each layer's buffer for sequences of up to max_seq_length tokens (fitted_slots), with
     one line saying so when a fraction was raised to the strategy's minimum."""
-    slots = [fitted_slots(s, spec.options, n, max_seq_length) for s, n in zip(spec.strategies, spec.lengths, strict=True)]
-    for s, n, fitted in zip(spec.strategies, spec.lengths, slots, strict=True):
-        if isinstance(n, float) and fitted > cache_slots(n, max_seq_length):
+    slots = []
+    for s, n in zip(spec.strategies, spec.lengths, strict=True):
+        given, fitted = cache_slots(n, max_seq_length), fitted_slots(s, spec.options, n, max_seq_length)
+        if isinstance(n, float) and fitted > given:
             outcome = "nothing is evicted" if fitted >= max_seq_length else f"using {fitted}"
             say_once(
-                f"note: --max_cache_length {n} gives {cache_slots(n, max_seq_length)} of {max_seq_length} slots here; {s} needs at least "
-                f"{fitted} (its protected tokens + 1), so {outcome}"
+                f"note: --max_cache_length {n} gives {given} of {max_seq_length} slots here; {s} needs at least {fitted} (its protected tokens + 1), so {outcome}"
             )
+        slots.append(fitted)
     return slots
 
 

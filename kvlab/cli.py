@@ -30,18 +30,16 @@ def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, 
     """Run a command's body: a user error or Ctrl-C ends with one line (status 1, or 130 for SIGINT)."""
     try:
         fn(args)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, KeyboardInterrupt, MemoryError, RuntimeError) as e:
         if os.environ.get("KVLAB_DEBUG"):
+            raise
+        if isinstance(e, KeyboardInterrupt):
+            exit_with_error(interrupted, code=130)
+        if out_of_memory(e):
+            exit_with_error(f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}")
+        if not isinstance(e, USER_ERRORS):  # any other RuntimeError is a bug: its traceback helps
             raise
         exit_with_error(f"error: {e}")
-    except KeyboardInterrupt:
-        if os.environ.get("KVLAB_DEBUG"):
-            raise
-        exit_with_error(interrupted, code=130)
-    except (MemoryError, RuntimeError) as e:
-        if os.environ.get("KVLAB_DEBUG") or not out_of_memory(e):
-            raise
-        exit_with_error(f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}")
 
 
 MEMORY_FLAGS = "--batch_size, the cache's size (--max_cache_length, --kvc_pool_blocks) or the sizes given to the strategy's options"
