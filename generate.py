@@ -24,6 +24,7 @@ import torch
 from kvlab import parallel
 from kvlab.build import layer_slots, quiet_notices
 from kvlab.checkpoint import load_checkpoint
+from kvlab.chunked import prefill_chunk_step
 from kvlab.cli import ArgumentParser, check_fits, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
 from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
 from kvlab.convert import default_checkpoint
@@ -118,7 +119,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; CUDA graphs on GPU)")
-    p.add_argument("--compile_prefill", action="store_true", help="also torch.compile the prefill (dynamic shapes)")
+    p.add_argument(
+        "--compile_prefill",
+        action="store_true",
+        help="also torch.compile the prefill (dynamic shapes) and, with --prefill_chunk, its chunk step (one static shape)",
+    )
     return p
 
 
@@ -204,6 +209,7 @@ def run(args: argparse.Namespace) -> None:
         print("\n" + serving_report(result, prompts, batch_size), file=sys.stderr)
         return
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
+    chunk_step = torch.compile(prefill_chunk_step, fullgraph=True) if args.compile_prefill else prefill_chunk_step
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
     cfg = model.config  # a full cache per sequence bounds every cache's buffers (sized by max_seq_length)
     check_fits("--batch_size", batch_size, 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize, device)
@@ -226,7 +232,20 @@ def run(args: argparse.Namespace) -> None:
         batch = prompts[start : start + batch_size]
         stream = len(batch) == 1
         streamer = TextStreamer(tokenizer, stop_ids) if stream else None
-        result = generate(model, batch, args.max_new_tokens, spec, sampling, stop_ids, decode_step, prefill_step, streamer, max_seq_length, args.attention_loss)
+        result = generate(
+            model,
+            batch,
+            args.max_new_tokens,
+            spec,
+            sampling,
+            stop_ids,
+            decode_step,
+            prefill_step,
+            streamer,
+            max_seq_length,
+            args.attention_loss,
+            chunk_step=chunk_step,
+        )
         if result.attention_loss:
             print_attention_loss(result.attention_loss)
         if stream:

@@ -16,8 +16,8 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from common import bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
-from kvlab.cache import EvictionCache
 from kvlab.engine import generate
+from kvlab.eviction import EvictionCache
 from kvlab.tasks import resolve_tasks
 
 

@@ -2,7 +2,7 @@
 
 Data flow: config (YAML + flags) -> `config.CacheSpec` -> `build.build_caches` (one cache per layer,
 layer budgets planned per prompt) -> `engine.generate`. The model is `model.py`; what a strategy is,
-`cache.py`; each score, `scores.py`; the registry, `strategies.py`.
+`cache.py` (evicting ones: `eviction.py`); each score, `scores.py`; the registry, `strategies.py`.
 """
 
 import os

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from kvlab.budget import plan_budgets
-from kvlab.cache import DEFAULT_ADAKV_FLOOR, KVCache, adakv_slots
+from kvlab.cache import KVCache
 from kvlab.config import CacheSpec, strategy_options
+from kvlab.eviction import DEFAULT_ADAKV_FLOOR, adakv_slots
 from kvlab.model import Transformer
 from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, PROMPT_COMPRESSORS, make_prompt_compressor
 

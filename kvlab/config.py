@@ -61,6 +61,13 @@ GENERAL_OPTIONS = (
         default_help="unset",
     ),
     integer("full_layers", 0, "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2)", minimum=0),
+    integer(
+        "prefill_chunk",
+        None,
+        "prefill the prompt N tokens at a time, compressing every layer back to its budget after each chunk: memory bounded by the budget + N "
+        "whatever the prompt's length",
+        default_help="off: the whole prompt at once",
+    ),
     switch("compress_first_token", "decode the prompt's last token through the compressed cache, so the first generated token already sees compression"),
     LAYER_BUDGET_OPTION,
     *dict.fromkeys(o for options in PLANNER_OPTIONS.values() for o in options),
@@ -96,6 +103,7 @@ class CacheSpec:
     budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
     token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # special_ids, punctuation_ids for caches that read tokens
     instruction: tuple[int, ...] = ()  # KVzip's "repeat the context" request, encoded (filled when given the tokenizer)
+    prefill_chunk: int | None = None  # prefill this many tokens at a time, compressing between chunks (chunked.py); None: at once
 
     @classmethod
     def full(cls, n_layer: int) -> CacheSpec:
@@ -152,7 +160,10 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
     if ratio is not None:
         check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
     first_token = bool(settings.get("compress_first_token", False))
-    return CacheSpec(strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, instruction)
+    chunk = settings.get("prefill_chunk")
+    return CacheSpec(
+        strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, instruction, chunk
+    )
 
 
 def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptCompressor]:

@@ -21,7 +21,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from kvlab import parallel
-from kvlab.cache import PROTECTED_OPTIONS, KVCache
+from kvlab.cache import KVCache
+from kvlab.eviction import PROTECTED_OPTIONS
 from kvlab.model import Transformer
 from kvlab.options import Option, fraction
 from kvlab.storage import make_storage

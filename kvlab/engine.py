@@ -24,6 +24,7 @@ from kvlab import parallel
 from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.build import build_caches, make_caches, plan_layer_budgets
 from kvlab.cache import KVCache
+from kvlab.chunked import chunk_ready, prefill_chunk_step, prefill_rest
 from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe, attention_loss_summary
 from kvlab.model import Transformer
@@ -237,6 +238,7 @@ def generate(
     attention_loss: bool = False,
     recorded: RecordedPrefill | None = None,
     decoded_prompt_tokens: Sequence[int] | None = None,
+    chunk_step: Callable[..., Tensor] = prefill_chunk_step,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions)
     through the caches `spec` describes (default: a full cache).
@@ -252,7 +254,8 @@ def generate(
     budget over the layers after measuring them on its prompt (budget.py); the prefill is then
     recorded and replayed into caches sized by the plan. Passing `recorded` (a `RecordedPrefill` of
     this batch) reuses its prefill instead of running `prefill_step`: sweeps share one prefill between
-    cache configs.
+    cache configs. With `spec.prefill_chunk` shorter than the prompt, the prompt is prefilled in chunks, each
+    later one through `chunk_step`, compressing between them (chunked.py); `recorded` is not used then.
 
     Tokens stay on the device and stop tokens are tracked there: the host syncs only every
     `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
@@ -288,11 +291,14 @@ def generate(
 
     t0 = time.perf_counter()
     scored_by_model = model_scored(spec.strategies, spec.options)
-    if (spec.layer_budget != "uniform" or scored_by_model) and recorded is None:
+    chunk = chunk_length(spec, T_prefill, context, scored_by_model, attention_loss)
+    if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
+        recorded = RecordedPrefill() if spec.layer_budget != "uniform" else None
+    elif (spec.layer_budget != "uniform" or scored_by_model) and recorded is None:
         recorded = RecordedPrefill()
     budgets = similarity = None
     if recorded is not None:
-        recorded.record(model, tokens[:, :T_prefill], input_pos, (prefill_lens - 1)[:, None])
+        recorded.record(model, tokens[:, :chunk], input_pos[:, :chunk], (prefill_lens - 1).clamp(max=chunk - 1)[:, None])
         similarity = recorded.similarity
     lengths = [len(p) for p in prompts]
     if spec.layer_budget != "uniform":
@@ -318,7 +324,12 @@ def generate(
         model.setup_caches(probes)
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
 
-    if recorded is not None:
+    if chunk < T_prefill:
+        with chunk_ready(model, caches):
+            logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, recorded)
+            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step)
+            next_token = sample(logits, temperature, top_k)
+    elif recorded is not None:
         recorded.replay(model, caches)
         next_token = sample(recorded.logits[:, -1], temperature, top_k)
     else:
@@ -376,6 +387,30 @@ def generate(
         None if similarity is None else similarity.tolist(),
         head_budget_lists(caches) if spec.options.get("head_budget") == "adakv" else None,
     )
+
+
+def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool) -> int:
+    """The prefill's chunk: spec.prefill_chunk, or the whole prompt when unset or at least as long."""
+    chunk = spec.prefill_chunk or prompt
+    if chunk > context:
+        raise ValueError(f"--prefill_chunk {chunk} exceeds the model's context of {context} tokens; give at most {context}")
+    if chunk >= prompt:
+        return prompt
+    if scored_by_model:
+        names = ", ".join(type(c).__name__ for c in scored_by_model)
+        raise ValueError(f"--prefill_chunk: {names} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
+    if attention_loss:
+        raise ValueError("--attention_loss compares with a one-shot prefill; it takes no --prefill_chunk")
+    return chunk
+
+
+def first_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, recorded: RecordedPrefill | None) -> Tensor:
+    """The first chunk of a chunked prefill, an ordinary prefill (replayed when recorded): the logits [B, V] at each
+    row's last prompt column `last` [B], where it lies in this chunk."""
+    if recorded is not None:
+        recorded.replay(model, [block.attention.kv_cache for block in model.layers])
+        return recorded.logits[:, -1]
+    return model(tokens, input_pos, prefill=True, logits_at=last.clamp(max=tokens.shape[1] - 1)[:, None])[:, -1]
 
 
 def head_budget_lists(caches: Sequence[KVCache]) -> list[list[list[int]]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvlab.cache import PROTECTED_OPTIONS, AttentionScoredCache, KVCache
+from kvlab.cache import KVCache
+from kvlab.eviction import PROTECTED_OPTIONS, AttentionScoredCache
 from kvlab.options import fraction
 from kvlab.scores import attention_mass, window_attention
 
@@ -27,6 +28,7 @@ class HybridCache(AttentionScoredCache):
 
     needs_tokens = True
     takes_prompt_compressor = False  # the policies choose the prompt tokens
+    prefills_in_chunks = False  # its policies are chosen once, on the whole prompt
     default_recent_window = 1
     default_cache_length = 1.0  # the policies, not a length, set the compression
     policies = ("special", "special+punct", "special+punct+heavy", "special+punct+heavy+window", "full")
@@ -97,7 +99,7 @@ class HybridCache(AttentionScoredCache):
             policy = torch.where(recovered[..., None] >= self.min_recovery_frac, p, policy)
         self.policy.copy_(policy[..., 0])
         covered = self._covered(policy, pos, classes.expand(B, H, T), scores, n)
-        self._store_prompt(input_pos, k, v, scores.masked_fill(~covered, -1.0))  # covered tokens first
+        self._store_prompt(pos, k, v, scores.masked_fill(~covered, -1.0))  # covered tokens first
         self.token_class.copy_(classes.expand(B, H, T).gather(2, self.pos.clamp(min=0)))
         self._expire(n)
 

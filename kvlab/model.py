@@ -17,6 +17,7 @@ whose q/k rows are permuted for interleaved RoPE, are un-permuted at conversion 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -112,17 +113,19 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = kv_cache
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None, chunk: bool = False) -> Tensor:
         """tokens, input_pos: [B, T]. input_pos is each token's position in its own sequence, -1 for
         padding. `prefill=True` means a fresh prompt starting at position 0 (right-padded): attention is
-        exact causal attention over the prompt itself. `logits_at` [B, K] picks which columns get logits
-        (e.g. each row's last prompt token), so a long prefill need not build [B, T, vocab] logits."""
+        exact causal attention over the prompt itself. `chunk=True` means a later chunk of a chunked
+        prefill (right-padded): it attends over what each cache holds and itself (`KVCache.prefill_chunk`).
+        `logits_at` [B, K] picks which columns get logits (e.g. each row's last prompt token), so a long
+        prefill need not build [B, T, vocab] logits."""
         positions = input_pos.clamp(min=0)
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for layer in self.layers:
-            x = layer(x, tokens, input_pos, cos, sin, prefill)
+            x = layer(x, tokens, input_pos, cos, sin, prefill, chunk)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return self.output(self.norm(x))
@@ -136,8 +139,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill)
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill, chunk)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -153,7 +156,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False) -> Tensor:
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
@@ -172,6 +175,8 @@ class Attention(nn.Module):
             else:
                 y = self.exact_attention(q, k, v)
             self.kv_cache.prefill(input_pos, k, v, q, **extra)
+        elif chunk:
+            y = self.kv_cache.prefill_chunk(input_pos, k, v, q, functools.partial(chunk_attention, q, input_pos), **extra)
         elif self.kv_cache.attends_itself:
             y = self.kv_cache.attend(input_pos, k, v, q)
         else:
@@ -241,6 +246,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos
     if not return_probs and kernels.takes_attention(q, k, v):
         return torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos), None
     return grouped_attention(q, k, v, attention_mask(key_pos, query_pos), return_probs)
+
+
+def chunk_attention(q: Tensor, query_pos: Tensor, k: Tensor, v: Tensor, key_pos: Tensor) -> Tensor:
+    """A prefill chunk's queries q [B, H, N, D] at query_pos [B, N] over keys at key_pos ([B, S] or [B, H_kv, S]),
+    causal by position; a padding query (-1) attends to every real key, a finite output that nothing keeps."""
+    seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)
+    return grouped_attention(q, k, v, attention_mask(key_pos, seeing), False)[0]
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:

@@ -19,6 +19,7 @@ from torch import Tensor
 from kvlab.options import Option, choice, fraction, integer
 from kvlab.scores import (
     attention_mass,
+    chunk_attention,
     chunk_mean,
     expected_logits,
     lagkv,
@@ -47,11 +48,11 @@ SCORE_WRAPPER_OPTIONS = (
 )
 
 
-def wrap_scores(scores: Tensor, input_pos: Tensor, v: Tensor, value_weight: str, value_epsilon: float, chunk_size: int | None) -> Tensor:
-    """A compressor's prompt scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS."""
+def wrap_scores(scores: Tensor, pos: Tensor, v: Tensor, value_weight: str, value_epsilon: float, chunk_size: int | None) -> Tensor:
+    """A compressor's scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS; pos [B, T] or [B, H_kv, T]."""
     if value_weight == "norm":
         scores = value_weighted(scores, v, value_epsilon)
-    return scores if chunk_size is None else chunk_mean(scores, input_pos, chunk_size)
+    return scores if chunk_size is None else chunk_mean(scores, pos, chunk_size)
 
 
 class PromptCompressor:
@@ -62,6 +63,17 @@ class PromptCompressor:
     same_in_every_head = False  # its scores never differ between heads (by position alone): nothing for Ada-KV to share out
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def scores_chunks(self) -> bool:
+        """Whether it scores between prefill chunks (`score_chunk`)."""
+        return type(self).score_chunk is not PromptCompressor.score_chunk
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        """Scores [B, H_kv, S] of the held and chunk keys and values [B, H_kv, S, D] of a chunked prefill, each head's
+        in position order (key_pos [B, H_kv, S], -1 empty, last), from the chunk's own queries q [B, H, N, D] at
+        query_pos [B, N] (right-padded with -1): how each compressor scores a chunk is stated in docs/strategies.md."""
         raise NotImplementedError
 
     def with_rope(self, rope: tuple[Tensor, Tensor] | None) -> PromptCompressor:
@@ -78,6 +90,9 @@ class KeepAll(PromptCompressor):
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return torch.zeros(k.shape[:3], device=k.device)
 
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        return torch.zeros(k.shape[:3], device=k.device)
+
 
 class KeyScores(PromptCompressor):
     """A key score (recency, l2_norm, keydiff, ...) over the prompt's keys."""
@@ -91,6 +106,9 @@ class KeyScores(PromptCompressor):
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return self.score(k, input_pos[:, None, :].expand(k.shape[:3]))
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        return self.score(k, key_pos)
 
 
 class AttentionScores(PromptCompressor):
@@ -112,6 +130,13 @@ class AttentionScores(PromptCompressor):
             return scores
         seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]
         return scores / seen_by[:, None, :]
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        scores = attention_mass(chunk_attention(key_pos, k, query_pos, q, self.window))
+        if not self.per_query:
+            return scores
+        seen_by = (query_pos[:, None, None, :] >= torch.where(key_pos >= 0, key_pos, query_pos.max() + 1)[..., None]).sum(dim=-1)
+        return scores / seen_by.clamp(min=1)
 
 
 class SnapKV(PromptCompressor):
@@ -144,13 +169,20 @@ class SnapKV(PromptCompressor):
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         probs = window_attention(input_pos, k, q, self.window).sum(dim=3)  # [B, H_kv, group, T]
+        return self.select(probs, input_pos[:, None, :], input_pos.max(dim=-1, keepdim=True).values)
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        probs = chunk_attention(key_pos, k, query_pos, q, self.window).sum(dim=3)
+        return self.select(probs, key_pos, query_pos.max(dim=-1, keepdim=True).values)
+
+    def select(self, probs: Tensor, key_pos: Tensor, last: Tensor) -> Tensor:
+        """Scores from the window's attention [B, H_kv, group, T] to keys at key_pos [B, 1 or H_kv, T], the newest position last [B, 1]."""
         if self.gqa == "query" and probs.shape[2] != 1:
             raise ValueError("snapkv gqa='query' needs a cache holding one KV head per query head (snapkv_gqa query sets kv_repeat)")
         scores = {"mean": probs.mean, "max": lambda dim: probs.max(dim=dim).values, "sum": probs.sum, "query": probs.sum}[self.gqa](dim=2)
         scores = pool_keys(scores, self.kernel, self.pooling)
-        last = input_pos.max(dim=-1, keepdim=True).values
-        in_window = (input_pos > last - self.window) & (input_pos >= 0)
-        return scores.masked_fill(in_window[:, None, :], float("inf"))
+        in_window = (key_pos > last[:, :, None] - self.window) & (key_pos >= 0)
+        return scores.masked_fill(in_window, float("inf"))
 
 
 class ExpectedAttention(PromptCompressor):
@@ -212,11 +244,17 @@ class ExpectedAttention(PromptCompressor):
         return *query_statistics(x, observed), cos, sin
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        mean, cov, cos, sin = self.fit(input_pos, q)
+        return self.score_keys(input_pos[:, None, :].expand(k.shape[:3]), k, *self.fit(input_pos, q))
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        return self.score_keys(key_pos, k, *self.fit(query_pos, q))
+
+    def score_keys(self, key_pos: Tensor, k: Tensor, mean: Tensor, cov: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Keys [B, H_kv, T, D] at key_pos [B, H_kv, T] scored by the fitted Gaussian (`fit`)."""
         logits = expected_logits(unrotate(k.float(), cos, sin), mean, cov)  # [B, H_kv, group, T]
-        counted = (input_pos >= self.sinks)[:, None, None, :]
+        counted = (key_pos >= self.sinks)[:, :, None, :]
         scores = logits.masked_fill(~counted, float("-inf")).softmax(dim=-1).nan_to_num(0.0).mean(dim=2)
-        sinks = ((input_pos >= 0) & ~counted[:, 0, 0])[:, None, :]
+        sinks = (key_pos >= 0) & ~counted[:, :, 0]
         return torch.where(sinks, scores.amax(dim=-1, keepdim=True) + 1, scores)
 
 
@@ -234,6 +272,9 @@ class LagKV(PromptCompressor):
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         return lagkv(k, v, input_pos[:, None, :].expand(k.shape[:3]), self.lag, self.sinks)
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        return lagkv(k, v, key_pos, self.lag, self.sinks)
 
 
 class RKV(PromptCompressor):
@@ -255,5 +296,12 @@ class RKV(PromptCompressor):
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         probs = window_attention(input_pos, k, q, self.window)  # [B, H_kv, group, w, T]
+        return self.from_attention(probs, k, input_pos[:, None, :].expand(k.shape[:3]))
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        return self.from_attention(chunk_attention(key_pos, k, query_pos, q, self.window), k, key_pos)
+
+    def from_attention(self, probs: Tensor, k: Tensor, key_pos: Tensor) -> Tensor:
+        """Scores from the last queries' attention [B, H_kv, group, w, T] to keys k at key_pos [B, H_kv, T]."""
         importance = pool_keys(attention_mass(probs) / (probs.shape[2] * self.window), self.kernel)
-        return rkv(importance, k, input_pos[:, None, :].expand(k.shape[:3]), self.mix)
+        return rkv(importance, k, key_pos, self.mix)

@@ -141,6 +141,24 @@ def window_attention(input_pos: Tensor, k: Tensor, q: Tensor, window: int | None
     return prompt_attention(q_obs, k, input_pos, query_pos)
 
 
+def chunk_attention(key_pos: Tensor, k: Tensor, query_pos: Tensor, q: Tensor, window: int | None) -> Tensor:
+    """The attention that a prefill chunk's last `window` real queries (every one for None), q [B, H, N, D] at
+    positions query_pos [B, N] (right-padded with -1), pay to the held and chunk keys k [B, H_kv, S, D], whose
+    positions key_pos [B, H_kv, S] (-1 empty) differ between heads: [B, H_kv, group, w, S], causal by position.
+    Each KV head is computed as its own row, with its own positions; a row with fewer real queries than the
+    window observes fewer (the missing rows are zero)."""
+    B, H, N, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    w = N if window is None else min(window, N)
+    columns = (query_pos >= 0).sum(dim=1, keepdim=True) - w + torch.arange(w, device=q.device)  # [B, w]: the last w real ones
+    observed = torch.where(columns >= 0, query_pos.gather(1, columns.clamp(min=0)), -1)
+    q_obs = q.gather(2, columns.clamp(min=0)[:, None, :, None].expand(B, H, w, D))
+    flat = prompt_attention(
+        q_obs.reshape(B * n_kv, H // n_kv, w, D), k.reshape(B * n_kv, 1, S, D), key_pos.reshape(B * n_kv, S), observed.repeat_interleave(n_kv, dim=0)
+    )
+    return flat.view(B, n_kv, H // n_kv, w, S)
+
+
 def pool_keys(scores: Tensor, kernel: int, kind: str = "max") -> Tensor:
     """Pool [B, H, T] scores along the keys (stride 1, same length), so neighbours of an important token
     score high too (SnapKV, KV-Compress)."""
@@ -183,16 +201,20 @@ def value_weighted(scores: Tensor, v: Tensor, epsilon: float) -> Tensor:
     return (scores + epsilon) * v.float().norm(dim=-1)
 
 
-def chunk_mean(scores: Tensor, input_pos: Tensor, size: int) -> Tensor:
-    """ChunkKV (Liu et al., 2025, arXiv 2502.00299): every prompt token [B, H, T] gets the mean score of its
-    chunk of `size` consecutive positions (the last chunk may be shorter; padding, position -1, counts
-    for nothing), so a top-k keeps whole chunks."""
-    B, H, T = scores.shape
-    held = input_pos >= 0
-    pad = -T % size
-    total = F.pad(torch.where(held[:, None], scores, 0.0), (0, pad)).view(B, H, -1, size).sum(dim=-1)
-    count = F.pad(held.float(), (0, pad)).view(B, 1, -1, size).sum(dim=-1).clamp(min=1)
-    return (total / count).repeat_interleave(size, dim=-1)[..., :T]
+def chunk_mean(scores: Tensor, pos: Tensor, size: int) -> Tensor:
+    """ChunkKV (Liu et al., 2025, arXiv 2502.00299): every held token [B, H, S] gets the mean score of the held
+    tokens in its chunk of `size` consecutive positions (position // size), so a top-k keeps whole chunks.
+    Positions pos [B, S] or [B, H, S] ascending along each row, -1 (empty or padding, counting for nothing)
+    only after the held ones: a prompt's columns, or the held and chunk tokens of a chunked prefill."""
+    held = pos >= 0
+    if pos.dim() == 2:
+        held, pos = held[:, None], pos[:, None]
+    bucket = torch.where(held, pos.div(size, rounding_mode="floor"), -1)
+    segment = F.pad((bucket[..., 1:] != bucket[..., :-1]).long().cumsum(dim=-1), (1, 0)).expand(scores.shape)  # runs of one chunk
+    kept = torch.where(held, scores, 0.0)
+    total = torch.zeros_like(kept).scatter_add_(-1, segment, kept)
+    count = torch.zeros_like(kept).scatter_add_(-1, segment, held.expand(scores.shape).float()).clamp(min=1)
+    return (total / count).gather(-1, segment)
 
 
 def lagkv(k: Tensor, v: Tensor, pos: Tensor, lag: int, sinks: int) -> Tensor:

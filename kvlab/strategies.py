@@ -1,5 +1,5 @@
 """The registry: every cache strategy and prompt compressor by name. Evicting strategies are a score
-each (scores.py) on the bases in cache.py; the other families live in hybrid.py (FastGen),
+each (scores.py) on the bases in eviction.py; the other families live in hybrid.py (FastGen),
 recall.py (ClusterKV, Quest) and paged.py (KV-Compress)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvlab.cache import AttentionScoredCache, EvictionCache, FullCache, KeyScoredCache, KVCache
+from kvlab.cache import FullCache, KVCache
 from kvlab.duo import DuoAttentionCache
+from kvlab.eviction import AttentionScoredCache, EvictionCache, KeyScoredCache
 from kvlab.hybrid import HybridCache
 from kvlab.options import Option, integer
 from kvlab.paged import KVCompressCache
@@ -17,6 +18,7 @@ from kvlab.recall import ClusterKVCache, QuestCache
 from kvlab.reconstruction import KVzip, Oracle
 from kvlab.scores import (
     attention_mass,
+    chunk_attention,
     expected_logits,
     keydiff,
     l2_norm,
@@ -157,6 +159,10 @@ class ExpectedAttentionCache(EvictionCache):
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         super().prefill(input_pos, k, v, q, lse)
+        self._after_chunk(input_pos, q)
+
+    def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
+        """Fit the Gaussian to the prompt's queries (a chunked prefill: to the latest chunk's) and score the held keys."""
         mean, cov, cos, sin = self.expected.fit(input_pos, q)
         logits = expected_logits(unrotate(self.storage.read()[0].float(), cos, sin), mean, cov)
         log_norm = logits.masked_fill(self.pos[:, :, None] < 0, float("-inf")).logsumexp(dim=-1).flatten(1)  # [B, H]
@@ -233,6 +239,14 @@ class RKVCache(EvictionCache):
         super().prefill(input_pos, k, v, q, lse)
         per_query = window_attention(input_pos, self._repeat(k), q, self.rkv.window).mean(dim=2).transpose(-1, -2)  # [B, H, T, w]
         held = per_query.gather(2, self.pos.clamp(min=0)[..., None].expand(-1, -1, -1, per_query.shape[-1])) * (self.pos >= 0)[..., None]
+        self._remember(held)
+
+    def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
+        """The ring holds the attention of the chunk's last queries over the tokens kept."""
+        self._remember(chunk_attention(self.pos, self.storage.read()[0], input_pos, q, self.rkv.window).mean(dim=2).transpose(-1, -2))
+
+    def _remember(self, held: Tensor) -> None:
+        """The ring starts from the prompt's last queries' attention to the held slots, [B, H, S, w] (fewer columns: fewer queries)."""
         self.recent.zero_()
         self.recent[..., : held.shape[-1]] = held  # fewer columns when the prompt is shorter than the window
         self.step.fill_(held.shape[-1])

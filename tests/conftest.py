@@ -84,6 +84,19 @@ def make_tiny_model() -> Transformer:
     return model
 
 
+def miniature_smollm() -> Transformer:
+    """SmolLM2-135M's shape in miniature: its 30 layers, 9 query and 3 KV heads, vocabulary and 8K context,
+    at width 72 with random weights. Every config fits it (the DuoAttention gates too), and 3,000 prompt
+    tokens prefill in a moment."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=72, intermediate_size=96, block_size=8192, tie_embeddings=True)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return make_tiny_model()

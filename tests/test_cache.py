@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from conftest import spec_for
 from kvlab.build import make_caches
-from kvlab.cache import EvictionCache, FullCache
+from kvlab.cache import FullCache
 from kvlab.engine import compile_decode_step, generate
+from kvlab.eviction import EvictionCache
 from kvlab.strategies import CACHE_STRATEGIES, HeavyHitterCache, L2Cache, RecentGlobalCache, TOVACache, WindowCache
 
 EVICTING = sorted(name for name, cls in CACHE_STRATEGIES.items() if issubclass(cls, EvictionCache))

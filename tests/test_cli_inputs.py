@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, paul_graham_text, write_tiny_checkpoint
+from conftest import ROOT, miniature_smollm, paul_graham_text, write_tiny_checkpoint
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import convert_hf_checkpoint  # noqa: E402
@@ -18,7 +18,6 @@ import quantize  # noqa: E402
 
 import generate  # noqa: E402
 from kvlab.build import make_caches  # noqa: E402
-from kvlab.model import ModelArgs, Transformer  # noqa: E402
 from kvlab.strategies import CACHE_STRATEGIES  # noqa: E402
 
 
@@ -162,19 +161,6 @@ def test_a_fraction_below_the_protected_tokens_is_raised_to_them(flags, note, ge
     held = 15 if flags[0] == "--max_cache_length" else 17
     assert f"KV cache (heavy_hitter): {held} of 17 tokens held" in err, err
     assert [line for line in err.splitlines() if line.startswith("note:")] == [note], err
-
-
-def miniature_smollm() -> Transformer:
-    """SmolLM2-135M's shape in miniature: its 30 layers, 9 query and 3 KV heads, vocabulary and 8K context,
-    at width 72 with random weights. Every config fits it (the DuoAttention gates too), and 3,000 prompt
-    tokens prefill in a moment."""
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=72, intermediate_size=96, block_size=8192, tie_embeddings=True)
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model
 
 
 @pytest.fixture(scope="module")

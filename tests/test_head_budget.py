@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from conftest import spec_for
 from kvlab.build import make_caches
-from kvlab.cache import adakv_slots
 from kvlab.engine import compile_decode_step, generate
+from kvlab.eviction import adakv_slots
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.strategies import HeavyHitterCache
 

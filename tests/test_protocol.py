@@ -13,9 +13,9 @@ import torch
 import eval as kv_eval
 from conftest import ROOT
 from kvlab.build import build_caches
-from kvlab.cache import EvictionCache
 from kvlab.config import cache_spec
 from kvlab.engine import generate
+from kvlab.eviction import EvictionCache
 from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import resolve_tasks
 

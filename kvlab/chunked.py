@@ -1,0 +1,101 @@
+"""Chunked prefill (`--prefill_chunk N`): the prompt goes through the model N tokens at a time. The first
+chunk is an ordinary prefill; each later one attends over what every cache holds plus itself, after
+which each cache compresses back to its budget (`KVCache.prefill_chunk`), so a layer never holds more
+than its slots + N tokens, whatever the prompt's length. Chunks keep one static shape: the last one is
+padded (position -1).
+
+A cache that cannot compress between chunks (`prefills_in_chunks` False: FastGen's policies, ClusterKV
+and Quest's history, the paged pool, DuoAttention, KVzip's further model pass) gets a `WholePrompt` stand-in
+for the prefill: it keeps every chunk, so memory grows with the prompt as in a one-shot prefill, and hands
+the whole prompt to the cache after the last chunk. One note line says which strategies do so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvlab.build import say_once
+from kvlab.cache import KVCache
+from kvlab.model import Transformer
+from kvlab.strategies import CACHE_STRATEGIES
+
+
+class WholePrompt(KVCache):
+    """Stands in for a cache during a chunked prefill, keeping every chunk's keys, values, queries and tokens; the
+    chunks attend over all of them (exact attention), and `finish` prefills the cache with the whole prompt."""
+
+    def __init__(self, cache: KVCache) -> None:
+        torch.nn.Module.__init__(self)
+        self.cache = cache
+        self.needs_tokens = cache.needs_tokens
+        self.parts: list[tuple[Tensor, ...]] = []  # per chunk: input_pos, k, v, q (and tokens)
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **extra: Tensor) -> None:
+        self.parts = [(input_pos, k, v, q, *extra.values())]
+
+    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor], **extra: Tensor) -> Tensor:
+        self.parts.append((input_pos, k, v, q, *extra.values()))
+        pos, keys, values = (torch.cat([part[i] for part in self.parts], dim=-1 if i == 0 else 2) for i in range(3))
+        return attend(keys, values, pos)
+
+    def finish(self) -> None:
+        """The cache's own prefill over the whole prompt: the chunks' columns are its positions, right-padded, and
+        the last chunk's padding beyond every prompt is left out."""
+        pos, k, v, q = (torch.cat([part[i] for part in self.parts], dim=-1 if i == 0 else 2) for i in range(4))
+        T = int(pos.max()) + 1
+        extra = {"tokens": torch.cat([part[4] for part in self.parts], dim=1)[:, :T]} if self.needs_tokens else {}
+        self.parts = []
+        self.cache.prefill(pos[:, :T], k[:, :, :T], v[:, :, :T], q[:, :, :T], **extra)
+
+
+def unchunked(caches: Sequence[KVCache]) -> list[str]:
+    """The strategies among `caches` that cannot compress between chunks, by registry name (or what their prompt
+    compressor is, when that is the reason), once each."""
+    names = {cls: name for name, cls in CACHE_STRATEGIES.items()}
+    return list(dict.fromkeys(names.get(type(c), type(c).__name__) for c in caches if not c.prefills_in_chunks))
+
+
+@contextmanager
+def chunk_ready(model: Transformer, caches: Sequence[KVCache]) -> Iterator[None]:
+    """For the block: each layer whose cache cannot compress between chunks runs on a `WholePrompt` stand-in,
+    which then hands the whole prompt to its cache; afterwards the model runs on `caches` again."""
+    whole = unchunked(caches)
+    if whole:
+        say_once(f"note: {', '.join(whole)} cannot compress between prefill chunks: it compresses once the whole prompt is prefilled")
+    stand_ins = [c if c.prefills_in_chunks else WholePrompt(c) for c in caches]
+    model.setup_caches(stand_ins)
+    try:
+        yield
+        for stand_in in stand_ins:
+            if isinstance(stand_in, WholePrompt):
+                stand_in.finish()
+    finally:
+        model.setup_caches(list(caches))
+
+
+def prefill_chunk_step(model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> Tensor:
+    """One later chunk, tokens and input_pos [B, N]: the logits [B, V] at each row's column logits_at [B, 1].
+    The unit `--compile_prefill` compiles: every chunk has the same shape, so one graph serves them all."""
+    return model(tokens, input_pos, logits_at=logits_at, chunk=True)[:, -1]
+
+
+def prefill_rest(
+    model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, chunk: int, logits: Tensor, step: Callable[..., Tensor] = prefill_chunk_step
+) -> Tensor:
+    """The chunks after the first of right-padded prompts tokens, input_pos [B, T], each through `step`: each row's
+    logits [B, V] at its last prompt column `last` [B]; `logits` holds those of the rows whose prompt ended in the
+    first chunk."""
+    T = tokens.shape[1]
+    for start in range(chunk, T, chunk):
+        pad = max(start + chunk - T, 0)  # the last chunk keeps the static shape
+        piece = F.pad(tokens[:, start : start + chunk], (0, pad))
+        pos = F.pad(input_pos[:, start : start + chunk], (0, pad), value=-1)
+        at = (last - start).clamp(0, chunk - 1)
+        out = step(model, piece, pos, at[:, None])
+        logits = torch.where(((last >= start) & (last < start + chunk))[:, None], out, logits)
+    return logits

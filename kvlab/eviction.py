@@ -1,0 +1,354 @@
+"""Evicting caches: a fixed number of slots per sequence and KV head, the least important token evicted.
+
+An evicting strategy is only a score (higher = keep), written once in `scores.py`: `KeyScoredCache`
+applies a key score to the prompt and to the cache, `AttentionScoredCache` an attention score to the
+observed prompt queries and to every decode query. `EvictionCache` does the rest: slots, sinks and
+the recent window, per-sequence limits, Ada-KV head budgets. A new key-only strategy is a subclass
+naming its score plus one line in the registry (`strategies.py`), e.g. `KeyDiffCache`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvlab import parallel
+from kvlab.cache import KVCache
+from kvlab.options import choice, fraction, integer
+from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
+from kvlab.scores import attention_mass
+from kvlab.storage import KEY_PRUNING_OPTIONS
+
+HEAD_BUDGETS = ("uniform", "adakv")
+DEFAULT_ADAKV_FLOOR = 0.2
+PROTECTED_OPTIONS = (
+    integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
+    integer("recent_window", None, "newest tokens never evicted, the incoming one included", default_help="10; 1 for hybrid"),
+)
+
+
+@contextmanager
+def unchanged_where_idle(cache: KVCache, input_pos: Tensor) -> Iterator[None]:
+    """Every per-sequence buffer of `cache` (its batch on dim 0) is put back, after the block, in the sequences
+    with no real token in input_pos [B, N]: their prompt has ended, and a chunk of padding changes nothing."""
+    idle = (input_pos < 0).all(dim=1)
+    batch = input_pos.shape[0]
+    saved = {name: b.clone() for name, b in cache.named_buffers() if b.dim() and b.shape[0] == batch}
+    yield
+    for name, b in cache.named_buffers():
+        if name in saved and b.shape == saved[name].shape:
+            b.copy_(torch.where(idle.view(-1, *[1] * (b.dim() - 1)), saved[name], b))
+
+
+class EvictionCache(KVCache):
+    """A fixed number of slots per (sequence, KV head). When the prompt is longer than the cache, the
+    most important prompt tokens are kept (ranked by the `PromptCompressor`, by default the strategy's
+    own score); during decoding each new token replaces the least important slot (`_token_importances`).
+    The first `global_tokens` positions (attention sinks) and the newest `recent_window` positions, the
+    incoming token included, are always protected. All choices are argmin/topk/scatter: static shapes,
+    no data-dependent Python branching, so the decode step compiles with fullgraph=True. The prompt
+    scores go through the wrappers `value_weight` (CriticalKV) and `chunk_size` (ChunkKV) first
+    (`wrap_scores`); `rope`, the model's RoPE tables, reaches a compressor that needs it (`with_rope`).
+
+    `head_budget="adakv"` (Ada-KV, Feng et al., 2024) lets the KV heads of a layer share its budget
+    unevenly, decided at prefill from the prompt scores (`_adakv_capacities`); each head then evicts
+    inside its own share while decoding. The buffer must be wide enough for the largest share
+    (`adakv_slots`): a dense buffer cannot return the slots the small heads leave empty, so the
+    memory saving needs a paged layout; here the attended tokens per layer are exactly the budget."""
+
+    positions_per_head = True
+    takes_prompt_compressor = True
+    default_global_tokens = 4
+    default_recent_window = 10
+    default_value_weight = "none"
+
+    @classmethod
+    def min_slots(cls, options: dict[str, Any]) -> int:
+        return cls.protected_tokens(options) + 1
+
+    options = (
+        *KVCache.options,
+        *KEY_PRUNING_OPTIONS,
+        *PROTECTED_OPTIONS,
+        *SCORE_WRAPPER_OPTIONS,
+        choice(
+            "head_budget",
+            HEAD_BUDGETS,
+            "uniform",
+            "split each layer's budget over its KV heads at prefill, per prompt: uniform (every head the same) or adakv (Ada-KV: heads "
+            "whose prompt scores rank higher overall get more; buffers are widened to the largest share)",
+        ),
+        fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv: the share of the uniform per-head budget every head is guaranteed", closed=True),
+    )
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        global_tokens: int | None = None,
+        recent_window: int | None = None,
+        prompt_compressor: PromptCompressor | None = None,
+        kv_repeat: int = 1,
+        head_budget: str = "uniform",
+        adakv_floor: float = DEFAULT_ADAKV_FLOOR,
+        rope: tuple[Tensor, Tensor] | None = None,
+        value_weight: str | None = None,
+        value_epsilon: float = 0.0,
+        chunk_size: int | None = None,
+        **storage_options,
+    ) -> None:
+        super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, **storage_options)
+        if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
+            raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
+        self.head_budget, self.adakv_floor = head_budget, adakv_floor
+        self.prompt_compressor = (prompt_compressor or self.own_prompt_compressor()).with_rope(rope)
+        for option, value in zip(SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, chunk_size), strict=True):
+            if value is not None:
+                option.validate(value)
+        self.value_weight = self.default_value_weight if value_weight is None else value_weight
+        self.value_epsilon, self.chunk_size = value_epsilon, chunk_size  # wrappers of the prompt scores (wrap_scores)
+        if head_budget == "adakv" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
+            raise ValueError(
+                f"{type(self).__name__}: --head_budget adakv shares a layer's slots by how each head scores its prompt tokens; these "
+                "scores (by position) are the same in every head, so it would change nothing: drop it, or give a --prompt_compression_strategy"
+            )
+        self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
+        self.recent_window = self.default_recent_window if recent_window is None else recent_window
+        self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
+        if self.global_tokens < 0 or self.recent_window < 1:
+            raise ValueError(f"{type(self).__name__}: need --global_tokens >= 0 and --recent_window >= 1; got {self.global_tokens} and {self.recent_window}")
+        if self.global_tokens + self.recent_window >= capacity:
+            raise ValueError(
+                f"{type(self).__name__}: --max_cache_length gives {capacity} slots here; the cache needs more than "
+                f"--global_tokens {self.global_tokens} + --recent_window {self.recent_window}: raise --max_cache_length or lower --recent_window/--global_tokens"
+            )
+        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
+        self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
+        self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
+        self.register_buffer("decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False)
+        self.decode_evicts = True  # False once limit_rows keeps room for every decoded token (a compression ratio)
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        """The strategy's own score applied to the prompt (the default `prompt_compression_strategy`)."""
+        return KeepAll()
+
+    @property
+    def needs_prompt_lse(self) -> bool:
+        return self.takes_prompt_compressor and self.prompt_compressor.uses_lse
+
+    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
+        room = torch.zeros_like(capacities) if decode_room is None else decode_room
+        smallest, largest = int((capacities - room).min()), int(capacities.max())
+        if smallest <= self.global_tokens + self.recent_window or largest > self.capacity:
+            raise ValueError(
+                f"{type(self).__name__}: --max_cache_length gives {capacities.tolist()} slots per sequence here (at most {self.capacity}); "
+                f"each needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: "
+                "raise --max_cache_length or lower --recent_window/--global_tokens"
+                if decode_room is None
+                else f"{type(self).__name__}: --compression_ratio keeps {(capacities - room).tolist()} prompt tokens per sequence here; each "
+                f"needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: lower the ratio, or "
+                "--recent_window/--global_tokens"
+            )
+        self.row_budget.copy_(capacities.view(-1, 1, 1))
+        self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))
+        self.decode_room.copy_(room.view(-1, 1, 1))
+        self.decode_evicts = decode_room is None
+
+    def head_budgets(self) -> Tensor:
+        return self.row_capacity[..., 0]
+
+    def _token_importances(self) -> Tensor:
+        """[B, H_kv, S] score of each filled slot; the lowest unprotected one is evicted."""
+        raise NotImplementedError
+
+    def _eviction_idx(self, input_pos: Tensor) -> Tensor:
+        """[B, H_kv, 1] the slot each (sequence, KV head) gives to the incoming token: an empty one, else the least important.
+        When the rows keep room for every decoded token, an empty slot always wins, so the strategy's score
+        (LagKV and KeyDiff rescore every held key) is not computed: the same slot, the first empty one."""
+        importances = self._token_importances() if self.decode_evicts else torch.zeros(self.pos.shape, device=self.pos.device)
+        return self._slot_priorities(importances, input_pos).argmin(dim=-1, keepdim=True)
+
+    def _slot_priorities(self, importances: Tensor, input_pos: Tensor) -> Tensor:
+        """Importances of the slots made ready for argmin: empty slots first, protected ones and slots beyond a
+        sequence's own limit never."""
+        scores = self._protect(importances, self.pos, input_pos[:, :, None])
+        beyond = torch.arange(scores.shape[-1], device=scores.device) >= self.row_capacity
+        return scores.masked_fill(beyond, float("inf"))
+
+    def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
+        """Strategy state for newly written slots [B, H_kv, N]; `scores` are their prompt importances (None in decode)."""
+
+    def _protect(self, scores: Tensor, pos: Tensor, current: Tensor) -> Tensor:
+        """Empty slots go first (-inf), sinks and the recent window never (+inf). current: [B, 1, 1] newest position."""
+        protected = (pos < self.global_tokens) | (pos > current - self.recent_window)
+        scores = scores.float().masked_fill(protected, float("inf"))
+        return scores.masked_fill(pos < 0, float("-inf"))
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
+        T = k.shape[2]
+        if T > self.capacity and not self.prompt_compressor.compresses:
+            raise ValueError(f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor")
+        k, v = self._repeat(k), self._repeat(v)
+        self.storage.observe_prompt(input_pos, k, q)
+        scores = self.prompt_compressor(input_pos, k, v, q, **({} if lse is None else {"lse": lse}))
+        scores = wrap_scores(scores, input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
+        self._store_prompt(input_pos[:, None, :].expand(k.shape[:3]), k, v, scores)
+
+    @property
+    def prefills_in_chunks(self) -> bool:
+        return self.prompt_compressor.scores_chunks
+
+    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """The chunk attends over the held tokens and itself; then the prompt compressor scores both together
+        from the chunk's queries (`score_chunk`), and each head keeps its best, as at prefill. A sequence whose
+        prompt has ended (a chunk of padding) keeps its state unchanged."""
+        k, v = self._repeat(k), self._repeat(v)
+        B, H, N = k.shape[:3]
+        held_k, held_v = self.storage.read()
+        key_pos = torch.cat([self.pos, input_pos[:, None, :].expand(B, H, N)], dim=2)
+        keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
+        y = attend(keys, values, key_pos)
+        order = torch.where(key_pos >= 0, key_pos, torch.iinfo(key_pos.dtype).max).argsort(dim=-1)
+        key_pos = key_pos.gather(2, order)
+        keys, values = (x.gather(2, order[..., None].expand_as(x)) for x in (keys, values))
+        scores = self.prompt_compressor.score_chunk(key_pos, keys, values, input_pos, q)
+        scores = wrap_scores(scores, key_pos, values, self.value_weight, self.value_epsilon, self.chunk_size)
+        with unchanged_where_idle(self, input_pos):
+            self._store_prompt(key_pos, keys, values, self._with_running_scores(scores, order))
+            self._after_chunk(input_pos, q)
+        return y
+
+    def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
+        """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the strategy
+        has gathered on its slots so far (H2O adds its accumulated attention)."""
+        return scores
+
+    def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
+        """Strategy state refreshed from a chunk's queries once its tokens are stored (Expected Attention refits its Gaussian)."""
+
+    def _repeat(self, x: Tensor) -> Tensor:
+        return x.repeat_interleave(self.kv_repeat, dim=1) if self.kv_repeat > 1 else x
+
+    def _store_prompt(self, pos: Tensor, k: Tensor, v: Tensor, scores: Tensor) -> None:
+        """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with the protected ones."""
+        B, H, T, D = k.shape
+        n_keep = min(T, self.capacity)
+        last = pos.flatten(1).max(dim=-1).values[:, None, None]
+        protected = self._protect(scores, pos, last)
+        if self.head_budget == "adakv":  # split over every head of the layer, on every rank alike
+            self.row_capacity.copy_(parallel.local_heads(self._adakv_capacities(parallel.gather_heads(protected), last + 1)))
+        ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
+        # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
+        fits = torch.arange(n_keep, device=k.device) < self.row_capacity - self.decode_room
+        order = torch.where(fits, ranked, ranked + T).sort(dim=-1).values
+        keep, fits = order % T, order < T
+        index = keep[..., None].expand(B, H, n_keep, D)
+        slots = torch.arange(n_keep, device=k.device).expand(B, H, n_keep)
+        self.storage.write(slots, k.gather(2, index), v.gather(2, index), prompt=True)
+        self.pos[:, :, :n_keep] = pos.gather(2, keep).masked_fill(~fits, -1)
+        self._on_insert(slots, scores.gather(2, keep))
+
+    def _adakv_capacities(self, scores: Tensor, n_prompt: Tensor) -> Tensor:
+        """Ada-KV's split of a layer's H x budget slots over its heads, [B, H, 1], from protected prompt
+        scores [B, H, T] and prompt lengths [B, 1, 1]: the top H x b scores over all heads together are
+        counted per head (b = the budget's prompt part, min(budget - decode room, prompt)), and head h gets
+        (1 - floor) x (count_h + budget - b) + floor x budget, so every head keeps `floor` of a uniform
+        share and the decode room is shared evenly. Whole slots by largest remainder (the sum stays
+        exact); a share beyond the buffer goes to the other heads in proportion to their room."""
+        B, H, T = scores.shape
+        budget = self.row_budget.double()  # [B, 1, 1]
+        prompt_part = torch.minimum(budget - self.decode_room, n_prompt.double())
+        rank = scores.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1).view(B, H, T)
+        count = (rank < H * prompt_part).sum(dim=-1, keepdim=True)
+        share = (1 - self.adakv_floor) * (count + budget - prompt_part) + self.adakv_floor * budget
+        room = (self.capacity - share).clamp(min=0)
+        excess = (share - self.capacity).clamp(min=0).sum(dim=1, keepdim=True)
+        share = share.clamp(max=self.capacity) + excess * room / room.sum(dim=1, keepdim=True).clamp(min=1e-9)
+        whole = share.floor()
+        left = (H * budget - whole.sum(dim=1, keepdim=True)).round()
+        by_fraction = (whole - share).argsort(dim=1, stable=True).argsort(dim=1)  # largest fraction first
+        return (whole + (by_fraction < left)).long()
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        slot = self._eviction_idx(input_pos)
+        self.storage.write(slot, self._repeat(k), self._repeat(v))
+        self.pos.scatter_(2, slot, input_pos[:, None, :].expand(slot.shape))
+        self._on_insert(slot, None)
+        return *self.storage.read(), self.pos
+
+
+def adakv_slots(budget: int, n_heads: int, floor: float = DEFAULT_ADAKV_FLOOR) -> int:
+    """The largest share Ada-KV can give one of `n_heads` heads with `budget` slots each: every prompt
+    winner in that head (n_heads x budget) times (1 - floor), plus its floor share."""
+    return math.ceil(round(budget * ((1 - floor) * n_heads + floor), 6))  # rounded first: 10 x 2.6 is 26.000000000000004 in floats
+
+
+class KeyScoredCache(EvictionCache):
+    """A strategy whose score reads the keys alone (`key_score`, from scores.py): the same function
+    ranks the prompt at prefill and the cached slots at every decode step."""
+
+    key_score: Callable[[Tensor, Tensor], Tensor]
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        return KeyScores(cls.key_score)
+
+    def _token_importances(self) -> Tensor:
+        return self.key_score(self.storage.read()[0], self.pos)
+
+
+class AttentionScoredCache(EvictionCache):
+    """A strategy that scores slots by the attention they receive (`attention_mass`), kept in `scores`
+    [B, H_kv, S]. At prefill the prompt is scored by the attention of its last `observed_queries`
+    queries (None: all of them); while decoding, each step's attention is added (`accumulate`, H2O)
+    or replaces the scores (TOVA)."""
+
+    needs_attention = True
+    observed_queries: int | None = None
+    accumulate = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("scores", torch.zeros(self.pos.shape, device=self.pos.device), persistent=False)
+
+    @classmethod
+    def own_prompt_compressor(cls) -> PromptCompressor:
+        return AttentionScores(cls.observed_queries)
+
+    def reset(self) -> None:
+        super().reset()
+        self.scores.zero_()
+
+    def _token_importances(self) -> Tensor:
+        return self.scores
+
+    def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
+        if not self.accumulate:
+            return scores
+        return scores + F.pad(self.scores, (0, order.shape[-1] - self.scores.shape[-1])).gather(2, order)
+
+    def observe(self, probs: Tensor) -> None:
+        if self.accumulate:
+            self.scores += attention_mass(probs)
+        else:
+            self.scores.copy_(attention_mass(probs))
+
+    def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
+        if scores is None:
+            self.scores.scatter_(2, slots, 0.0)
+            return
+        # A compressor marks tokens it always keeps (SnapKV's window) with +inf: they start as their head's top token.
+        finite = scores.isfinite()
+        top = scores.masked_fill(~finite, float("-inf")).amax(dim=-1, keepdim=True).clamp(min=0)
+        self.scores.scatter_(2, slots, torch.where(finite, scores, top).float())
