@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from kvlab import parallel
-from kvlab.cli import ArgumentParser, resolve_device_dtype, run_cli
+from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
 from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
 from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
 from kvlab.tasks import PerplexityTask, resolve_tasks
@@ -87,6 +87,13 @@ def build_parser() -> ArgumentParser:
         "without it the ranks share out the sweep's jobs, each with the whole model (docs/scaling.md)",
     )
     p.add_argument(
+        "--prefill_chunk",
+        type=positive_int,
+        default=None,
+        help="prefill every compressing config in chunks of N tokens, compressing between them (docs/strategies.md); its runs go to "
+        "<size>+prefill_chunkN/, beside the one-shot ones (default: as each config says)",
+    )
+    p.add_argument(
         "--attention_metrics",
         action="store_true",
         help="generation tasks: also record per example the attention loss and the top-B attention recall (B = the tokens the cache "
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} gives the same value twice: {' '.join(map(str, values))}; give each once")
     if args.query_agnostic and any(isinstance(t, PerplexityTask) for t in tasks):
         raise ValueError("--query_agnostic compresses a context before its question; the perplexity tasks (book_*) have no question")
-    jobs = jobs_for(args.cache_config, sizes, tasks, args.context_lengths, args.ppl_prompt_tokens, args.query_agnostic)
+    jobs = jobs_for(args.cache_config, sizes, tasks, args.context_lengths, args.ppl_prompt_tokens, args.query_agnostic, args.prefill_chunk)
     device = parallel.init(resolve_device_dtype(args.device, args.dtype)[0], timeout=SWEEP_TIMEOUT)
     with contextlib.ExitStack() as stack:
         if parallel.rank() == 0:

@@ -4,6 +4,9 @@ which each cache compresses back to its budget (`KVCache.prefill_chunk`), so a l
 than its slots + N tokens, whatever the prompt's length. Chunks keep one static shape: the last one is
 padded (position -1).
 
+The same chunks stream a text of any length (`stream_losses`): after each chunk the held tokens move to
+positions within the cache (StreamingLLM's), their keys re-rotated, so positions never outgrow the context.
+
 A cache that cannot compress between chunks (`prefills_in_chunks` False: FastGen's policies, ClusterKV
 and Quest's history, the paged pool, DuoAttention, KVzip's further model pass) gets a `WholePrompt` stand-in
 for the prefill: it keeps every chunk, so memory grows with the prompt as in a one-shot prefill, and hands
@@ -19,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.build import say_once
+from kvlab.build import build_caches, say_once
 from kvlab.cache import KVCache
+from kvlab.config import CacheSpec
+from kvlab.eviction import EvictionCache
 from kvlab.model import Transformer
 from kvlab.strategies import CACHE_STRATEGIES
 
@@ -99,3 +104,31 @@ def prefill_rest(
         out = step(model, piece, pos, at[:, None])
         logits = torch.where(((last >= start) & (last < start + chunk))[:, None], out, logits)
     return logits
+
+
+def stream_losses(model: Transformer, ids: Sequence[int], spec: CacheSpec, chunk: int, on_chunk: Callable[[int], None] | None = None) -> Tensor:
+    """Teacher-forced negative log-likelihoods [len(ids) - 1] of a text of any length, read `chunk` tokens at a time
+    through caches of a fixed budget (slot counts), so memory stays flat. Positions are StreamingLLM's, within the
+    cache: after each chunk every held token moves to its rank, its key re-rotated (`EvictionCache.reposition`), and
+    the next chunk follows them, so no position exceeds budget + chunk however long the text. `on_chunk` gets the
+    count of tokens scored so far."""
+    if any(not isinstance(n, int) for n in spec.lengths) or spec.options.get("head_budget", "uniform") != "uniform":
+        raise ValueError("streaming needs one slot count for every head of every layer (--max_cache_length 512, no fraction, no --head_budget adakv)")
+    caches = build_caches(model, spec, [chunk], 1, max(spec.lengths) + chunk + 1)
+    refused = sorted({name for name, c in zip(spec.strategies, caches, strict=True) if not (isinstance(c, EvictionCache) and c.prefills_in_chunks)})
+    if refused:
+        raise ValueError(f"streaming needs a strategy that evicts between chunks; {', '.join(refused)} cannot (see --prefill_chunk)")
+    device = model.tok_embeddings.weight.device
+    losses, position = [], 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, chunk):
+            piece = torch.tensor(ids[start : start + chunk], device=device)
+            targets = torch.tensor(ids[start + 1 : start + chunk + 1], device=device)
+            columns = torch.arange(chunk, device=device)
+            pos = torch.where(columns < len(piece), position + columns, -1)[None]
+            logits = model(F.pad(piece, (0, chunk - len(piece)))[None], pos, prefill=start == 0, chunk=start > 0, logits_at=columns[None, : len(targets)])
+            losses.append(F.cross_entropy(logits[0].float(), targets, reduction="none"))
+            position = max(cache.reposition(model.rope_cos, model.rope_sin) for cache in caches)
+            if on_chunk is not None:
+                on_chunk(start + len(targets))
+    return torch.cat(losses)

@@ -49,10 +49,11 @@ class Job:
     context_length: int
     prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
     query_agnostic: bool = False  # the context is compressed before the question is seen (kvpress's default protocol)
+    prefill_chunk: int | None = None  # prefill in chunks of N, compressing between them (chunked.py); None: as the config says
 
     def run_dir(self, out_dir: Path, model_name: str) -> Path:
         """<model>/<config>/<size>, and <size>+query_agnostic for that protocol: the two never share results."""
-        size = self.size + AGNOSTIC * self.query_agnostic
+        size = self.size + AGNOSTIC * self.query_agnostic + (f"{CHUNKED}{self.prefill_chunk}" if self.prefill_chunk else "")
         return out_dir / checked_model_name(model_name) / Path(self.config).stem / size
 
     def stem(self) -> str:
@@ -63,6 +64,7 @@ class Job:
 
 RATIO = "ratio"  # a size "ratio0.5": kvpress's compression ratio, the share of the prefilled tokens removed
 AGNOSTIC = "+query_agnostic"
+CHUNKED = "+prefill_chunk"  # a run directory's suffix, e.g. 0.5+prefill_chunk512
 
 # What changes a run's results: a run directory holding results under another key is never resumed.
 KEY_FIELDS = ("cache_config", "size", "model", "checkpoint", "dtype", "seed", "chat", "ppl_prompt_tokens")
@@ -94,6 +96,8 @@ def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Pat
     )
     if job.query_agnostic:  # absent otherwise, so runs written before the protocol existed still resume
         key["query_agnostic"] = True
+    if job.prefill_chunk:
+        key["prefill_chunk"] = job.prefill_chunk
     return json.loads(json.dumps(key))  # as it reads back from args.json
 
 
@@ -183,6 +187,7 @@ def jobs_for(
     context_lengths: list[int],
     ppl_prompt_tokens: int = 1,
     query_agnostic: bool = False,
+    prefill_chunk: int | None = None,
 ) -> list[Job]:
     """The full config runs once (it keeps every token, so both protocols are the same run); every other
     config once per size, or with None at its strategy's default size (0.5; 1.0 for duo_attention and
@@ -201,7 +206,8 @@ def jobs_for(
             for task in tasks:
                 prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
                 agnostic = query_agnostic and strategy != FULL
-                jobs += [Job(config, size, task.name, ctx, prompt_tokens, agnostic) for ctx in context_lengths]
+                chunk = prefill_chunk if strategy != FULL else None
+                jobs += [Job(config, size, task.name, ctx, prompt_tokens, agnostic, chunk) for ctx in context_lengths]
     return jobs
 
 
@@ -215,6 +221,8 @@ def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
         settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
         settings.pop("max_cache_length_pattern", None)
     settings["compress_first_token"] = True
+    if job.prefill_chunk:
+        settings["prefill_chunk"] = job.prefill_chunk
     return cache_spec(settings, n_layer, tokenizer, source=str(config_path(job.config)))
 
 
@@ -397,6 +405,11 @@ class Evaluator:
             if job.query_agnostic and any(e.question_start is None for e in examples):
                 raise ValueError(f"--query_agnostic compresses the context before the question, but {name} has no context/question split (RULER tasks have)")
             spec = job_spec(job, self.model.config.n_layer, self.tokenizer)
+            if isinstance(task, PerplexityTask) and spec.prefill_chunk:
+                raise ValueError(
+                    f"{job.config}: {task.name} prefills {job.prompt_tokens} prompt token(s) and decodes the rest token by token, so --prefill_chunk "
+                    "has nothing to chunk; to stream a book through chunks use kvlab.chunked.stream_losses (bench/bench_streaming.py)"
+                )
             if isinstance(task, PerplexityTask) and spec.layer_budget != "uniform" and job.prompt_tokens == 1:
                 raise ValueError(
                     f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "

@@ -22,7 +22,7 @@ from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.options import choice, fraction, integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
-from kvlab.scores import attention_mass
+from kvlab.scores import attention_mass, unrotate
 from kvlab.storage import KEY_PRUNING_OPTIONS
 
 HEAD_BUDGETS = ("uniform", "adakv")
@@ -228,6 +228,21 @@ class EvictionCache(KVCache):
             self._store_prompt(key_pos, keys, values, self._with_running_scores(scores, order))
             self._after_chunk(input_pos, q)
         return y
+
+    def reposition(self, rope_cos: Tensor, rope_sin: Tensor) -> int:
+        """StreamingLLM's positions within the cache, for texts longer than the context: each head's held tokens move
+        to positions 0, 1, ... in their order, each key re-rotated by its move (RoPE rotations compose, R(new) =
+        R(new - old) R(old), with the model's cos/sin tables [P, D]). Returns the next free position: the count held."""
+        held = self.pos >= 0
+        order = torch.where(held, self.pos, torch.iinfo(self.pos.dtype).max).argsort(dim=-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        new = torch.where(held, rank, -1)
+        shift = self.pos - new  # >= 0: tokens only move back; 0 for empty slots
+        k, v = self.storage.read()
+        k = unrotate(k, rope_cos[shift].to(k.dtype), rope_sin[shift].to(k.dtype))
+        self.storage.write(torch.arange(self.pos.shape[-1], device=k.device).expand(self.pos.shape), k, v.clone(), prompt=True)  # v may be the buffer itself
+        self.pos.copy_(new)
+        return int(held.sum(dim=-1).max())
 
     def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
         """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the strategy

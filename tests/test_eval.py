@@ -496,3 +496,21 @@ def test_without_sizes_each_config_runs_at_its_strategys_default_size():
     assert [(j.config, j.size) for j in jobs] == [("full", "full"), ("snapkv", "0.5"), ("duo_attention", "1.0"), ("hybrid", "1.0")]
     jobs = evaluate.jobs_for(["snapkv", "duo_attention"], ["0.25", "ratio0.5"], tasks, [1024])
     assert [(j.config, j.size) for j in jobs] == [("snapkv", "0.25"), ("snapkv", "ratio0.5"), ("duo_attention", "0.25"), ("duo_attention", "ratio0.5")]
+
+
+def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_run(tmp_path, monkeypatch):
+    use_echo_task(monkeypatch)
+    chunks = []
+    original = evaluate.generate
+    monkeypatch.setattr(
+        evaluate, "generate", lambda model, prompts, n, spec, *a, **k: chunks.append(spec.prefill_chunk) or original(model, prompts, n, spec, *a, **k)
+    )
+    run_eval(tmp_path, "--tasks", "echo", "--cache_config", "full", "heavy_hitter", "--cache_sizes", "0.5", "--num_samples", "2", "--prefill_chunk", "16")
+    run_dir = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.5+prefill_chunk16"
+    assert (run_dir / "echo@64.jsonl").exists() and json.loads((run_dir / "args.json").read_text())["key"]["prefill_chunk"] == 16
+    assert (tmp_path / "SmolLM2-135M-Instruct/full/full/echo@64.jsonl").exists() and chunks == [None, 16]  # full keeps every token: one-shot
+
+
+def test_book_perplexity_refuses_prefill_chunk_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"book_shakespeare prefills 1 prompt token\(s\) and decodes the rest token by token"):
+        run_eval(tmp_path, "--tasks", "book_shakespeare", "--cache_config", "recent_global", "--num_samples", "1", "--prefill_chunk", "16")
