@@ -76,7 +76,15 @@ def measure(strategy: str, budget: int, size: int, chunk: int | None, repeats: i
     rss_before = rss_mb()
     peak = count_kv_bytes(bench.model)
     seconds = [generate(bench.model, [prompt], 1, spec).prefill_seconds for _ in range(repeats)]
-    return {"peak_kv_bytes": peak["bytes"], "rss_loaded_mb": rss_before, "rss_peak_mb": rss_mb(), "prefill_s": statistics.median(seconds)}
+    cfg = bench.model.config
+    slot_bytes = 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * bench.dtype.itemsize  # a key and a value in every layer
+    return {
+        "peak_kv_bytes": peak["bytes"],
+        "rss_loaded_mb": rss_before,
+        "rss_peak_mb": rss_mb(),
+        "prefill_s": statistics.median(seconds),
+        "slot_bytes": slot_bytes,
+    }
 
 
 def run_row(args, size: int, chunk: int | None) -> dict[str, float]:
@@ -110,7 +118,7 @@ def main() -> None:
                 row(size, label, f"{got['peak_kv_bytes'] / 2**20:.1f}", f"{got['rss_loaded_mb']:.0f}", f"{got['rss_peak_mb']:.0f}", f"{got['prefill_s']:.2f}")
             )
             print(rows[-1], file=sys.stderr, flush=True)
-    kv_slots = 2 * 30 * 3 * (args.budget + 512) * 64 * 4  # every layer's budget + chunk slots, keys and values, float32
+    kv_slots = got["slot_bytes"] * (args.budget + max(CHUNKS))  # every layer's budget + chunk slots, keys and values
     results["budget_plus_chunk_bytes"] = kv_slots
     lines = [
         f"# Chunked prefill against one-shot ({results['cpu']})",
@@ -118,7 +126,7 @@ def main() -> None:
         f"torch {torch.__version__}; SmolLM2-135M-Instruct in float32; --cache_strategy {args.strategy} --max_cache_length {args.budget}; "
         f"a prompt of N - 1 tokens and 1 generated token; median of {args.repeats} prefills after a warm-up. Peak KV: every layer's cache "
         "buffers plus the keys and values of the layer being prefilled (the prompt's, or the held + chunk's). RSS: the process's, once the "
-        f"model is loaded and warmed up, and its peak. Budget + chunk 512 slots in every layer: {kv_slots / 2**20:.1f} MiB.",
+        f"model is loaded and warmed up, and its peak. Budget + chunk {max(CHUNKS)} slots in every layer: {kv_slots / 2**20:.1f} MiB.",
         "",
         *table("N | prefill | peak KV (MiB) | RSS loaded (MB) | RSS peak (MB) | prefill (s)", rows, align="---:"),
     ]

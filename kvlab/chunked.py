@@ -38,23 +38,24 @@ class WholePrompt(KVCache):
         torch.nn.Module.__init__(self)
         self.cache = cache
         self.needs_tokens = cache.needs_tokens
-        self.parts: list[tuple[Tensor, ...]] = []  # per chunk: input_pos, k, v, q (and tokens)
+        self.prompt: tuple[Tensor, ...] = ()  # the chunks so far: input_pos [B, T], k, v, q [B, H, T, D] (and tokens [B, T])
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **extra: Tensor) -> None:
-        self.parts = [(input_pos, k, v, q, *extra.values())]
+        self.prompt = (input_pos, k, v, q, *extra.values())
 
     def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor], **extra: Tensor) -> Tensor:
-        self.parts.append((input_pos, k, v, q, *extra.values()))
-        pos, keys, values = (torch.cat([part[i] for part in self.parts], dim=-1 if i == 0 else 2) for i in range(3))
+        chunk = (input_pos, k, v, q, *extra.values())
+        self.prompt = tuple(torch.cat([whole, part], dim=1 if part.dim() == 2 else 2) for whole, part in zip(self.prompt, chunk, strict=True))
+        pos, keys, values = self.prompt[:3]
         return attend(keys, values, pos)
 
     def finish(self) -> None:
         """The cache's own prefill over the whole prompt: the chunks' columns are its positions, right-padded, and
         the last chunk's padding beyond every prompt is left out."""
-        pos, k, v, q = (torch.cat([part[i] for part in self.parts], dim=-1 if i == 0 else 2) for i in range(4))
+        pos, k, v, q, *tokens = self.prompt
         T = int(pos.max()) + 1
-        extra = {"tokens": torch.cat([part[4] for part in self.parts], dim=1)[:, :T]} if self.needs_tokens else {}
-        self.parts = []
+        extra = {"tokens": tokens[0][:, :T]} if tokens else {}
+        self.prompt = ()
         self.cache.prefill(pos[:, :T], k[:, :, :T], v[:, :, :T], q[:, :, :T], **extra)
 
 

@@ -22,7 +22,7 @@ from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.options import choice, fraction, integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
-from kvlab.scores import attention_mass, unrotate
+from kvlab.scores import attention_mass, position_order, unrotate
 from kvlab.storage import KEY_PRUNING_OPTIONS
 
 HEAD_BUDGETS = ("uniform", "adakv")
@@ -219,7 +219,7 @@ class EvictionCache(KVCache):
         key_pos = torch.cat([self.pos, input_pos[:, None, :].expand(B, H, N)], dim=2)
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
         y = attend(keys, values, key_pos)
-        order = torch.where(key_pos >= 0, key_pos, torch.iinfo(key_pos.dtype).max).argsort(dim=-1)
+        order = position_order(key_pos)
         key_pos = key_pos.gather(2, order)
         keys, values = (x.gather(2, order[..., None].expand_as(x)) for x in (keys, values))
         scores = self.prompt_compressor.score_chunk(key_pos, keys, values, input_pos, q)
@@ -234,7 +234,7 @@ class EvictionCache(KVCache):
         to positions 0, 1, ... in their order, each key re-rotated by its move (RoPE rotations compose, R(new) =
         R(new - old) R(old), with the model's cos/sin tables [P, D]). Returns the next free position: the count held."""
         held = self.pos >= 0
-        order = torch.where(held, self.pos, torch.iinfo(self.pos.dtype).max).argsort(dim=-1)
+        order = position_order(self.pos)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
         new = torch.where(held, rank, -1)
         shift = self.pos - new  # >= 0: tokens only move back; 0 for empty slots

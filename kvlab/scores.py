@@ -201,6 +201,11 @@ def value_weighted(scores: Tensor, v: Tensor, epsilon: float) -> Tensor:
     return (scores + epsilon) * v.float().norm(dim=-1)
 
 
+def position_order(pos: Tensor) -> Tensor:
+    """The slots of positions pos [..., S] (-1 empty) in position order, the empty ones last: an argsort along S."""
+    return torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
+
+
 def chunk_mean(scores: Tensor, pos: Tensor, size: int) -> Tensor:
     """ChunkKV (Liu et al., 2025, arXiv 2502.00299): every held token [B, H, S] gets the mean score of the held
     tokens in its chunk of `size` consecutive positions (position // size), so a top-k keeps whole chunks.
@@ -225,7 +230,7 @@ def lagkv(k: Tensor, v: Tensor, pos: Tensor, lag: int, sinks: int) -> Tensor:
     its rank in its partition plus that score (in [0, lag]); the last complete partition and the rest
     (no successor: kept) score lag + recency in [0, 1), the sinks lag + 1. Any slot order: [B, H, S]."""
     B, H, S, D = k.shape
-    order = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).argsort(dim=-1)
+    order = position_order(pos)
     n_held = (pos >= 0).sum(dim=-1, keepdim=True)
     n = max(-(-(S - sinks) // lag), 1)  # partitions, the last one possibly partial
     rank = torch.arange(S, device=k.device)

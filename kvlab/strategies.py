@@ -24,6 +24,7 @@ from kvlab.scores import (
     l2_norm,
     lagkv,
     pool_keys,
+    position_order,
     random_score,
     recency,
     rkv,
@@ -259,7 +260,7 @@ class RKVCache(EvictionCache):
         self.recent.scatter_(2, slots[..., None].expand(*slots.shape, self.rkv.window), 0.0)
 
     def _token_importances(self) -> Tensor:
-        order = torch.where(self.pos >= 0, self.pos, torch.iinfo(self.pos.dtype).max).argsort(dim=-1)
+        order = position_order(self.pos)
         pooled = pool_keys((self.recent.sum(dim=-1) / self.rkv.window).gather(2, order), self.rkv.kernel)
         return rkv(torch.empty_like(pooled).scatter_(2, order, pooled), self.storage.read()[0], self.pos, self.rkv.mix)
 
