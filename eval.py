@@ -27,11 +27,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from kvlab import parallel
-from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
-from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
-from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
-from kvlab.tasks import PerplexityTask, resolve_tasks
+from kvlab import interrupts_quietly
+
+with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a traceback
+    from kvlab import parallel
+    from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
+    from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
+    from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
+    from kvlab.tasks import PerplexityTask, resolve_tasks
 
 
 def build_parser() -> ArgumentParser:

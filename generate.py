@@ -19,21 +19,24 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from kvlab import interrupts_quietly
 
-from kvlab import parallel
-from kvlab.build import layer_slots, quiet_notices
-from kvlab.checkpoint import load_checkpoint
-from kvlab.chunked import prefill_chunk_step
-from kvlab.cli import ArgumentParser, check_fits, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
-from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
-from kvlab.convert import default_checkpoint
-from kvlab.duo import with_default_gates
-from kvlab.engine import Sampling, compile_cache_dir, compile_decode_step, decode_one_token, generate, prefill
-from kvlab.quantize import weight_bytes
-from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
-from kvlab.serving import serve
-from kvlab.strategies import CACHE_STRATEGIES
+with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a traceback
+    import torch
+
+    from kvlab import parallel
+    from kvlab.build import layer_slots, quiet_notices
+    from kvlab.checkpoint import load_checkpoint
+    from kvlab.chunked import prefill_chunk_step
+    from kvlab.cli import ArgumentParser, check_fits, peak_memory_bytes, positive_int, resolve_device_dtype, run_cli
+    from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
+    from kvlab.convert import default_checkpoint
+    from kvlab.duo import with_default_gates
+    from kvlab.engine import Sampling, compile_cache_dir, compile_decode_step, decode_one_token, generate, prefill
+    from kvlab.quantize import weight_bytes
+    from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
+    from kvlab.serving import serve
+    from kvlab.strategies import CACHE_STRATEGIES
 
 DEFAULT_PROMPT = "The history of the printing press begins"
 
@@ -197,9 +200,10 @@ def run(args: argparse.Namespace) -> None:
     if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
         if tensor_parallel:
             raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
-        if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss:
+        if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss or spec.prefill_chunk:
             raise ValueError(
-                "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token or --attention_loss"
+                "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token, "
+                "--attention_loss or --prefill_chunk"
             )
 
         def show(i: int, ids: list[int]) -> None:

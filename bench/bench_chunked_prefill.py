@@ -29,6 +29,7 @@ import torch
 from common import bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
+from kvlab.kvcompress import KVCompressCache
 
 SIZES = (2048, 4096, 8192)
 CHUNKS = (256, 512)
@@ -40,27 +41,31 @@ def rss_mb() -> float:
 
 
 def count_kv_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Record the peak KV bytes of the prefills that follow (see the module's doc): every EvictionCache prefill
-    call adds the bytes in flight to those of every layer's buffers."""
+    """Record the peak KV bytes of the prefills that follow (see the module's doc): every prefill call adds the
+    bytes in flight to those of every layer's buffers (the paged pool's, once, for kvcompress)."""
     peak = {"bytes": 0}
 
     def held() -> int:
         return sum(block.attention.kv_cache.nbytes() for block in model.layers)
 
-    one_shot, chunked = EvictionCache.prefill, EvictionCache.prefill_chunk
-
-    def prefill(self, input_pos, k, v, q, lse=None):
-        peak["bytes"] = max(peak["bytes"], held() + k.nbytes + v.nbytes)
-        return one_shot(self, input_pos, k, v, q, lse)
-
-    def prefill_chunk(self, input_pos, k, v, q, attend):
-        def counted(keys, values, key_pos):
+    def counted(attend):
+        def seen(keys, values, key_pos):
             peak["bytes"] = max(peak["bytes"], held() + keys.nbytes + values.nbytes)
             return attend(keys, values, key_pos)
 
-        return chunked(self, input_pos, k, v, q, counted)
+        return seen
 
-    EvictionCache.prefill, EvictionCache.prefill_chunk = prefill, prefill_chunk
+    for cls in (EvictionCache, KVCompressCache):
+        one_shot, chunked = cls.prefill, cls.prefill_chunk
+
+        def prefill(self, input_pos, k, v, q, *args, one_shot=one_shot):
+            one_shot(self, input_pos, k, v, q, *args)  # after it: the paged pool is sized at its first layer's
+            peak["bytes"] = max(peak["bytes"], held() + k.nbytes + v.nbytes)
+
+        def prefill_chunk(self, input_pos, k, v, q, attend, *args, chunked=chunked):
+            return chunked(self, input_pos, k, v, q, counted(attend), *args)
+
+        cls.prefill, cls.prefill_chunk = prefill, prefill_chunk
     return peak
 
 

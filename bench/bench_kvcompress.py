@@ -22,7 +22,8 @@ from __future__ import annotations
 import time
 
 from common import Bench, bench_parser, load_bench, mean, parse_bench_args, report, table, write_results
-from kvlab.engine import RecordedPrefill, generate, sync
+from kvlab.engine import generate, sync
+from kvlab.recording import RecordedPrefill
 from kvlab.serving import serve
 
 SNAPKV = dict(prompt_compression_strategy="snapkv")

@@ -18,7 +18,7 @@ import time
 import torch
 
 from common import bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
-from kvlab.engine import RecordedPrefill
+from kvlab.recording import RecordedPrefill
 from kvlab.scores import attention_mass, prompt_attention, received_attention
 
 LENGTHS = (512, 2048)

@@ -16,8 +16,9 @@ fast_k, fast_v and their slot ids); for evicting caches, their whole (budget-siz
 from __future__ import annotations
 
 from common import bench_parser, decode_rate, load_bench, mean, parse_bench_args, report, table, write_results
-from kvlab.engine import RecordedPrefill, generate
+from kvlab.engine import generate
 from kvlab.recall import RecallableCache
+from kvlab.recording import RecordedPrefill
 
 RUNS = {  # name: (strategy, cache options)
     "clusterkv": ("clusterkv", {}),

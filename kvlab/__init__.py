@@ -6,6 +6,9 @@ layer budgets planned per prompt) -> `engine.generate`. The model is `model.py`;
 """
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 __version__ = "0.2.0"
@@ -18,3 +21,14 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
     or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor")
 )
+
+
+@contextmanager
+def interrupts_quietly() -> Iterator[None]:
+    """Ctrl-C inside the block ends the process with one line and status 130, as `cli.run_cli` does once a command
+    runs: a command's start-up (importing torch takes seconds) is wrapped in it, and it imports nothing heavy itself."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted (Ctrl-C)\n")  # one write: torchrun's ranks share stderr
+        raise SystemExit(130) from None

@@ -7,10 +7,13 @@ padded (position -1).
 The same chunks stream a text of any length (`stream_losses`): after each chunk the held tokens move to
 positions within the cache (StreamingLLM's), their keys re-rotated, so positions never outgrow the context.
 
+KVzip scores each chunk by repeating it (`with_repeat`): the instruction and the chunk again ride in the
+chunk's own forward pass as probe columns, which attend and score but are never stored.
+
 A cache that cannot compress between chunks (`prefills_in_chunks` False: FastGen's policies, ClusterKV
-and Quest's history, the paged pool, DuoAttention, KVzip's further model pass) gets a `WholePrompt` stand-in
-for the prefill: it keeps every chunk, so memory grows with the prompt as in a one-shot prefill, and hands
-the whole prompt to the cache after the last chunk. One note line says which strategies do so.
+and Quest's history, DuoAttention) gets a `WholePrompt` stand-in for the prefill: it keeps every chunk, so
+memory grows with the prompt as in a one-shot prefill, and hands the whole prompt to the cache after the
+last chunk. One note line says which strategies do so.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from kvlab.cache import KVCache
 from kvlab.config import CacheSpec
 from kvlab.eviction import EvictionCache
 from kvlab.model import Transformer
+from kvlab.prompt_compression import PromptCompressor
+from kvlab.reconstruction import KVzip
+from kvlab.recording import RecordedPrefill
 from kvlab.strategies import CACHE_STRATEGIES
 
 
@@ -67,9 +73,12 @@ def unchunked(caches: Sequence[KVCache]) -> list[str]:
 
 
 @contextmanager
-def chunk_ready(model: Transformer, caches: Sequence[KVCache]) -> Iterator[None]:
+def chunk_ready(model: Transformer, caches: Sequence[KVCache], probed: bool = False) -> Iterator[None]:
     """For the block: each layer whose cache cannot compress between chunks runs on a `WholePrompt` stand-in,
-    which then hands the whole prompt to its cache; afterwards the model runs on `caches` again."""
+    which then hands the whole prompt to its cache; afterwards the model runs on `caches` again. `probed`: the
+    chunks carry KVzip's repeat, which every layer's cache must take (an evicting one)."""
+    if probed and not all(isinstance(c, EvictionCache) for c in caches):
+        raise ValueError("--prefill_chunk with kvzip needs an evicting cache in every layer: each chunk's repeat runs through all of them")
     whole = unchunked(caches)
     if whole:
         say_once(f"note: {', '.join(whole)} cannot compress between prefill chunks: it compresses once the whole prompt is prefilled")
@@ -84,25 +93,76 @@ def chunk_ready(model: Transformer, caches: Sequence[KVCache]) -> Iterator[None]
         model.setup_caches(list(caches))
 
 
-def prefill_chunk_step(model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> Tensor:
-    """One later chunk, tokens and input_pos [B, N]: the logits [B, V] at each row's column logits_at [B, 1].
-    The unit `--compile_prefill` compiles: every chunk has the same shape, so one graph serves them all."""
-    return model(tokens, input_pos, logits_at=logits_at, chunk=True)[:, -1]
+def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool) -> int:
+    """The prefill's chunk: spec.prefill_chunk, or the whole prompt when unset or at least as long."""
+    chunk = min(spec.prefill_chunk or prompt, prompt)
+    if spec.prefill_chunk and spec.prefill_chunk > context:
+        raise ValueError(f"--prefill_chunk {spec.prefill_chunk} exceeds the model's context of {context} tokens; give at most {context}")
+    whole = [type(c).__name__ for c in scored_by_model if not c.scores_chunks]
+    if chunk < prompt and whole:
+        raise ValueError(f"--prefill_chunk: {', '.join(whole)} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
+    repeats = [chunk if chunk < prompt else min(c.chunk, prompt) for c in scored_by_model if isinstance(c, KVzip)]
+    if repeats and prompt + len(spec.instruction) + max(repeats) > context:
+        raise ValueError(
+            f"kvzip repeats the prompt after it, {max(repeats)} tokens at a time: the prompt ({prompt} tokens) + its request "
+            f"({len(spec.instruction)}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller "
+            f"{'--prefill_chunk' if chunk < prompt else '--kvzip_chunk'}"
+        )
+    if chunk < prompt and attention_loss:
+        raise ValueError("--attention_loss compares with a one-shot prefill; it takes no --prefill_chunk")
+    return chunk
+
+
+def first_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, recorded: RecordedPrefill | None) -> Tensor:
+    """The first chunk of a chunked prefill, an ordinary prefill (replayed when recorded): the logits [B, V] at each
+    row's last prompt column `last` [B], where it lies in this chunk."""
+    if recorded is not None:
+        recorded.replay(model, [block.attention.kv_cache for block in model.layers])
+        return recorded.logits[:, -1]
+    return model(tokens, input_pos, prefill=True, logits_at=last.clamp(max=tokens.shape[1] - 1)[:, None])[:, -1]
+
+
+def prefill_chunk_step(model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, probe: int = 0) -> Tensor:
+    """One later chunk, tokens and input_pos [B, N] (+ `probe` query columns): the logits [B, V] at each row's column
+    logits_at [B, 1]. The unit `--compile_prefill` compiles: every chunk has the same shape, so one graph serves them all."""
+    return model(tokens, input_pos, logits_at=logits_at, chunk=True, probe=probe)[:, -1]
+
+
+def with_repeat(tokens: Tensor, input_pos: Tensor, instruction: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """A chunk, tokens and input_pos [B, N] (right-padded), followed by KVzip's probe: the instruction, then the chunk
+    again, at the positions after each row's last: [B, N + len(instruction) + N]. A row of padding stays all padding."""
+    B, N = tokens.shape
+    n_asked = len(instruction)
+    last = input_pos.max(dim=1, keepdim=True).values
+    after = last + 1 + torch.arange(n_asked + N, device=tokens.device)
+    asked = torch.tensor(instruction, dtype=tokens.dtype, device=tokens.device).expand(B, n_asked)
+    probe_pos = torch.where(F.pad(input_pos, (n_asked, 0), value=0) >= 0, after, -1).masked_fill(last < 0, -1)
+    return torch.cat([tokens, asked, tokens], dim=1), torch.cat([input_pos, probe_pos], dim=1)
 
 
 def prefill_rest(
-    model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, chunk: int, logits: Tensor, step: Callable[..., Tensor] = prefill_chunk_step
+    model: Transformer,
+    tokens: Tensor,
+    input_pos: Tensor,
+    last: Tensor,
+    chunk: int,
+    logits: Tensor,
+    step: Callable[..., Tensor] = prefill_chunk_step,
+    instruction: Sequence[int] | None = None,
 ) -> Tensor:
     """The chunks after the first of right-padded prompts tokens, input_pos [B, T], each through `step`: each row's
     logits [B, V] at its last prompt column `last` [B]; `logits` holds those of the rows whose prompt ended in the
-    first chunk."""
+    first chunk. With an `instruction` (KVzip's), each chunk carries its repeat as probe columns (`with_repeat`)."""
     T = tokens.shape[1]
     for start in range(chunk, T, chunk):
         pad = max(start + chunk - T, 0)  # the last chunk keeps the static shape
         piece = F.pad(tokens[:, start : start + chunk], (0, pad))
         pos = F.pad(input_pos[:, start : start + chunk], (0, pad), value=-1)
         at = (last - start).clamp(0, chunk - 1)
-        out = step(model, piece, pos, at[:, None])
+        if instruction is None:
+            out = step(model, piece, pos, at[:, None])
+        else:
+            out = step(model, *with_repeat(piece, pos, instruction), at[:, None], len(instruction) + chunk)
         logits = torch.where(((last >= start) & (last < start + chunk))[:, None], out, logits)
     return logits
 

@@ -22,7 +22,7 @@ from kvlab.cache import KVCache
 from kvlab.options import Option, by_name, choice, integer, switch
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.reconstruction import KVZIP_PROMPT
-from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS
+from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, make_prompt_compressor
 from kvlab.tokenizer import Tokenizer
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -170,7 +170,10 @@ def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptC
     """The prompt compressors of these layers whose scores need a further pass of the model (KVzip, the oracle)."""
     takers = [CACHE_STRATEGIES[s] for s in dict.fromkeys(strategies) if CACHE_STRATEGIES[s].takes_prompt_compressor]
     name = options.get("prompt_compression_strategy")
-    compressors = [PROMPT_COMPRESSORS[name]] if name and takers else [cls.own_prompt_compressor() for cls in takers]
+    if name and takers:  # as the caches build it, with its options (kvzip_chunk)
+        compressors = [make_prompt_compressor(name, **{o.name: options[o.name] for o in PROMPT_COMPRESSORS[name].options if o.name in options})]
+    else:
+        compressors = [cls.own_prompt_compressor() for cls in takers]
     return [c for c in compressors if c.needs_model]
 
 

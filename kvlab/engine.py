@@ -17,19 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.build import build_caches, make_caches, plan_layer_budgets
 from kvlab.cache import KVCache
-from kvlab.chunked import chunk_ready, prefill_chunk_step, prefill_rest
+from kvlab.chunked import chunk_length, chunk_ready, first_chunk, prefill_chunk_step, prefill_rest
 from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe, attention_loss_summary
 from kvlab.model import Transformer
-from kvlab.prompt_compression import PromptCompressor
-from kvlab.reconstruction import prompt_attention_from
+from kvlab.recording import RecordedPrefill
 
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
@@ -89,110 +86,6 @@ def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = deco
             return compiled(*args)
 
     return run
-
-
-class PrefillRecorder(nn.Module):
-    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
-
-    needs_attention, needs_tokens, needs_prompt_lse = False, False, True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
-        self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU)
-
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
-        self.layers.append((k, v, q))
-        self.lse.append(lse)
-
-
-class ScoredOnce(PromptCompressor):
-    """A prompt compressor answering from a shared store after its first call with the same key."""
-
-    def __init__(self, inner: PromptCompressor, store: dict[tuple[int, str], Tensor], key: tuple[int, str]) -> None:
-        self.inner, self.store, self.key = inner, store, key
-        self.compresses, self.uses_lse = inner.compresses, inner.uses_lse
-
-    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **lse: Tensor) -> Tensor:
-        if self.key not in self.store:
-            self.store[self.key] = self.inner(input_pos, k, v, q, **lse)
-        return self.store[self.key]
-
-
-class RecordedPrefill:
-    """A batch's prefill, run once, then replayed into caches. A layer budget planner needs it: the
-    caches can only be sized once every layer's importance has been measured. Sweeps share it: prefill
-    attention is exact whatever the cache, so each layer's prompt keys, values and queries are the same
-    for every cache config, and a prompt compressor's scores depend on them alone, so each (layer,
-    compressor settings) is scored once (the same H2O scores serve every cache size).
-    Memory: the whole prompt's keys, values and queries of every layer, until the object is dropped."""
-
-    def __init__(self) -> None:
-        self.inputs: tuple[Tensor, Tensor] | None = None
-        self.recorder = PrefillRecorder()
-        self.scores: dict[tuple[int, str], Tensor] = {}
-        self.references: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}  # a full cache run's continuations (the oracle's)
-        self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
-        self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
-
-    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> None:
-        """Run the prefill (the first call only; later calls must pass the same batch), keeping the logits
-        of the columns `logits_at` [B, K] (e.g. each row's last prompt token)."""
-        if self.inputs is None:
-            caches = [layer.attention.kv_cache for layer in model.layers]
-            model.setup_caches([self.recorder] * len(caches))
-            with residual_similarity(model) as per_token:
-                self.logits = model(tokens, input_pos, prefill=True, logits_at=logits_at)
-            model.setup_caches(caches)
-            self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_token], dim=1)
-            self.inputs = (tokens, input_pos)
-        elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
-            raise ValueError("a recorded prefill replays one batch of prompts only")
-
-    def replay(self, model: Transformer, caches: Sequence[KVCache]) -> None:
-        """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would."""
-        tokens, input_pos = self.inputs
-        for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
-            compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
-            if compressor is not None:
-                cache.prompt_compressor = ScoredOnce(compressor, self.scores, (layer, compressor_key(compressor)))
-            target = block.attention.kv_cache
-            extra = {"tokens": tokens} if target.needs_tokens else {}
-            if target.needs_prompt_lse and lse is not None:
-                extra["lse"] = lse
-            target.prefill(input_pos, k, v, q, **extra)
-            if compressor is not None:
-                cache.prompt_compressor = compressor
-
-    def score_with_model(
-        self, model: Transformer, caches: Sequence[KVCache], prefilled: list[int], continuations: list[list[int]], instruction: tuple[int, ...]
-    ) -> None:
-        """Scores of the compressors that need a further pass of the model (KVzip, the oracle), one pass per
-        sequence for every layer, kept where `replay` looks for them."""
-        tokens, input_pos = self.inputs
-        layers: dict[str, list[int]] = {}
-        for layer, cache in enumerate(caches):
-            if cache.takes_prompt_compressor and cache.prompt_compressor.needs_model:
-                layers.setdefault(compressor_key(cache.prompt_compressor), []).append(layer)
-        for key, using in layers.items():
-            if (using[0], key) in self.scores:
-                continue
-            compressor = caches[using[0]].prompt_compressor
-            per_row = []
-            for row, n in enumerate(prefilled):
-                prompt = [(k[row : row + 1, :, :n], v[row : row + 1, :, :n]) for k, v, _ in self.recorder.layers]
-                passes = compressor.queries(tokens[row, :n].tolist(), continuations[row], instruction)
-                per_row.append(prompt_attention_from(model, prompt, passes, compressor.reduce))
-            for layer in using:
-                scores = torch.zeros(*input_pos.shape[:1], per_row[0][layer].shape[0], input_pos.shape[1], device=input_pos.device)
-                for row, n in enumerate(prefilled):
-                    scores[row, :, :n] = per_row[row][layer]
-                self.scores[layer, key] = scores
-
-
-def compressor_key(compressor: PromptCompressor) -> str:
-    """A compressor's kind and settings: its scores of one prefill serve every cache using the same."""
-    return f"{type(compressor).__name__}{sorted(vars(compressor).items())}"
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -293,7 +186,7 @@ def generate(
     scored_by_model = model_scored(spec.strategies, spec.options)
     chunk = chunk_length(spec, T_prefill, context, scored_by_model, attention_loss)
     if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
-        recorded = RecordedPrefill() if spec.layer_budget != "uniform" else None
+        recorded = RecordedPrefill() if spec.layer_budget != "uniform" or scored_by_model else None
     elif (spec.layer_budget != "uniform" or scored_by_model) and recorded is None:
         recorded = RecordedPrefill()
     budgets = similarity = None
@@ -316,7 +209,7 @@ def generate(
         continuations = recorded.references[key]
     caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets, prefilled)
     if scored_by_model:
-        recorded.score_with_model(model, caches, prefilled, continuations, spec.instruction)
+        recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.instruction)
     probes = None
     if attention_loss:
         full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, max_seq_length, cfg.head_dim, model.norm.weight.dtype, device)
@@ -325,9 +218,10 @@ def generate(
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
 
     if chunk < T_prefill:
-        with chunk_ready(model, caches):
+        with chunk_ready(model, caches, probed=bool(scored_by_model)):
             logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, recorded)
-            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step)
+            repeat = spec.instruction if scored_by_model else None
+            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
             next_token = sample(logits, temperature, top_k)
     elif recorded is not None:
         recorded.replay(model, caches)
@@ -387,30 +281,6 @@ def generate(
         None if similarity is None else similarity.tolist(),
         head_budget_lists(caches) if spec.options.get("head_budget") == "adakv" else None,
     )
-
-
-def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool) -> int:
-    """The prefill's chunk: spec.prefill_chunk, or the whole prompt when unset or at least as long."""
-    chunk = spec.prefill_chunk or prompt
-    if chunk > context:
-        raise ValueError(f"--prefill_chunk {chunk} exceeds the model's context of {context} tokens; give at most {context}")
-    if chunk >= prompt:
-        return prompt
-    if scored_by_model:
-        names = ", ".join(type(c).__name__ for c in scored_by_model)
-        raise ValueError(f"--prefill_chunk: {names} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
-    if attention_loss:
-        raise ValueError("--attention_loss compares with a one-shot prefill; it takes no --prefill_chunk")
-    return chunk
-
-
-def first_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, recorded: RecordedPrefill | None) -> Tensor:
-    """The first chunk of a chunked prefill, an ordinary prefill (replayed when recorded): the logits [B, V] at each
-    row's last prompt column `last` [B], where it lies in this chunk."""
-    if recorded is not None:
-        recorded.replay(model, [block.attention.kv_cache for block in model.layers])
-        return recorded.logits[:, -1]
-    return model(tokens, input_pos, prefill=True, logits_at=last.clamp(max=tokens.shape[1] - 1)[:, None])[:, -1]
 
 
 def head_budget_lists(caches: Sequence[KVCache]) -> list[list[list[int]]]:

@@ -29,8 +29,9 @@ from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config, model_scored
 from kvlab.convert import default_checkpoint
-from kvlab.engine import RecordedPrefill, compile_decode_step, decode_one_token, generate, maintain
+from kvlab.engine import compile_decode_step, decode_one_token, generate, maintain
 from kvlab.model import ModelArgs, Transformer
+from kvlab.recording import RecordedPrefill
 from kvlab.results import FULL, append_record, rank_file, read_job_records, read_records, rewrite_complete_lines
 from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks

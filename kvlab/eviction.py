@@ -137,6 +137,10 @@ class EvictionCache(KVCache):
         self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
         self.register_buffer("decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False)
         self.decode_evicts = True  # False once limit_rows keeps room for every decoded token (a compression ratio)
+        # A model-scored compressor between prefill chunks (KVzip): each held token's best score so far, as only the newest chunk is repeated.
+        self.keeps_prompt_scores = self.prompt_compressor.needs_model and self.prompt_compressor.scores_chunks
+        if self.keeps_prompt_scores:
+            self.register_buffer("prompt_scores", torch.zeros(self.pos.shape, device=device), persistent=False)
 
     @classmethod
     def own_prompt_compressor(cls) -> PromptCompressor:
@@ -209,24 +213,31 @@ class EvictionCache(KVCache):
     def prefills_in_chunks(self) -> bool:
         return self.prompt_compressor.scores_chunks
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor], probe: int = 0) -> Tensor:
         """The chunk attends over the held tokens and itself; then the prompt compressor scores both together
-        from the chunk's queries (`score_chunk`), and each head keeps its best, as at prefill. A sequence whose
-        prompt has ended (a chunk of padding) keeps its state unchanged."""
+        from the chunk's queries (`score_chunk`), and each head keeps its best, as at prefill. The last `probe`
+        columns, if any, are queries a model-scored compressor asked for (KVzip's "repeat the context" and the
+        chunk again): they attend over everything and themselves, score the held and chunk tokens in the chunk's
+        place, and are never stored. A sequence whose prompt has ended (a chunk of padding) keeps its state."""
         k, v = self._repeat(k), self._repeat(v)
-        B, H, N = k.shape[:3]
+        B, H, N = k.shape[0], k.shape[1], k.shape[2] - probe
         held_k, held_v = self.storage.read()
-        key_pos = torch.cat([self.pos, input_pos[:, None, :].expand(B, H, N)], dim=2)
+        key_pos = torch.cat([self.pos, input_pos[:, None, :].expand(B, H, -1)], dim=2)
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
         y = attend(keys, values, key_pos)
-        order = position_order(key_pos)
-        key_pos = key_pos.gather(2, order)
-        keys, values = (x.gather(2, order[..., None].expand_as(x)) for x in (keys, values))
-        scores = self.prompt_compressor.score_chunk(key_pos, keys, values, input_pos, q)
-        scores = wrap_scores(scores, key_pos, values, self.value_weight, self.value_epsilon, self.chunk_size)
+        S = key_pos.shape[2] - probe
+        order = position_order(key_pos[..., :S])
+        index = order[..., None].expand(B, H, S, keys.shape[-1])
+        sorted_pos, sorted_k, sorted_v = key_pos[..., :S].gather(2, order), keys[:, :, :S].gather(2, index), values[:, :, :S].gather(2, index)
+        if probe and self.prompt_compressor.needs_model:  # the probe's keys follow; its queries are its last N (the chunk repeated)
+            with_probe = (torch.cat([x, whole[:, :, S:]], dim=2) for x, whole in ((sorted_pos, key_pos), (sorted_k, keys), (sorted_v, values)))
+            scores = self.prompt_compressor.score_chunk(*with_probe, input_pos[:, -N:], q[:, :, -N:])[..., :S]
+        else:
+            scores = self.prompt_compressor.score_chunk(sorted_pos, sorted_k, sorted_v, input_pos[:, :N], q[:, :, :N])
+        scores = wrap_scores(scores, sorted_pos, sorted_v, self.value_weight, self.value_epsilon, self.chunk_size)
         with unchanged_where_idle(self, input_pos):
-            self._store_prompt(key_pos, keys, values, self._with_running_scores(scores, order))
-            self._after_chunk(input_pos, q)
+            self._store_prompt(sorted_pos, sorted_k, sorted_v, self._with_running_scores(self._with_chunk_scores(scores, order), order))
+            self._after_chunk(input_pos[:, :N], q[:, :, :N])
         return y
 
     def reposition(self, rope_cos: Tensor, rope_sin: Tensor) -> int:
@@ -248,6 +259,13 @@ class EvictionCache(KVCache):
         """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the strategy
         has gathered on its slots so far (H2O adds its accumulated attention)."""
         return scores
+
+    def _with_chunk_scores(self, scores: Tensor, order: Tensor) -> Tensor:
+        """A model-scored compressor's chunk scores of the held and chunk tokens (in `order` of [held slots, chunk]),
+        each held token's combined with what earlier chunks gave it (KVzip: the largest attention any repeat paid it)."""
+        if not self.keeps_prompt_scores:
+            return scores
+        return torch.maximum(scores, F.pad(self.prompt_scores, (0, order.shape[-1] - self.prompt_scores.shape[-1])).gather(2, order))
 
     def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
         """Strategy state refreshed from a chunk's queries once its tokens are stored (Expected Attention refits its Gaussian)."""
@@ -272,6 +290,8 @@ class EvictionCache(KVCache):
         slots = torch.arange(n_keep, device=k.device).expand(B, H, n_keep)
         self.storage.write(slots, k.gather(2, index), v.gather(2, index), prompt=True)
         self.pos[:, :, :n_keep] = pos.gather(2, keep).masked_fill(~fits, -1)
+        if self.keeps_prompt_scores:
+            self.prompt_scores.zero_()[:, :, :n_keep] = scores.gather(2, keep).masked_fill(~fits, 0)
         self._on_insert(slots, scores.gather(2, keep))
 
     def _adakv_capacities(self, scores: Tensor, n_prompt: Tensor) -> Tensor:

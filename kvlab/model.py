@@ -113,11 +113,12 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = kv_cache
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None, chunk: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None, chunk: bool = False, probe: int = 0) -> Tensor:
         """tokens, input_pos: [B, T]. input_pos is each token's position in its own sequence, -1 for
         padding. `prefill=True` means a fresh prompt starting at position 0 (right-padded): attention is
         exact causal attention over the prompt itself. `chunk=True` means a later chunk of a chunked
-        prefill (right-padded): it attends over what each cache holds and itself (`KVCache.prefill_chunk`).
+        prefill (right-padded): it attends over what each cache holds and itself (`KVCache.prefill_chunk`); its
+        last `probe` columns are then queries that score the chunk and are never stored (KVzip's repeat).
         `logits_at` [B, K] picks which columns get logits (e.g. each row's last prompt token), so a long
         prefill need not build [B, T, vocab] logits."""
         positions = input_pos.clamp(min=0)
@@ -125,7 +126,7 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for layer in self.layers:
-            x = layer(x, tokens, input_pos, cos, sin, prefill, chunk)
+            x = layer(x, tokens, input_pos, cos, sin, prefill, chunk, probe)
         if logits_at is not None:
             x = x.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return self.output(self.norm(x))
@@ -139,8 +140,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill, chunk)
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False, probe: int = 0) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill, chunk, probe)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False, probe: int = 0) -> Tensor:
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
@@ -176,6 +177,8 @@ class Attention(nn.Module):
                 y = self.exact_attention(q, k, v)
             self.kv_cache.prefill(input_pos, k, v, q, **extra)
         elif chunk:
+            if probe:
+                extra["probe"] = probe
             y = self.kv_cache.prefill_chunk(input_pos, k, v, q, functools.partial(chunk_attention, q, input_pos), **extra)
         elif self.kv_cache.attends_itself:
             y = self.kv_cache.attend(input_pos, k, v, q)

@@ -33,6 +33,7 @@ paged server's scheduler; the decode step itself (append + gather) has static sh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -41,10 +42,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kvlab import parallel
-from kvlab.cache import KVCache, refuse_decode_room
-from kvlab.options import by_name, choice, fraction, integer, switch
 from kvlab.pool import BlockPool
-from kvlab.scores import pool_keys, received_attention, window_attention
+from kvlab.scores import chunk_attention, pool_keys, received_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
@@ -250,6 +249,67 @@ class PagedKV(nn.Module):
 
         return received_attention(q, k, input_pos, far)
 
+    def write_chunk(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """A later chunk of a chunked prefill (input_pos [B, N], right-padded): its KVs go after each head's, in
+        fresh blocks as needed, and it attends over the head's blocks. Its queries then score every KV the head
+        holds, as at prefill (KVC-w or KVC-full), replacing the earlier chunks' scores (as SnapKV's chunk scores
+        do). After the last layer each sequence is compressed back to its budget, which frees the blocks, so
+        the pool holds at most the budgets + one chunk. A row whose prompt has ended keeps its scores."""
+        if self.prefill_rows is not None:
+            raise ValueError("kvcompress: a server admits whole prompts; it takes no chunked prefill")
+        if layer == 0:
+            self._room_for_chunk(input_pos)
+        self._append_chunk(layer, input_pos, k, v)
+        keys, values, key_pos = self.view(layer, k.shape[0])
+        y = attend(keys, values, key_pos)
+        live = (input_pos >= 0).any(dim=-1)
+        scored = (key_pos >= 0) & live[:, None, None]
+        slots = self._slot_ids(self.table[layer, :, :, : self.view_blocks])
+        self.pool.metric.view(-1)[slots[scored]] = self._chunk_metric(key_pos, keys, input_pos, q)[scored]
+        self.last_pos.copy_(torch.where(live, input_pos.max(dim=-1).values, self.last_pos))
+        self.active |= live
+        if layer == self.n_layer - 1:
+            for row in live.nonzero().flatten().tolist():
+                self.compress_row(row)
+            self.make_room()
+        return y
+
+    def _room_for_chunk(self, input_pos: Tensor) -> None:
+        """Before a chunk's first layer: a pool sized at prefill (no kvc_pool_blocks) grows by what the chunk's
+        KVs need in every layer beyond its free blocks; later chunks reuse the blocks compression frees."""
+        m = (input_pos >= 0).sum(dim=-1)[None, :, None]
+        need = ((self.length + m + self.block_size - 1) // self.block_size - self._blocks_held()).clamp(min=0)
+        short = int(need.sum()) - self.pool.free_blocks()
+        if short > 0 and self.auto_pool:
+            self.pool.grow(self.pool.n_blocks + short)
+            self._track_owners()
+
+    def _append_chunk(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write a chunk's real KVs (k, v [B, H, N, D]) after each head's, allocating the blocks they need."""
+        B, H, N, D = k.shape
+        n, m = self.length[layer], (input_pos >= 0).sum(dim=-1)[:, None]  # [B, H], [B, 1]
+        table = self.table[layer]
+        have, need = (table >= 0).sum(dim=-1), (n + m + self.block_size - 1) // self.block_size
+        fresh = (torch.arange(self.max_blocks, device=k.device) >= have[..., None]) & (torch.arange(self.max_blocks, device=k.device) < need[..., None])
+        table[fresh] = self.pool.allocate(int(fresh.sum()))
+        slots = self._slot_ids(table).gather(2, (n[..., None] + torch.arange(N, device=k.device)).clamp(max=self.max_blocks * self.block_size - 1))
+        filled = (input_pos >= 0)[:, None, :].expand(B, H, N)
+        self.pool.k.view(-1, D)[slots[filled]] = k[filled]
+        self.pool.v.view(-1, D)[slots[filled]] = v[filled]
+        self.pool.pos.view(-1)[slots[filled]] = input_pos[:, None, :].expand(B, H, N)[filled]
+        self.length[layer] += m
+        self.view_blocks = view_width(int(self._blocks_held().max()), self.max_blocks)
+
+    def _chunk_metric(self, key_pos: Tensor, keys: Tensor, input_pos: Tensor, q: Tensor) -> Tensor:
+        """[B, H_kv, S]: the prompt metric of the viewed KVs (key_pos [B, H_kv, S]) from a chunk's queries q [B, H, N, D]."""
+        if not self.full:
+            return pool_keys(self._metric(chunk_attention(key_pos, keys, input_pos, q, self.window)), self.kernel)
+        N = input_pos.shape[1]
+        columns = (input_pos >= 0).sum(dim=1, keepdim=True) - N + torch.arange(N, device=q.device)  # as chunk_attention lays out its queries
+        observed = torch.where(columns >= 0, input_pos.gather(1, columns.clamp(min=0)), -1)
+        near = observed[:, None, None, :, None] - key_pos[:, :, None, None, :] < self.skip
+        return self._metric(chunk_attention(key_pos, keys, input_pos, q, None).masked_fill(near, 0.0))
+
     def _metric(self, probs: Tensor) -> Tensor:
         """[B, H_kv, group, t, S] probabilities -> [B, H_kv, S]: summed (squared, for KV-Compress) over queries and the group."""
         probs = probs.float()
@@ -410,131 +470,3 @@ class PagedKV(nn.Module):
         self.prefill_rows = None
         self.view_blocks, self.steps = view_width(0, self.max_blocks), 0
         self.counts = dict.fromkeys(self.counts, 0)
-
-
-class KVCompressCache(KVCache):
-    """One layer's view of a shared `PagedKV` (built for all layers together by `make_caches`)."""
-
-    positions_per_head = True
-    needs_attention = True  # continual compression learns from decode attention (off with kvc_compress_every=0)
-    shares_pool = True
-    default_recent_window = 8  # the protected window, for layer budget planners' floors
-    options = (
-        integer("kvc_block_size", 16, "kvcompress: KVs per block of one (layer, KV head); eviction frees whole blocks", param="block_size"),
-        integer(
-            "kvc_pool_blocks",
-            None,
-            "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory",
-            default_help="sized at each prefill for the batch's budgets and prompts (serving: every sequence uncompressed)",
-            maximum=2**31 - 1,  # the memory, not this bound, limits it: a refused allocation names the flag
-            param="pool_blocks",
-        ),
-        integer("kvc_window", 8, "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt", param="window"),
-        integer("kvc_kernel", 7, "kvcompress (KVC-w): max-pooling kernel over the prompt metric", odd=True, param="kernel"),
-        switch("kvc_full", "kvcompress (KVC-full): score the prompt with every prompt query instead of the last kvc_window", param="full"),
-        integer("kvc_skip", 10, "kvcompress (KVC-full): leave out query-key pairs closer than this many positions", minimum=0, param="skip"),
-        integer("kvc_protect", None, "kvcompress: newest tokens never evicted", minimum=0, default_help="kvc_window; 32 with kvc_full", param="protect"),
-        choice("kvc_metric", KVC_METRICS, "squared", "kvcompress: sum squared attention probabilities (KV-Compress) or the probabilities (l1)", param="metric"),
-        choice(
-            "kvc_scope",
-            KVC_SCOPES,
-            "model",
-            "kvcompress: one budget over all layers and heads of a sequence (model: KV-Compress) or one per layer shared by its heads (layer: Ada-KV)",
-            param="scope",
-        ),
-        fraction(
-            "kvc_head_floor",
-            0.0,
-            "kvcompress: every head keeps its best KVs up to this share of its layer's per-head budget (Ada-KV's floor)",
-            closed=True,
-            param="head_floor",
-        ),
-        integer(
-            "kvc_compress_every",
-            1,
-            "kvcompress: compress again every N decode steps with the accumulated decode attention; 0: at prefill only",
-            minimum=0,
-            param="compress_every",
-        ),
-        choice(
-            "kvc_attention",
-            KVC_ATTENTION,
-            "gather",
-            "kvcompress: decode attention over a gathered view of each head's blocks, or FlexAttention straight over the pool from the "
-            "block tables (flex: needs kvc_compress_every 0; pays with a compiled decode step, bench/results/paged_attention_cpu.md)",
-            param="attention",
-        ),
-    )
-
-    def __init__(self, paged: PagedKV, layer: int) -> None:
-        nn.Module.__init__(self)  # no dense storage: the pool holds the KVs
-        self.paged, self.layer = paged, layer
-        self.capacity = paged.max_blocks * paged.block_size
-        self.needs_attention = paged.continual
-        self.attends_itself = paged.attention == "flex"
-
-    @classmethod
-    def for_layers(
-        cls,
-        n_layer: int,
-        batch_size: int,
-        n_kv_heads: int,
-        capacity: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | None = None,
-        history: int | None = None,
-        **options,
-    ) -> list[KVCompressCache]:
-        """Caches for `n_layer` layers sharing one pool; options are the kvc_* settings by flag name,
-        `history` the longest sequence (default `capacity`)."""
-        declared = by_name(cls.options)
-        paged = PagedKV(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, history or capacity, **{declared[k].keyword: v for k, v in options.items()})
-        return [cls(paged, layer) for layer in range(n_layer)]
-
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        self.paged.write_prompt(self.layer, input_pos, k, v, q)
-
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.paged.append(self.layer, input_pos, k, v)
-
-    def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        return self.paged.attend(self.layer, input_pos, k, v, q)
-
-    def observe(self, probs: Tensor) -> None:
-        self.paged.observe(self.layer, probs)
-
-    def maintain(self) -> None:
-        if self.layer == 0:  # once per step for the whole pool
-            self.paged.maintain()
-
-    def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
-        refuse_decode_room(self, decode_room)
-        if int(capacities.min()) < 1:
-            raise ValueError(f"kvcompress: per-sequence budgets must be >= 1 token per head; got {capacities.tolist()}")
-        self.paged.budget[:, self.layer] = capacities
-
-    def tokens_held(self) -> Tensor:
-        return self.paged.length[self.layer].float().mean(dim=-1)
-
-    def head_budgets(self) -> Tensor:
-        return self.paged.length[self.layer]
-
-    def stats(self) -> dict[str, int]:
-        if self.layer != 0:
-            return {}
-        paged = self.paged
-        return {
-            **paged.counts,
-            "kvcompress: blocks in use": paged.blocks_in_use(),
-            "kvcompress: pool blocks": paged.pool.n_blocks,
-            "kvcompress: bytes in use": paged.blocks_in_use() * paged.pool.block_bytes(),
-        }
-
-    def reset(self) -> None:
-        self.paged.reset()
-
-    def nbytes(self) -> int:
-        """The KV bytes the shared pool allocated, counted once (on layer 0); the bytes of the blocks in
-        use are `stats()["kvcompress: bytes in use"]`."""
-        return self.paged.pool.allocated_bytes() if self.layer == 0 else 0

@@ -43,6 +43,14 @@ class BlockPool(nn.Module):
         k = self.k
         self._allocate(n_blocks, k.shape[1], k.shape[2], k.dtype, k.device)
 
+    def grow(self, n_blocks: int) -> None:
+        """Add free blocks up to `n_blocks`, keeping every block's contents and id (a chunked prefill's pool grows
+        to the budgets + one chunk)."""
+        extra = n_blocks - self.n_blocks
+        for name, fill in (("k", 0), ("v", 0), ("pos", -1), ("metric", 0), ("in_use", False)):
+            held = getattr(self, name)
+            setattr(self, name, torch.cat([held, held.new_full((extra, *held.shape[1:]), fill)]))
+
     def allocated_bytes(self) -> int:
         """Keys and values of every block the pool holds (the null block aside): the KV memory it allocated."""
         return self.n_blocks * self.block_bytes()

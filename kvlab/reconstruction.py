@@ -13,6 +13,7 @@ from torch import Tensor
 from kvlab.model import Transformer
 from kvlab.options import integer
 from kvlab.prompt_compression import PromptCompressor
+from kvlab.scores import chunk_attention
 
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -40,7 +41,9 @@ class KVzip(ModelScored):
     in chunks of `chunk` tokens, each after the instruction and attending to the prompt and itself, so
     memory stays linear in the prompt."""
 
-    options = (integer("kvzip_chunk", 512, "kvzip: tokens of the repeated prompt scored per pass", param="chunk"),)
+    options = (
+        integer("kvzip_chunk", 512, "kvzip: tokens of the repeated prompt scored per pass (with --prefill_chunk: each chunk, repeated whole)", param="chunk"),
+    )
 
     def __init__(self, chunk: int = 512) -> None:
         self.options[0].validate(chunk)
@@ -48,6 +51,13 @@ class KVzip(ModelScored):
 
     def queries(self, prompt: list[int], continuation: list[int], instruction: tuple[int, ...]) -> list[tuple[list[int], int]]:
         return [([*instruction, *prompt[s : s + self.chunk]], len(instruction)) for s in range(0, len(prompt), self.chunk)]
+
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+        """Between prefill chunks the chunk itself is repeated, after the instruction, in the same forward pass
+        (`EvictionCache.prefill_chunk`'s probe): k [B, H_kv, S + P, D] are the held and chunk keys followed by the
+        repeat's own, q [B, H, N, D] at query_pos [B, N] the repeating tokens. A key's score: the largest attention
+        one of them pays it. The cache keeps each held token's largest over the chunks."""
+        return chunk_attention(key_pos, k, query_pos, q, None).amax(dim=3).amax(dim=2)
 
 
 class Oracle(ModelScored):
@@ -81,7 +91,7 @@ class AttentionProbe(nn.Module):
     def observe(self, probs: Tensor) -> None:
         received = probs[:, :, :, self.skip :, : self.k.shape[2]]  # [1, H_kv, group, counted queries, T]
         if self.reduce == "max":
-            self.scores = torch.maximum(self.scores, received.amax(dim=(2, 3)))
+            self.scores = torch.maximum(self.scores, received.amax(dim=3).amax(dim=2))  # in turn: 8x faster than dim=(2, 3) on CPU
         else:
             self.scores = self.scores + received.sum(dim=(2, 3))
 

@@ -101,7 +101,8 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(out_dir.glob("*/*/*/*@*.json")):
         model_name, config, run = path.parts[-4:-1]
-        size, _, protocol = run.partition("+")  # "ratio0.5+query_agnostic"
+        size, *flags = run.split("+")  # "ratio0.5+query_agnostic+prefill_chunk512"
+        chunk = next((int(f.removeprefix("prefill_chunk")) for f in flags if f.startswith("prefill_chunk")), None)
         task, ctx = path.stem.split("@")
         metrics = read_task_metrics(path)
         rows.append(
@@ -109,7 +110,8 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
                 model=model_name,
                 config=config,
                 size=size,
-                query_agnostic=protocol == "query_agnostic",
+                query_agnostic="query_agnostic" in flags,
+                prefill_chunk=chunk,
                 task=task,
                 context_length=int(ctx),
                 **{k: metrics[k] for k in ("metric", "value")},
@@ -132,11 +134,12 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows: task@context (metric); columns: config@size (+query_agnostic); cells: value (relative to full), and the needle digits
-    reproduced (%) where recorded."""
+    """Rows: task@context (metric); columns: config@size (+query_agnostic, +prefill_chunkN); cells: value (relative to full),
+    and the needle digits reproduced (%) where recorded."""
 
     def column(r: dict[str, Any]) -> str:
-        return f"{r['config']}@{r['size']}" + ("+query_agnostic" if r.get("query_agnostic") else "")
+        chunk = f"+prefill_chunk{r['prefill_chunk']}" if r.get("prefill_chunk") else ""
+        return f"{r['config']}@{r['size']}" + ("+query_agnostic" if r.get("query_agnostic") else "") + chunk
 
     columns = list(dict.fromkeys(column(r) for r in rows))
     cells: dict[str, dict[str, str]] = defaultdict(dict)

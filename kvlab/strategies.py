@@ -11,8 +11,8 @@ from kvlab.cache import FullCache, KVCache
 from kvlab.duo import DuoAttentionCache
 from kvlab.eviction import AttentionScoredCache, EvictionCache, KeyScoredCache
 from kvlab.hybrid import HybridCache
+from kvlab.kvcompress import KVCompressCache
 from kvlab.options import Option, integer
-from kvlab.paged import KVCompressCache
 from kvlab.prompt_compression import RKV, AttentionScores, ExpectedAttention, KeepAll, LagKV, PromptCompressor, SnapKV
 from kvlab.recall import ClusterKVCache, QuestCache
 from kvlab.reconstruction import KVzip, Oracle

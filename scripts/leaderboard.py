@@ -96,7 +96,8 @@ def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[
         if missing:
             raise ValueError(f"{summary}: no column(s) {', '.join(missing)}; rerun the sweeps (or eval.py on --out_dir) to rewrite it")
         for r in reader:
-            if int(r["context_length"]) != context_length or r["config"] not in names or not (r["size"] == FULL or r["size"].startswith("ratio")):
+            chunked = r.get("prefill_chunk")  # kvpress's protocol prefills at once
+            if int(r["context_length"]) != context_length or r["config"] not in names or chunked or not (r["size"] == FULL or r["size"].startswith("ratio")):
                 continue
             ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")
             modes = list(MODES) if r["size"] == FULL else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]

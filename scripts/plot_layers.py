@@ -20,7 +20,8 @@ from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.config import cache_spec
 from kvlab.convert import default_checkpoint
-from kvlab.engine import RecordedPrefill, generate
+from kvlab.engine import generate
+from kvlab.recording import RecordedPrefill
 
 
 def read_prompt(value: str) -> str:

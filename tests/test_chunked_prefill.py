@@ -3,16 +3,21 @@ one-shot prefill, rows of a batch stay independent, every strategy runs, bad val
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from conftest import miniature_smollm, paul_graham_text
+from conftest import ROOT, miniature_smollm, paul_graham_text
 from kvlab.chunked import prefill_chunk_step
 from kvlab.config import cache_spec, parse_flag
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
+from kvlab.paged import PagedKV
+from kvlab.reconstruction import prompt_attention_from
+from kvlab.recording import PrefillRecorder
 from kvlab.scores import chunk_attention, chunk_mean, window_attention
 from kvlab.strategies import CACHE_STRATEGIES
 
@@ -24,7 +29,15 @@ VARIANTS = [
     {"cache_strategy": "l2", "cache_bits": 4},
     {"cache_strategy": "keydiff", "cache_bits": 8, "key_quant_axis": "channel"},
     {"cache_strategy": "keydiff", "key_channel_pruning": 0.5},
+    {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip"},
 ]
+
+
+def settings_for(strategy: str) -> dict:
+    """A cache strategy's settings, or KVzip's (a prompt compressor: on StreamingLLM's cache, as configs/kvzip.yaml)."""
+    if strategy == "kvzip":
+        return {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip"}
+    return {"cache_strategy": strategy}
 
 
 @pytest.fixture
@@ -34,12 +47,12 @@ def chunk_log(monkeypatch):
     log = {"attended": [], "held": [], "layer_held": [], "slots": []}
     original = EvictionCache.prefill_chunk
 
-    def recording(self, input_pos, k, v, q, attend):
+    def recording(self, input_pos, k, v, q, attend, probe=0):
         def attend_seen(keys, values, key_pos):
-            log["attended"].append(int((key_pos >= 0).sum(dim=-1).max()))
+            log["attended"].append(int((key_pos[..., : key_pos.shape[-1] - probe] >= 0).sum(dim=-1).max()))  # KVzip's repeat is not held
             return attend(keys, values, key_pos)
 
-        y = original(self, input_pos, k, v, q, attend_seen)
+        y = original(self, input_pos, k, v, q, attend_seen, probe)
         log["held"].append(int((self.pos >= 0).sum(dim=-1).max()))
         log["layer_held"].append(int((self.pos >= 0).sum(dim=(1, 2)).max()))
         log["slots"].append(self.pos.shape[-1])
@@ -60,6 +73,25 @@ def test_held_slots_never_exceed_the_budget_plus_the_chunk(settings, tiny_model,
     assert max(chunk_log["attended"]) == budget + chunk  # held + a whole chunk, never more
     assert max(chunk_log["held"]) == budget and set(chunk_log["slots"]) == {budget}
     assert result.tokens_held == [budget] * layers
+
+
+@pytest.mark.parametrize("settings", [{}, {"kvc_full": True}, {"kvc_scope": "layer"}], ids=["kvc_w", "kvc_full", "layer_scope"])
+def test_the_paged_pool_holds_the_budgets_plus_one_chunk_and_frees_blocks_between_chunks(settings, tiny_model, monkeypatch):
+    """Blocks in use before each compression (every layer's budget + a chunk of 10, not a multiple of the block size 4:
+    a chunk fills each head's partial last block first) and the pool the prefill sized, against one-shot's."""
+    budget, chunk, block = 24, 10, 4
+    in_use, original = [], PagedKV.compress_row
+    monkeypatch.setattr(PagedKV, "compress_row", lambda self, row: in_use.append(self.blocks_in_use()) or original(self, row))
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 50)]
+    base = {"cache_strategy": "kvcompress", "max_cache_length": budget, "kvc_block_size": block, **settings}
+    one_shot = generate(tiny_model, prompts, 4, cache_spec(base, 2))
+    in_use.clear()
+    chunked = generate(tiny_model, prompts, 4, cache_spec({**base, "prefill_chunk": chunk}, 2))
+    kept = max(budget, 32 if settings.get("kvc_full") else 8)  # KVC-full protects its newest 32 tokens
+    per_head = -(-kept // block) + -(-chunk // block) + 1  # + one block a chunk straddles
+    assert max(in_use) <= 2 * 2 * tiny_model.config.n_local_heads * per_head  # layers x rows x heads
+    assert chunked.cache_stats["kvcompress: pool blocks"] < one_shot.cache_stats["kvcompress: pool blocks"]
+    assert chunked.cache_stats["kvcompress: blocks freed"] > 0 and max(chunked.tokens_held) <= kept + 4  # + decoded tokens
 
 
 def test_ada_kv_shares_each_layers_budget_between_chunks(tiny_model, chunk_log):
@@ -83,6 +115,7 @@ def essay(smollm):
         ({"cache_strategy": "keydiff", "max_cache_length": 400}, 64),  # a budget the prompt fits: nothing evicted
         ({"cache_strategy": "keydiff", "max_cache_length": 100}, 300),  # a chunk as long as the prompt: one prefill
         ({"cache_strategy": "tova", "max_cache_length": 100}, 1000),
+        ({"cache_strategy": "kvcompress", "max_cache_length": 400}, 64),  # the paged pool
     ],
 )
 def test_a_chunked_prefill_that_evicts_nothing_between_chunks_gives_the_one_shot_tokens(settings, chunk, smollm, essay):
@@ -93,11 +126,11 @@ def test_a_chunked_prefill_that_evicts_nothing_between_chunks_gives_the_one_shot
     assert chunked.tokens == one_shot.tokens and chunked.tokens_held == one_shot.tokens_held
 
 
-@pytest.mark.parametrize("strategy", ["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv"])
+@pytest.mark.parametrize("strategy", ["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv", "kvzip", "kvcompress"])
 def test_each_row_of_a_batch_of_mixed_lengths_is_compressed_as_alone(strategy, smollm, essay):
     """The short row's prompt ends chunks before the long one's: chunks of padding leave its cache unchanged."""
-    model = smollm[0]
-    spec = cache_spec({"cache_strategy": strategy, "max_cache_length": 96, "prefill_chunk": 64}, model.config.n_layer)
+    model, tokenizer, _ = smollm
+    spec = cache_spec({**settings_for(strategy), "max_cache_length": 96, "prefill_chunk": 64}, model.config.n_layer, tokenizer)
     long, short = essay[:400], essay[1000:1150]
     together = generate(model, [long, short], 6, spec)
     alone = [generate(model, [p], 6, spec).tokens[0] for p in (long, short)]
@@ -119,7 +152,7 @@ def test_every_strategy_runs_chunked_and_says_which_compress_only_at_the_end(smo
         if cls.takes_prompt_compressor:
             assert result.tokens_held == [200] * model.config.n_layer, name
     named = [re.match(r"note: (.+) cannot compress between prefill chunks", line) for line in capsys.readouterr().err.splitlines()]
-    assert {m.group(1) for m in named if m} == {"hybrid", "clusterkv", "quest", "kvcompress", "duo_attention"}
+    assert {m.group(1) for m in named if m} == {"hybrid", "clusterkv", "quest", "duo_attention"}
 
 
 @pytest.mark.parametrize("text", ["0", "-4", "1.5", "many"])
@@ -131,11 +164,47 @@ def test_a_bad_prefill_chunk_is_one_line_naming_the_value(text):
 def test_a_chunk_beyond_the_context_and_whole_prompt_scorers_are_refused(tiny_model):
     with pytest.raises(ValueError, match="--prefill_chunk 129 exceeds the model's context of 128 tokens"):
         generate(tiny_model, [[1, 2, 3]], 2, cache_spec({"cache_strategy": "full", "prefill_chunk": 129}, 2))
-    spec = cache_spec({"cache_strategy": "keydiff", "prompt_compression_strategy": "kvzip", "max_cache_length": 8, "prefill_chunk": 4}, 2)
-    with pytest.raises(ValueError, match="KVzip scores the whole prompt with a further pass of the model"):
+    spec = cache_spec({"cache_strategy": "keydiff", "prompt_compression_strategy": "oracle", "max_cache_length": 8, "prefill_chunk": 4}, 2)
+    with pytest.raises(ValueError, match="Oracle scores the whole prompt with a further pass of the model"):
         generate(tiny_model, [list(range(20))], 2, spec)
     with pytest.raises(ValueError, match="--attention_loss compares with a one-shot prefill"):
         generate(tiny_model, [list(range(20))], 2, cache_spec({"cache_strategy": "l2", "max_cache_length": 8, "prefill_chunk": 4}, 2), attention_loss=True)
+
+
+@pytest.mark.parametrize("chunk, flag", [(None, "--kvzip_chunk"), (32, "--prefill_chunk")])
+def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(chunk, flag, tiny_model):
+    """The repeat follows the prompt: 100 prompt tokens + a repeat of 32 exceed the tiny model's 128 positions."""
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24, "kvzip_chunk": 32}
+    spec = cache_spec({**settings, "prefill_chunk": chunk} if chunk else settings, 2)
+    with pytest.raises(
+        ValueError, match=rf"the prompt \(100 tokens\) \+ its request \(0\) \+ 32 must fit the model's context of 128 tokens; give a smaller {flag}"
+    ):
+        generate(tiny_model, [[i % 64 for i in range(100)]], 2, spec)
+    assert len(generate(tiny_model, [[i % 64 for i in range(90)]], 2, spec).tokens[0]) == 2
+
+
+def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm, essay):
+    """Two chunks of 80 and a budget that evicts nothing: after the second, each token's score is the larger of what
+    the first chunk's repeat paid it (over the first chunk alone) and what the second's pays it (over both chunks),
+    each computed here by a separate pass of the model over the recorded keys, as one-shot KVzip scores."""
+    model, tokenizer, _ = smollm
+    prompt, N = essay[:160], 80
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 200, "prefill_chunk": N}
+    spec = cache_spec(settings, model.config.n_layer, tokenizer)
+    generate(model, [prompt], 2, spec)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    recorder = PrefillRecorder()
+    model.setup_caches([recorder] * len(caches))
+    with torch.no_grad():
+        model(torch.tensor([prompt]), torch.arange(160)[None], prefill=True)
+    model.setup_caches(caches)
+    instruction = list(spec.instruction)
+    first = prompt_attention_from(model, [(k[:, :, :N], v[:, :, :N]) for k, v, _ in recorder.layers], [(instruction + prompt[:N], len(instruction))], "max")
+    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [(instruction + prompt[N:], len(instruction))], "max")
+    for cache, a, b in zip(caches, first, second, strict=True):
+        assert torch.equal(cache.pos[0, :, :160], torch.arange(160).expand(cache.pos.shape[1], 160))
+        # fp32 attention through 30 layers by other kernels (one pass vs two, masked vs causal): 3e-6 measured on AVX2
+        torch.testing.assert_close(cache.prompt_scores[0, :, :160], torch.maximum(F.pad(a, (0, N)), b), atol=1e-4, rtol=0)
 
 
 def test_a_chunks_attention_is_the_prompts_for_the_same_queries_and_keys():
@@ -162,15 +231,34 @@ def test_chunk_means_group_held_tokens_by_position_whatever_their_spacing():
 
 
 @pytest.mark.parametrize(
-    "strategy", ["keydiff", pytest.param("heavy_hitter", marks=pytest.mark.slow), pytest.param("expected_attention", marks=pytest.mark.slow)]
+    "strategy", ["keydiff", "kvzip", pytest.param("heavy_hitter", marks=pytest.mark.slow), pytest.param("expected_attention", marks=pytest.mark.slow)]
 )
 def test_the_compiled_chunk_step_gives_the_eager_tokens_with_one_graph_for_every_chunk(strategy, tiny_model):
     """Chunks of one static shape (the last one padded): one compiled graph serves them all, no recompile."""
     torch._dynamo.reset()
-    spec = cache_spec({"cache_strategy": strategy, "max_cache_length": 24, "prefill_chunk": 16}, tiny_model.config.n_layer)
+    spec = cache_spec({**settings_for(strategy), "max_cache_length": 24, "prefill_chunk": 16}, tiny_model.config.n_layer)
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 61)]
     eager = generate(tiny_model, prompts, 6, spec)
     compiled_step = torch.compile(prefill_chunk_step, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate(tiny_model, prompts, 6, spec, chunk_step=compiled_step)
     assert compiled.tokens == eager.tokens
+
+
+def test_chunked_vs_oneshot_pairs_the_examples_both_runs_finished(tmp_path):
+    """Two examples in both runs (one only one-shot finished is left out): means, paired difference and its SE."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chunked_vs_oneshot", ROOT / "scripts" / "chunked_vs_oneshot.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = {"ratio0.5+query_agnostic": [1.0, 1.0, 0.0], "ratio0.5+query_agnostic+prefill_chunk512": [0.0, 1.0]}
+    for size, scores in runs.items():
+        run = tmp_path / "SmolLM2-135M-Instruct" / "keydiff" / size
+        run.mkdir(parents=True)
+        (run / "vt@2048.jsonl").write_text("".join(json.dumps({"id": f"vt/{i}", "score": s}) + "\n" for i, s in enumerate(scores)))
+    rows = script.comparisons(tmp_path)
+    assert rows == [
+        {"config": "keydiff", "size": "ratio0.5+query_agnostic", "chunk": 512, "task": "vt@2048", "measure": "score", "n": 2}
+        | {"oneshot": 100.0, "chunked": 50.0, "diff": -50.0, "se": pytest.approx(50.0)}  # diffs -1, 0: stdev 0.707 / sqrt 2
+    ]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -227,12 +230,14 @@ def test_a_strategy_takes_its_own_prompt_options(strategy, option, value, attrib
         (["--cache_strategy", "lagkv", "--lagkv_size", str(2**40)], "lagkv_size must be an integer from 1 to 131072"),
         (["--batch_size", "100000000"], "--batch_size 100000000 needs about"),
         (["--cache_strategy", "window", "--head_budget", "adakv"], "WindowCache: --head_budget adakv shares a layer's slots by how each head scores"),
+        (["--cache_config", "kvcompress", "--prompts_file", "{tmp}/two.txt", "--prefill_chunk", "64"], "--attention_loss or --prefill_chunk"),
     ],
 )
 def test_bad_generate_inputs_are_one_line_naming_the_value(argv, error, tmp_path, capsys):
     (tmp_path / "dup.yaml").write_text("cache_strategy: l2\nrecent_window: 4\nrecent_window: 8\n")
     (tmp_path / "latin1.yaml").write_bytes("cache_strategy: l2 # café\n".encode("latin-1"))
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "two.txt").write_text("The history of\nOnce upon\n")
     (tmp_path / "empty_tile.yaml").write_text("cache_strategy: l2\nmax_cache_length: []\nmax_cache_length_pattern: tile\n")
     (tmp_path / "empty_repeat.yaml").write_text("cache_strategy: []\ncache_strategy_pattern: repeat\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -368,3 +373,13 @@ def test_a_damaged_tokenizer_file_is_one_error_naming_it(content, tiny_ckpt):
     (tiny_ckpt / "tokenizer.json").write_text(content)
     with pytest.raises(ValueError, match=re.escape(f"{tiny_ckpt / 'tokenizer.json'}: not a readable bpe tokenizer file (")):
         load_checkpoint(tiny_ckpt)
+
+
+@pytest.mark.parametrize("command", ["generate.py", "eval.py"])
+def test_ctrl_c_while_torch_loads_is_one_line(command):
+    """SIGINT half a second in, while the command still imports torch (seconds on these machines): one line, status 130."""
+    proc = subprocess.Popen([sys.executable, command, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "interrupted (Ctrl-C)\n")

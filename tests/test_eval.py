@@ -20,8 +20,8 @@ from conftest import ROOT
 from kvlab import evaluate
 from kvlab.build import make_caches
 from kvlab.config import cache_spec
-from kvlab.engine import PrefillRecorder
 from kvlab.prompt_compression import AttentionScores
+from kvlab.recording import PrefillRecorder
 from kvlab.results import read_job_records, read_records
 from kvlab.tasks import Example, GenerationTask, resolve_tasks
 from kvlab.tasks.book import TASKS as BOOKS
@@ -509,6 +509,9 @@ def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_
     run_dir = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.5+prefill_chunk16"
     assert (run_dir / "echo@64.jsonl").exists() and json.loads((run_dir / "args.json").read_text())["key"]["prefill_chunk"] == 16
     assert (tmp_path / "SmolLM2-135M-Instruct/full/full/echo@64.jsonl").exists() and chunks == [None, 16]  # full keeps every token: one-shot
+    rows = {r["config"]: r for r in csv.DictReader((tmp_path / "summary.csv").open())}
+    assert (rows["heavy_hitter"]["size"], rows["heavy_hitter"]["prefill_chunk"], rows["full"]["prefill_chunk"]) == ("0.5", "16", "")
+    assert "heavy_hitter@0.5+prefill_chunk16" in (tmp_path / "summary.md").read_text()
 
 
 def test_book_perplexity_refuses_prefill_chunk_in_one_line(tmp_path):

@@ -16,7 +16,8 @@ from tp_worker import SHORT_PROMPT, TINY_SETTINGS, per_head_slots
 from conftest import ROOT, torch_kernels
 from kvlab import parallel
 from kvlab.config import cache_spec, load_cache_config
-from kvlab.engine import RecordedPrefill, generate
+from kvlab.engine import generate
+from kvlab.recording import RecordedPrefill
 from kvlab.strategies import CACHE_STRATEGIES
 
 RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvlab.config import cache_spec
-from kvlab.engine import RecordedPrefill, generate
+from kvlab.engine import generate
 from kvlab.reconstruction import KVzip, Oracle, prompt_attention_from
+from kvlab.recording import RecordedPrefill
 from kvlab.scores import prompt_attention
 from kvlab.strategies import make_prompt_compressor
 

@@ -16,7 +16,8 @@ import torch
 
 from conftest import ROOT, torch_kernels
 from kvlab.config import CONFIGS_DIR, cache_spec, load_cache_config
-from kvlab.engine import RecordedPrefill, generate
+from kvlab.engine import generate
+from kvlab.recording import RecordedPrefill
 from kvlab.serving import serve
 
 RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
