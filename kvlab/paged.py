@@ -43,7 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kvlab import parallel
 from kvlab.pool import BlockPool
-from kvlab.scores import chunk_attention, pool_keys, received_attention, window_attention
+from kvlab.scores import chunk_attention, last_real_queries, pool_keys, received_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
@@ -290,7 +290,8 @@ class PagedKV(nn.Module):
         n, m = self.length[layer], (input_pos >= 0).sum(dim=-1)[:, None]  # [B, H], [B, 1]
         table = self.table[layer]
         have, need = (table >= 0).sum(dim=-1), (n + m + self.block_size - 1) // self.block_size
-        fresh = (torch.arange(self.max_blocks, device=k.device) >= have[..., None]) & (torch.arange(self.max_blocks, device=k.device) < need[..., None])
+        index = torch.arange(self.max_blocks, device=k.device)
+        fresh = (index >= have[..., None]) & (index < need[..., None])
         table[fresh] = self.pool.allocate(int(fresh.sum()))
         slots = self._slot_ids(table).gather(2, (n[..., None] + torch.arange(N, device=k.device)).clamp(max=self.max_blocks * self.block_size - 1))
         filled = (input_pos >= 0)[:, None, :].expand(B, H, N)
@@ -304,9 +305,7 @@ class PagedKV(nn.Module):
         """[B, H_kv, S]: the prompt metric of the viewed KVs (key_pos [B, H_kv, S]) from a chunk's queries q [B, H, N, D]."""
         if not self.full:
             return pool_keys(self._metric(chunk_attention(key_pos, keys, input_pos, q, self.window)), self.kernel)
-        N = input_pos.shape[1]
-        columns = (input_pos >= 0).sum(dim=1, keepdim=True) - N + torch.arange(N, device=q.device)  # as chunk_attention lays out its queries
-        observed = torch.where(columns >= 0, input_pos.gather(1, columns.clamp(min=0)), -1)
+        observed = last_real_queries(input_pos, input_pos.shape[1])[1]
         near = observed[:, None, None, :, None] - key_pos[:, :, None, None, :] < self.skip
         return self._metric(chunk_attention(key_pos, keys, input_pos, q, None).masked_fill(near, 0.0))
 

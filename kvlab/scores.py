@@ -141,6 +141,13 @@ def window_attention(input_pos: Tensor, k: Tensor, q: Tensor, window: int | None
     return prompt_attention(q_obs, k, input_pos, query_pos)
 
 
+def last_real_queries(query_pos: Tensor, w: int) -> tuple[Tensor, Tensor]:
+    """The columns [B, w] of the last w real queries of right-padded query_pos [B, N], and their positions (-1 where a
+    row has fewer): the queries `chunk_attention` observes, in its order."""
+    columns = (query_pos >= 0).sum(dim=1, keepdim=True) - w + torch.arange(w, device=query_pos.device)
+    return columns, torch.where(columns >= 0, query_pos.gather(1, columns.clamp(min=0)), -1)
+
+
 def chunk_attention(key_pos: Tensor, k: Tensor, query_pos: Tensor, q: Tensor, window: int | None) -> Tensor:
     """The attention that a prefill chunk's last `window` real queries (every one for None), q [B, H, N, D] at
     positions query_pos [B, N] (right-padded with -1), pay to the held and chunk keys k [B, H_kv, S, D], whose
@@ -150,8 +157,7 @@ def chunk_attention(key_pos: Tensor, k: Tensor, query_pos: Tensor, q: Tensor, wi
     B, H, N, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     w = N if window is None else min(window, N)
-    columns = (query_pos >= 0).sum(dim=1, keepdim=True) - w + torch.arange(w, device=q.device)  # [B, w]: the last w real ones
-    observed = torch.where(columns >= 0, query_pos.gather(1, columns.clamp(min=0)), -1)
+    columns, observed = last_real_queries(query_pos, w)
     q_obs = q.gather(2, columns.clamp(min=0)[:, None, :, None].expand(B, H, w, D))
     flat = prompt_attention(
         q_obs.reshape(B * n_kv, H // n_kv, w, D), k.reshape(B * n_kv, 1, S, D), key_pos.reshape(B * n_kv, S), observed.repeat_interleave(n_kv, dim=0)
