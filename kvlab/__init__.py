@@ -6,6 +6,7 @@ layer budgets planned per prompt) -> `engine.generate`. The model is `model.py`;
 """
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +24,19 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
 )
 
 
+def _exit_interrupted(signum: int, frame: object) -> None:
+    sys.stderr.write("interrupted (Ctrl-C)\n")  # one write: torchrun's ranks share stderr
+    os._exit(130)
+
+
 @contextmanager
 def interrupts_quietly() -> Iterator[None]:
     """Ctrl-C inside the block ends the process with one line and status 130, as `cli.run_cli` does once a command
-    runs: a command's start-up (importing torch takes seconds) is wrapped in it, and it imports nothing heavy itself."""
+    runs: a command's start-up (importing torch takes seconds) is wrapped in it, and it imports nothing heavy itself.
+    The handler exits at once rather than raising KeyboardInterrupt, which an extension module's import (numpy's,
+    inside torch's) can turn into an ImportError traceback."""
+    previous = signal.signal(signal.SIGINT, _exit_interrupted)
     try:
         yield
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted (Ctrl-C)\n")  # one write: torchrun's ranks share stderr
-        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
