@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.budget import plan_budgets
 from kvlab.cache import KVCache
 from kvlab.config import CacheSpec, strategy_options
-from kvlab.eviction import DEFAULT_ADAKV_FLOOR, adakv_slots
+from kvlab.head_budget import DEFAULT_ADAKV_FLOOR, adakv_slots
 from kvlab.model import Transformer
 from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, PROMPT_COMPRESSORS, make_prompt_compressor
 
@@ -248,12 +249,15 @@ def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[int]:
 
 def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
     """Buffer slots a compressing layer needs for a per-head `budget`: the budget itself, or with
-    head_budget=adakv the largest share Ada-KV may give one head (heads are query heads when snapkv_gqa=query)."""
+    head_budget=adakv* the largest share Ada-KV may give one head (heads are query heads when snapkv_gqa=query),
+    or with global the whole model's."""
     if options.get("head_budget", "uniform") == "uniform":
         return budget
     cfg = model.config
     heads = cfg.n_head if options.get("snapkv_gqa") == "query" else cfg.n_local_heads
-    return adakv_slots(budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR))
+    if options["head_budget"] == "global":
+        return cfg.n_layer * heads * budget
+    return adakv_slots(budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR), options["head_budget"] == "adakv_safeguard")
 
 
 def mark_slots_dynamic(cache: KVCache) -> None:
@@ -291,3 +295,23 @@ def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: 
             budgets[i] = slots
         rows.append(budgets)
     return torch.tensor(rows)
+
+
+def share_over_model(caches: Sequence[KVCache], rankings: list[Tensor | None], ratio: float | None, prefilled: Sequence[int]) -> None:
+    """head_budget global, as kvpress's KVzipPress: the prompt tokens a sequence keeps over its L compressing layers
+    and H KV heads (at a compression ratio, L x H x n - int(L x H x n x ratio) of its n prefilled tokens, as kvpress
+    counts; else the sum of the layers' budgets) go to the top of their `rankings` ([B, H, T] per layer, None for a
+    layer keeping every token) ranked together. A head's capacity: its count plus the slots its layer's budget leaves
+    for later tokens (the decode room under a ratio), at least its protected tokens + 1."""
+    layers = [i for i, r in enumerate(rankings) if r is not None]
+    stacked = torch.stack([parallel.gather_heads(rankings[i]) for i in layers], dim=1)  # [B, L, H, T], every rank's heads
+    for row, n in enumerate(prefilled):
+        prompt_parts = [min(int(caches[i].row_budget[row] - caches[i].decode_room[row]), n) for i in layers]  # each layer's share of the prompt
+        total = stacked[row, ..., :n].numel()
+        kept = total - int(total * ratio) if ratio is not None else stacked.shape[2] * sum(prompt_parts)
+        rank = stacked[row, ..., :n].flatten().argsort(descending=True, stable=True).argsort().view(stacked.shape[1:3] + (n,))
+        counts = parallel.local_heads((rank < kept).sum(dim=-1))  # [L, this rank's H]
+        for j, i in enumerate(layers):
+            cache = caches[i]
+            later = int(cache.row_budget[row]) - prompt_parts[j]  # the slots its budget leaves for tokens after the prompt
+            cache.row_capacity[row, :, 0] = (counts[j] + later).clamp(min=cache.global_tokens + cache.recent_window + 1, max=cache.capacity)

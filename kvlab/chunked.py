@@ -102,10 +102,11 @@ def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Se
     if chunk < prompt and whole:
         raise ValueError(f"--prefill_chunk: {', '.join(whole)} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
     repeats = [chunk if chunk < prompt else min(c.chunk, prompt) for c in scored_by_model if isinstance(c, KVzip)]
-    if repeats and prompt + len(spec.instruction) + max(repeats) > context:
+    asked = 0 if spec.repeat is None else len(spec.repeat.instruction) if chunk < prompt else spec.repeat.longest
+    if repeats and prompt + asked + max(repeats) > context:
         raise ValueError(
             f"kvzip repeats the prompt after it, {max(repeats)} tokens at a time: the prompt ({prompt} tokens) + its request "
-            f"({len(spec.instruction)}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller "
+            f"({asked}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller "
             f"{'--prefill_chunk' if chunk < prompt else '--kvzip_chunk'}"
         )
     if chunk < prompt and attention_loss:

@@ -21,7 +21,7 @@ from kvlab.budget import LAYER_BUDGET_OPTION, PLANNER_OPTIONS
 from kvlab.cache import KVCache
 from kvlab.options import Option, by_name, choice, integer, switch
 from kvlab.prompt_compression import PromptCompressor
-from kvlab.reconstruction import KVZIP_PROMPT
+from kvlab.reconstruction import RepeatRequest, repeat_request
 from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, make_prompt_compressor
 from kvlab.tokenizer import Tokenizer
 
@@ -102,7 +102,7 @@ class CacheSpec:
     layer_budget: str = "uniform"  # how each sequence's total budget is split over the layers (budget.py)
     budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
     token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # special_ids, punctuation_ids for caches that read tokens
-    instruction: tuple[int, ...] = ()  # KVzip's "repeat the context" request, encoded (filled when given the tokenizer)
+    repeat: RepeatRequest | None = None  # KVzip's request to repeat the context, encoded (filled when given the tokenizer)
     prefill_chunk: int | None = None  # prefill this many tokens at a time, compressing between chunks (chunked.py); None: at once
 
     @classmethod
@@ -155,15 +155,15 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
         raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
     if planner != "uniform" and any(CACHE_STRATEGIES[s].keeps_history for s in strategies):
         raise ValueError(f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token and take none")
-    instruction = tuple(tokenizer.encode(KVZIP_PROMPT)) if tokenizer is not None and model_scored(strategies, options) else ()
+    repeat = repeat_request(tokenizer) if model_scored(strategies, options) else None
     ratio = settings.get("compression_ratio")
     if ratio is not None:
         check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
     first_token = bool(settings.get("compress_first_token", False))
     chunk = settings.get("prefill_chunk")
-    return CacheSpec(
-        strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, instruction, chunk
-    )
+    if options.get("head_budget") == "global" and chunk:
+        raise ValueError(f"--head_budget global ranks the whole prompt's scores over every layer and head at once; it takes no --prefill_chunk ({chunk})")
+    return CacheSpec(strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, repeat, chunk)
 
 
 def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptCompressor]:

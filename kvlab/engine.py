@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.build import build_caches, make_caches, plan_layer_budgets
+from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_over_model
 from kvlab.cache import KVCache
 from kvlab.chunked import chunk_length, chunk_ready, first_chunk, prefill_chunk_step, prefill_rest
 from kvlab.config import CacheSpec, model_scored
@@ -113,7 +113,7 @@ class Generation:
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
     layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
     layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
-    head_budgets: list[list[list[int]]] | None = None  # with head_budget=adakv: slots per sequence, layer and KV head ([] for a full layer)
+    head_budgets: list[list[list[int]]] | None = None  # with head_budget adakv*: slots per sequence, layer and KV head ([] for a full layer)
 
 
 @torch.no_grad()
@@ -185,9 +185,10 @@ def generate(
     t0 = time.perf_counter()
     scored_by_model = model_scored(spec.strategies, spec.options)
     chunk = chunk_length(spec, T_prefill, context, scored_by_model, attention_loss)
+    share_globally = spec.options.get("head_budget") == "global"  # every layer's scores ranked before any is stored
     if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
         recorded = RecordedPrefill() if spec.layer_budget != "uniform" or scored_by_model else None
-    elif (spec.layer_budget != "uniform" or scored_by_model) and recorded is None:
+    elif (spec.layer_budget != "uniform" or scored_by_model or share_globally) and recorded is None:
         recorded = RecordedPrefill()
     budgets = similarity = None
     if recorded is not None:
@@ -209,7 +210,9 @@ def generate(
         continuations = recorded.references[key]
     caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets, prefilled)
     if scored_by_model:
-        recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.instruction)
+        recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
+    if share_globally:
+        share_over_model(caches, recorded.rankings(caches), spec.compression_ratio, prefilled)
     probes = None
     if attention_loss:
         full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, max_seq_length, cfg.head_dim, model.norm.weight.dtype, device)
@@ -220,7 +223,7 @@ def generate(
     if chunk < T_prefill:
         with chunk_ready(model, caches, probed=bool(scored_by_model)):
             logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, recorded)
-            repeat = spec.instruction if scored_by_model else None
+            repeat = spec.repeat.instruction if spec.repeat is not None else None
             logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
             next_token = sample(logits, temperature, top_k)
     elif recorded is not None:
@@ -279,7 +282,7 @@ def generate(
         attention_loss_summary(probes) if probes else None,
         None if budgets is None else budgets.tolist(),
         None if similarity is None else similarity.tolist(),
-        head_budget_lists(caches) if spec.options.get("head_budget") == "adakv" else None,
+        head_budget_lists(caches) if spec.options.get("head_budget", "uniform") != "uniform" else None,
     )
 
 

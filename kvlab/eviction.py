@@ -9,7 +9,6 @@ naming its score plus one line in the registry (`strategies.py`), e.g. `KeyDiffC
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,13 +19,12 @@ from torch import Tensor
 
 from kvlab import parallel
 from kvlab.cache import KVCache
+from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities
 from kvlab.options import choice, fraction, integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
-from kvlab.scores import attention_mass, position_order, unrotate
+from kvlab.scores import attention_mass, layer_attention_mass, position_order, unrotate
 from kvlab.storage import KEY_PRUNING_OPTIONS
 
-HEAD_BUDGETS = ("uniform", "adakv")
-DEFAULT_ADAKV_FLOOR = 0.2
 PROTECTED_OPTIONS = (
     integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
     integer("recent_window", None, "newest tokens never evicted, the incoming one included", default_help="10; 1 for hybrid"),
@@ -56,10 +54,11 @@ class EvictionCache(KVCache):
     scores go through the wrappers `value_weight` (CriticalKV) and `chunk_size` (ChunkKV) first
     (`wrap_scores`); `rope`, the model's RoPE tables, reaches a compressor that needs it (`with_rope`).
 
-    `head_budget="adakv"` (Ada-KV, Feng et al., 2024) lets the KV heads of a layer share its budget
-    unevenly, decided at prefill from the prompt scores (`_adakv_capacities`); each head then evicts
+    `head_budget="adakv"` (Ada-KV, Feng et al., 2024, as its official code) or "adakv_safeguard" (as kvpress's
+    AdaKVPress) lets the KV heads of a layer share its budget
+    unevenly, decided at prefill from the prompt scores (`head_budget.adakv_capacities`); each head then evicts
     inside its own share while decoding. The buffer must be wide enough for the largest share
-    (`adakv_slots`): a dense buffer cannot return the slots the small heads leave empty, so the
+    (`head_budget.adakv_slots`): a dense buffer cannot return the slots the small heads leave empty, so the
     memory saving needs a paged layout; here the attended tokens per layer are exactly the budget."""
 
     positions_per_head = True
@@ -81,10 +80,13 @@ class EvictionCache(KVCache):
             "head_budget",
             HEAD_BUDGETS,
             "uniform",
-            "split each layer's budget over its KV heads at prefill, per prompt: uniform (every head the same) or adakv (Ada-KV: heads "
-            "whose prompt scores rank higher overall get more; buffers are widened to the largest share)",
+            "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's official code: in "
+            "each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the even share), adakv_safeguard "
+            "(kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go to the layer's top scores) or global "
+            "(kvpress's KVzipPress: the scores of every layer and head ranked together); buffers are widened to the largest share (global: "
+            "the whole sequence)",
         ),
-        fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv: the share of the uniform per-head budget every head is guaranteed", closed=True),
+        fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv*: the share of the uniform per-head budget every head is guaranteed", closed=True),
     )
 
     def __init__(
@@ -117,9 +119,9 @@ class EvictionCache(KVCache):
                 option.validate(value)
         self.value_weight = self.default_value_weight if value_weight is None else value_weight
         self.value_epsilon, self.chunk_size = value_epsilon, chunk_size  # wrappers of the prompt scores (wrap_scores)
-        if head_budget == "adakv" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
+        if head_budget != "uniform" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
             raise ValueError(
-                f"{type(self).__name__}: --head_budget adakv shares a layer's slots by how each head scores its prompt tokens; these "
+                f"{type(self).__name__}: --head_budget {head_budget} shares a layer's slots by how each head scores its prompt tokens; these "
                 "scores (by position) are the same in every head, so it would change nothing: drop it, or give a --prompt_compression_strategy"
             )
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
@@ -205,9 +207,19 @@ class EvictionCache(KVCache):
             raise ValueError(f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor")
         k, v = self._repeat(k), self._repeat(v)
         self.storage.observe_prompt(input_pos, k, q)
+        self._store_prompt(input_pos[:, None, :].expand(k.shape[:3]), k, v, self._prompt_scores(input_pos, k, v, q, lse))
+
+    def _prompt_scores(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None) -> Tensor:
+        """The compressor's scores [B, H_kv, T] of the prompt's keys and values (already repeated per head), wrapped."""
         scores = self.prompt_compressor(input_pos, k, v, q, **({} if lse is None else {"lse": lse}))
-        scores = wrap_scores(scores, input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
-        self._store_prompt(input_pos[:, None, :].expand(k.shape[:3]), k, v, scores)
+        return wrap_scores(scores, input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
+
+    def prompt_ranking(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
+        """[B, H_kv, T]: what prefill ranks the prompt by, protected tokens +inf, padding -inf (head_budget global
+        ranks these of every layer together before the prompt is stored)."""
+        k, v = self._repeat(k), self._repeat(v)
+        pos = input_pos[:, None, :].expand(k.shape[:3])
+        return self._protect(self._prompt_scores(input_pos, k, v, q, lse), pos, pos.flatten(1).max(dim=-1).values[:, None, None])
 
     @property
     def prefills_in_chunks(self) -> bool:
@@ -279,8 +291,11 @@ class EvictionCache(KVCache):
         n_keep = min(T, self.capacity)
         last = pos.flatten(1).max(dim=-1).values[:, None, None]
         protected = self._protect(scores, pos, last)
-        if self.head_budget == "adakv":  # split over every head of the layer, on every rank alike
-            self.row_capacity.copy_(parallel.local_heads(self._adakv_capacities(parallel.gather_heads(protected), last + 1)))
+        if self.head_budget in ADAKV_BUDGETS:  # split over every head of the layer, on every rank alike
+            split = adakv_capacities(
+                parallel.gather_heads(protected), last + 1, self.row_budget, self.decode_room, self.capacity, self.head_budget, self.adakv_floor
+            )
+            self.row_capacity.copy_(parallel.local_heads(split))
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
         # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
         fits = torch.arange(n_keep, device=k.device) < self.row_capacity - self.decode_room
@@ -294,39 +309,12 @@ class EvictionCache(KVCache):
             self.prompt_scores.zero_()[:, :, :n_keep] = scores.gather(2, keep).masked_fill(~fits, 0)
         self._on_insert(slots, scores.gather(2, keep))
 
-    def _adakv_capacities(self, scores: Tensor, n_prompt: Tensor) -> Tensor:
-        """Ada-KV's split of a layer's H x budget slots over its heads, [B, H, 1], from protected prompt
-        scores [B, H, T] and prompt lengths [B, 1, 1]: the top H x b scores over all heads together are
-        counted per head (b = the budget's prompt part, min(budget - decode room, prompt)), and head h gets
-        (1 - floor) x (count_h + budget - b) + floor x budget, so every head keeps `floor` of a uniform
-        share and the decode room is shared evenly. Whole slots by largest remainder (the sum stays
-        exact); a share beyond the buffer goes to the other heads in proportion to their room."""
-        B, H, T = scores.shape
-        budget = self.row_budget.double()  # [B, 1, 1]
-        prompt_part = torch.minimum(budget - self.decode_room, n_prompt.double())
-        rank = scores.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1).view(B, H, T)
-        count = (rank < H * prompt_part).sum(dim=-1, keepdim=True)
-        share = (1 - self.adakv_floor) * (count + budget - prompt_part) + self.adakv_floor * budget
-        room = (self.capacity - share).clamp(min=0)
-        excess = (share - self.capacity).clamp(min=0).sum(dim=1, keepdim=True)
-        share = share.clamp(max=self.capacity) + excess * room / room.sum(dim=1, keepdim=True).clamp(min=1e-9)
-        whole = share.floor()
-        left = (H * budget - whole.sum(dim=1, keepdim=True)).round()
-        by_fraction = (whole - share).argsort(dim=1, stable=True).argsort(dim=1)  # largest fraction first
-        return (whole + (by_fraction < left)).long()
-
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         slot = self._eviction_idx(input_pos)
         self.storage.write(slot, self._repeat(k), self._repeat(v))
         self.pos.scatter_(2, slot, input_pos[:, None, :].expand(slot.shape))
         self._on_insert(slot, None)
         return *self.storage.read(), self.pos
-
-
-def adakv_slots(budget: int, n_heads: int, floor: float = DEFAULT_ADAKV_FLOOR) -> int:
-    """The largest share Ada-KV can give one of `n_heads` heads with `budget` slots each: every prompt
-    winner in that head (n_heads x budget) times (1 - floor), plus its floor share."""
-    return math.ceil(round(budget * ((1 - floor) * n_heads + floor), 6))  # rounded first: 10 x 2.6 is 26.000000000000004 in floats
 
 
 class KeyScoredCache(EvictionCache):
@@ -347,11 +335,13 @@ class AttentionScoredCache(EvictionCache):
     """A strategy that scores slots by the attention they receive (`attention_mass`), kept in `scores`
     [B, H_kv, S]. At prefill the prompt is scored by the attention of its last `observed_queries`
     queries (None: all of them); while decoding, each step's attention is added (`accumulate`, H2O)
-    or replaces the scores (TOVA)."""
+    or replaces the scores (TOVA). With `shared_heads`, the attention is averaged over every query head of the
+    layer, so each KV head keeps the same tokens in the same slots (TOVA's paper and kvpress)."""
 
     needs_attention = True
     observed_queries: int | None = None
     accumulate = True
+    shared_heads = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -359,7 +349,7 @@ class AttentionScoredCache(EvictionCache):
 
     @classmethod
     def own_prompt_compressor(cls) -> PromptCompressor:
-        return AttentionScores(cls.observed_queries)
+        return AttentionScores(cls.observed_queries, shared_heads=cls.shared_heads)
 
     def reset(self) -> None:
         super().reset()
@@ -374,10 +364,11 @@ class AttentionScoredCache(EvictionCache):
         return scores + F.pad(self.scores, (0, order.shape[-1] - self.scores.shape[-1])).gather(2, order)
 
     def observe(self, probs: Tensor) -> None:
+        mass = layer_attention_mass(probs) if self.shared_heads else attention_mass(probs)
         if self.accumulate:
-            self.scores += attention_mass(probs)
+            self.scores += mass
         else:
-            self.scores.copy_(attention_mass(probs))
+            self.scores.copy_(mass)
 
     def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
         if scores is None:

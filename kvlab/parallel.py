@@ -165,6 +165,11 @@ def all_heads(local: int) -> int:
     return local if _shard is None else sum(_per_rank(local))
 
 
+def sum_over_ranks(x: Tensor) -> Tensor:
+    """`x` summed over the ranks (a sum over heads that each rank holds part of); `x` itself unsharded."""
+    return x if _shard is None else funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
 def gather_heads(x: Tensor, dim: int = 1) -> Tensor:
     """Every rank's heads of `x` (this rank's heads along `dim`), in head order; `x` itself unsharded."""
     if _shard is None:

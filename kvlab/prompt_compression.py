@@ -23,6 +23,7 @@ from kvlab.scores import (
     chunk_mean,
     expected_logits,
     lagkv,
+    layer_attention_mass,
     pool_keys,
     query_statistics,
     received_attention,
@@ -113,26 +114,30 @@ class KeyScores(PromptCompressor):
 
 class AttentionScores(PromptCompressor):
     """The attention each prompt key receives from the last `window` prompt queries (None: all of them,
-    H2O; 1: the last, TOVA), summed over the query group. With `per_query`, the sum is divided by the
+    H2O; 1: the last, TOVA), summed over the query group; with `shared_heads`, averaged over every query head of
+    the layer instead, so each head keeps the same tokens (TOVA). With `per_query`, the sum is divided by the
     number of observed queries that could see each token: the mean attention it received, so early
     tokens are not favoured for being seen by more queries (heavy_hitter_mean)."""
 
-    def __init__(self, window: int | None = None, per_query: bool = False) -> None:
-        self.window, self.per_query = window, per_query
+    def __init__(self, window: int | None = None, per_query: bool = False, shared_heads: bool = False) -> None:
+        if shared_heads and window is None:
+            raise ValueError("AttentionScores: shared_heads averages a window of queries' attention; give a window")
+        self.window, self.per_query, self.shared_heads = window, per_query, shared_heads
+        self.mass = layer_attention_mass if shared_heads else attention_mass
 
     @property
     def uses_lse(self) -> bool:
         return self.window is None
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
-        scores = received_attention(q, k, input_pos, lse=lse) if self.window is None else attention_mass(window_attention(input_pos, k, q, self.window))
+        scores = received_attention(q, k, input_pos, lse=lse) if self.window is None else self.mass(window_attention(input_pos, k, q, self.window))
         if not self.per_query:
             return scores
         seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]
         return scores / seen_by[:, None, :]
 
     def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
-        scores = attention_mass(chunk_attention(key_pos, k, query_pos, q, self.window))
+        scores = self.mass(chunk_attention(key_pos, k, query_pos, q, self.window))
         if not self.per_query:
             return scores
         seen_by = (query_pos[:, None, None, :] >= torch.where(key_pos >= 0, key_pos, query_pos.max() + 1)[..., None]).sum(dim=-1)

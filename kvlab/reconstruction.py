@@ -6,6 +6,8 @@ the recorded prefill is replayed into the caches (`engine.generate`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -14,8 +16,53 @@ from kvlab.model import Transformer
 from kvlab.options import integer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.scores import chunk_attention
+from kvlab.tokenizer import Tokenizer
 
-KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
+KVZIP_LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+KVZIP_HINT = 8  # a later chunk's request ends with the previous chunk's last tokens
+KVZIP_SINKS = 4  # the first prompt tokens, in every pass's softmax (and always kept by the cache's global_tokens)
+
+
+@dataclass(frozen=True)
+class RepeatRequest:
+    """How KVzip asks the model to repeat the context, as its official code and kvpress do: the request ends the
+    user's turn and the repeat is the assistant's answer (`header`: the chat template's end of turn and answer
+    header; "\n" without a template). The chat template's tokens before the user's text (`prefix`) are not
+    repeated; a later chunk's request quotes the previous chunk's last KVZIP_HINT tokens."""
+
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    header: tuple[int, ...]
+    prefix: tuple[int, ...]
+
+    @property
+    def instruction(self) -> tuple[int, ...]:
+        """What precedes the first chunk's repeat (and every chunk's, between prefill chunks)."""
+        return self.first + self.header
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest request with its header: what a pass adds before its chunk."""
+        return max(len(self.first), len(self.later) + KVZIP_HINT) + len(self.header)
+
+    def context_start(self, prompt: list[int]) -> int:
+        """Where the prompt's context begins: after the chat template's prefix when the prompt starts with it."""
+        return len(self.prefix) if self.prefix and tuple(prompt[: len(self.prefix)]) == self.prefix else 0
+
+
+def repeat_request(tokenizer: Tokenizer | None) -> RepeatRequest:
+    """The request in this tokenizer's chat template: its prefix and header are what a user turn's text sits between.
+    Without a tokenizer (token ids alone, as in tests on random models) the repeat is the context alone."""
+    if tokenizer is None:
+        return RepeatRequest((), (), (), ())
+    if tokenizer.chat_template is None:
+        return RepeatRequest(tuple(tokenizer.encode(KVZIP_PROMPT)), tuple(tokenizer.encode(KVZIP_LATER_PROMPT)), tuple(tokenizer.encode("\n")), ())
+    empty, text = (tokenizer.encode_chat([{"role": "user", "content": c}]) for c in ("", "dummy context"))
+    prefix = next(i for i, (a, b) in enumerate(zip(empty, text, strict=False)) if a != b)
+    header = next(i for i, (a, b) in enumerate(zip(empty[::-1], text[::-1], strict=False)) if a != b)
+    first = tuple(tokenizer.encode(KVZIP_PROMPT))
+    return RepeatRequest(first, tuple(tokenizer.encode(KVZIP_LATER_PROMPT)), tuple(empty[len(empty) - header :]), tuple(empty[:prefix]))
 
 
 class ModelScored(PromptCompressor):
@@ -26,31 +73,49 @@ class ModelScored(PromptCompressor):
     needs_reference = False  # True: `queries` reads the continuation of a full cache run
     reduce = "max"  # how the attention of the queries to a key is combined: "max" or "sum"
 
-    def queries(self, prompt: list[int], continuation: list[int], instruction: tuple[int, ...]) -> list[tuple[list[int], int]]:
-        """The query passes for one sequence: (token ids, leading ids whose attention is not counted)."""
+    def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
+        """The query passes for one sequence."""
         raise NotImplementedError
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         raise RuntimeError(f"{type(self).__name__} scores come from a pass of the model; run it through kvlab.engine.generate")
 
 
+@dataclass(frozen=True)
+class Pass:
+    """Query tokens run after the prompt: the attention of all but the first `skip` is counted; with `window`
+    (start, end), only prompt keys start..end are scored, each by its attention renormalised over the first
+    KVZIP_SINKS keys, keys start..end and the pass's own keys (KVzip's softmax scope)."""
+
+    ids: list[int]
+    skip: int = 0
+    window: tuple[int, int] | None = None
+
+
 class KVzip(ModelScored):
-    """KVzip (Kim et al., 2025, arXiv 2505.23416): query-agnostic. The model is asked to repeat the
-    prompt ("Repeat the previous context exactly." + the prompt again); a key's score is the largest
-    attention any of the repeating tokens pays it (over the query heads of its KV head). The repeat runs
-    in chunks of `chunk` tokens, each after the instruction and attending to the prompt and itself, so
-    memory stays linear in the prompt."""
+    """KVzip (Kim et al., 2025, arXiv 2505.23416), as its official code and kvpress's KVzipPress: query-agnostic.
+    The model is asked to repeat the context (the prompt after its chat template's prefix), in chunks of `chunk`
+    tokens: each pass is the request, the answer header, then the chunk again, run after the whole prompt. A key
+    of the chunk scores the largest attention any token of the pass pays it (over the query heads of its KV
+    head), in a softmax over the first 4 keys, the chunk's and the pass's own. The prefix scores 0."""
 
     options = (
-        integer("kvzip_chunk", 512, "kvzip: tokens of the repeated prompt scored per pass (with --prefill_chunk: each chunk, repeated whole)", param="chunk"),
+        integer("kvzip_chunk", 2048, "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole)", param="chunk"),
     )
 
-    def __init__(self, chunk: int = 512) -> None:
+    def __init__(self, chunk: int = 2048) -> None:
         self.options[0].validate(chunk)
         self.chunk = chunk
 
-    def queries(self, prompt: list[int], continuation: list[int], instruction: tuple[int, ...]) -> list[tuple[list[int], int]]:
-        return [([*instruction, *prompt[s : s + self.chunk]], len(instruction)) for s in range(0, len(prompt), self.chunk)]
+    def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
+        if request is None:
+            raise ValueError("KVzip needs its repeat request: build the CacheSpec with the tokenizer")
+        start = request.context_start(prompt)
+        passes = []
+        for s in range(start, len(prompt), self.chunk):
+            asked = request.first if s == start else (*request.later, *prompt[max(s - KVZIP_HINT, s - self.chunk) : s])
+            passes.append(Pass([*asked, *request.header, *prompt[s : s + self.chunk]], 0, (s, min(s + self.chunk, len(prompt)))))
+        return passes
 
     def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
         """Between prefill chunks the chunk itself is repeated, after the instruction, in the same forward pass
@@ -68,8 +133,8 @@ class Oracle(ModelScored):
     reduce = "sum"
     needs_reference = True  # the engine runs a full cache first, for the continuation
 
-    def queries(self, prompt: list[int], continuation: list[int], instruction: tuple[int, ...]) -> list[tuple[list[int], int]]:
-        return [(continuation, 0)] if continuation else []  # nothing decoded after the prompt: every score stays 0
+    def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
+        return [Pass(continuation)] if continuation else []  # nothing decoded after the prompt: every score stays 0
 
 
 class AttentionProbe(nn.Module):
@@ -81,7 +146,7 @@ class AttentionProbe(nn.Module):
     def __init__(self, k: Tensor, v: Tensor, reduce: str) -> None:
         super().__init__()
         self.k, self.v, self.reduce = k, v, reduce
-        self.skip = 0
+        self.counted = Pass([])
         self.scores = torch.zeros(k.shape[:3], device=k.device)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -89,7 +154,13 @@ class AttentionProbe(nn.Module):
         return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), torch.cat([prompt_pos, input_pos], dim=1)
 
     def observe(self, probs: Tensor) -> None:
-        received = probs[:, :, :, self.skip :, : self.k.shape[2]]  # [1, H_kv, group, counted queries, T]
+        T = self.k.shape[2]
+        received = probs[:, :, :, self.counted.skip :, :T]  # [1, H_kv, group, counted queries, T]
+        if self.counted.window is not None:  # renormalised over the sinks, the window and the pass: KVzip's scope
+            start, end = self.counted.window
+            in_scope = probs[..., : min(KVZIP_SINKS, start)].sum(-1) + probs[..., start:end].sum(-1) + probs[..., T:].sum(-1)
+            received = torch.zeros_like(received)
+            received[..., start:end] = probs[:, :, :, self.counted.skip :, start:end] / in_scope[:, :, :, self.counted.skip :, None]
         if self.reduce == "max":
             self.scores = torch.maximum(self.scores, received.amax(dim=3).amax(dim=2))  # in turn: 8x faster than dim=(2, 3) on CPU
         else:
@@ -97,20 +168,20 @@ class AttentionProbe(nn.Module):
 
 
 @torch.no_grad()
-def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]], passes: list[tuple[list[int], int]], reduce: str) -> list[Tensor]:
+def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]], passes: list[Pass], reduce: str) -> list[Tensor]:
     """Per layer, [H_kv, T]: the attention one sequence's prompt keys (`layers`: each layer's [1, H_kv,
-    T, D] keys and values) receive from the query tokens of each pass (ids, uncounted leading ids), placed
-    right after the prompt. The model's caches are put back afterwards."""
+    T, D] keys and values) receive from the query tokens of each pass, placed right after the prompt. The
+    model's caches are put back afterwards."""
     saved = [layer.attention.kv_cache for layer in model.layers]
     probes = [AttentionProbe(k, v, reduce) for k, v in layers]
     model.setup_caches(probes)
     try:
         n = layers[0][0].shape[2]
-        for ids, skip in passes:
+        for counted in passes:
             for probe in probes:
-                probe.skip = skip
+                probe.counted = counted
             device = layers[0][0].device
-            model(torch.tensor([ids], device=device), n + torch.arange(len(ids), device=device)[None])
+            model(torch.tensor([counted.ids], device=device), n + torch.arange(len(counted.ids), device=device)[None])
     finally:
         model.setup_caches(saved)
     return [p.scores[0] for p in probes]

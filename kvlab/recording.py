@@ -4,7 +4,8 @@ compressors (KVzip, the oracle) are scored on it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -14,7 +15,7 @@ from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.cache import KVCache
 from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
-from kvlab.reconstruction import prompt_attention_from
+from kvlab.reconstruction import RepeatRequest, prompt_attention_from
 
 
 class PrefillRecorder(nn.Module):
@@ -79,19 +80,40 @@ class RecordedPrefill:
         """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would."""
         tokens, input_pos = self.inputs
         for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
-            compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
-            if compressor is not None:
-                cache.prompt_compressor = ScoredOnce(compressor, self.scores, (layer, compressor_key(compressor)))
             target = block.attention.kv_cache
             extra = {"tokens": tokens} if target.needs_tokens else {}
             if target.needs_prompt_lse and lse is not None:
                 extra["lse"] = lse
-            target.prefill(input_pos, k, v, q, **extra)
+            with self.scored_once(cache, layer):
+                target.prefill(input_pos, k, v, q, **extra)
+
+    def rankings(self, caches: Sequence[KVCache]) -> list[Tensor | None]:
+        """Per layer, what its cache's prefill will rank the recorded prompt by ([B, H_kv, T], `prompt_ranking`), scored
+        once for the replay too; None for a layer that ranks nothing."""
+        _, input_pos = self.inputs
+        out: list[Tensor | None] = []
+        for layer, (cache, (k, v, q), lse) in enumerate(zip(caches, self.recorder.layers, self.recorder.lse, strict=True)):
+            if not getattr(cache, "takes_prompt_compressor", False) or not cache.prompt_compressor.compresses:
+                out.append(None)
+                continue
+            with self.scored_once(cache, layer):
+                out.append(cache.prompt_ranking(input_pos, k, v, q, lse if cache.prompt_compressor.uses_lse else None))
+        return out
+
+    @contextmanager
+    def scored_once(self, cache: KVCache, layer: int) -> Iterator[None]:
+        """The cache's prompt compressor answering from this recording's store of scores while inside."""
+        compressor = cache.prompt_compressor if cache.takes_prompt_compressor else None
+        if compressor is not None:
+            cache.prompt_compressor = ScoredOnce(compressor, self.scores, (layer, compressor_key(compressor)))
+        try:
+            yield
+        finally:
             if compressor is not None:
                 cache.prompt_compressor = compressor
 
     def score_with_model(
-        self, model: Transformer, caches: Sequence[KVCache], prefilled: list[int], continuations: list[list[int]], instruction: tuple[int, ...]
+        self, model: Transformer, caches: Sequence[KVCache], prefilled: list[int], continuations: list[list[int]], request: RepeatRequest | None
     ) -> None:
         """Scores of the compressors that need a further pass of the model (KVzip, the oracle), one pass per
         sequence for every layer, kept where `replay` looks for them."""
@@ -107,7 +129,7 @@ class RecordedPrefill:
             per_row = []
             for row, n in enumerate(prefilled):
                 prompt = [(k[row : row + 1, :, :n], v[row : row + 1, :, :n]) for k, v, _ in self.recorder.layers]
-                passes = compressor.queries(tokens[row, :n].tolist(), continuations[row], instruction)
+                passes = compressor.queries(tokens[row, :n].tolist(), continuations[row], request)
                 per_row.append(prompt_attention_from(model, prompt, passes, compressor.reduce))
             for layer in using:
                 scores = torch.zeros(*input_pos.shape[:1], per_row[0][layer].shape[0], input_pos.shape[1], device=input_pos.device)

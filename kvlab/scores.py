@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvlab import parallel
+
 
 def recency(k: Tensor, pos: Tensor) -> Tensor:
     """Newer tokens first: a sliding window (with sinks: StreamingLLM)."""
@@ -37,16 +39,27 @@ def l2_norm(k: Tensor, pos: Tensor) -> Tensor:
 
 
 def keydiff(k: Tensor, pos: Tensor) -> Tensor:
-    """Keys least like the head's mean key are the most distinctive (KeyDiff, Park et al., 2025)."""
+    """Keys least like the head's anchor, the mean of its unit-length keys, are the most distinctive (KeyDiff,
+    Park et al., 2025; kvpress's KeyDiffPress)."""
     held = (pos >= 0)[..., None].float()
-    mean = (k.float() * held).sum(dim=2, keepdim=True) / held.sum(dim=2, keepdim=True).clamp(min=1)
-    return -F.cosine_similarity(k.float(), mean, dim=-1)
+    anchor = (F.normalize(k.float(), dim=-1) * held).sum(dim=2, keepdim=True) / held.sum(dim=2, keepdim=True).clamp(min=1)
+    return -F.cosine_similarity(k.float(), anchor, dim=-1)
 
 
 def attention_mass(probs: Tensor) -> Tensor:
     """[B, H_kv, group, t, S] -> [B, H_kv, S]: the attention each key received, summed over the query
     heads of its group and the observed queries (H2O accumulates it, TOVA keeps the last query's)."""
     return probs.sum(dim=(2, 3))
+
+
+def layer_attention_mass(probs: Tensor) -> Tensor:
+    """[B, H_kv, group, t, S] -> [B, H_kv, S]: the attention each key received, averaged over every query head
+    of the layer (on every rank under tensor parallelism) and summed over the observed queries, the same in each
+    KV head (TOVA's paper and kvpress), so every head keeps the same tokens. The slots must hold the same position
+    in every head."""
+    B, H, group, _, S = probs.shape
+    mean = parallel.sum_over_ranks(probs.sum(dim=(1, 2, 3))) / (parallel.all_heads(H) * group)
+    return mean[:, None, :].expand(B, H, S)
 
 
 def causal_softmax(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, masked_from: int = 0) -> Tensor:

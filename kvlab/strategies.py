@@ -124,10 +124,19 @@ class HeavyHitterCache(AttentionScoredCache):
 
 
 class TOVACache(AttentionScoredCache):
-    """TOVA: evict the token the current query attends to least (Oren et al., 2024)."""
+    """TOVA: evict the token the current query attends to least, averaged over the layer's query heads, so
+    every head keeps the same tokens (Oren et al., 2024; kvpress's TOVAPress)."""
 
     observed_queries = 1
     accumulate = False
+    shared_heads = True
+
+
+class TOVAPerHeadCache(TOVACache):
+    """TOVA scored per KV head: the last query's attention summed over each KV head's query group, so each head
+    keeps its own tokens (kvlab's variant, as H2O and SnapKV score GQA heads)."""
+
+    shared_heads = False
 
 
 class ExpectedAttentionCache(EvictionCache):
@@ -274,6 +283,7 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "keydiff": KeyDiffCache,
     "heavy_hitter": HeavyHitterCache,
     "tova": TOVACache,
+    "tova_per_head": TOVAPerHeadCache,
     "expected_attention": ExpectedAttentionCache,
     "lagkv": LagKVCache,
     "rkv": RKVCache,

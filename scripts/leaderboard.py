@@ -7,13 +7,15 @@ kvpress's default) and query-aware. Each cell is the mean RULER score over the t
     python scripts/leaderboard.py --methods snapkv kvzip --ratios 0.5 --tasks niah_single_1 vt --num_samples 10
 
 The runs are ordinary eval.py sweeps under --out_dir (resumable: rerun the command after an interruption);
-this script then writes leaderboard.md, leaderboard.csv and leaderboard.png there.
+this script then writes leaderboard.md, leaderboard.csv, leaderboard.json and leaderboard.png there.
+leaderboard.json is {method: {protocol: {ratio: score}}} over the cells every task finished (the full cache at ratio 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import subprocess
 import sys
 from collections import defaultdict
@@ -139,6 +141,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def as_json(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """{method: {protocol: {ratio: mean score}}}, for a script to read or compare with kvpress's published numbers."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for r in rows:
+        table.setdefault(r["method"], {}).setdefault(r["mode"], {})[f"{r['ratio']:g}"] = round(r["score"], 2)
+    return table
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """kvpress's figure: mean score against compression ratio, one line per method, one panel per protocol."""
     import matplotlib
@@ -177,6 +187,7 @@ def run(args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (args.out_dir / "leaderboard.md").write_text(markdown(rows))
+    (args.out_dir / "leaderboard.json").write_text(json.dumps(as_json(complete(rows)), indent=1) + "\n")
     plot(complete(rows), args.out_dir / "leaderboard.png")
     print(markdown(rows), end="")
 

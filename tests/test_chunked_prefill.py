@@ -16,7 +16,7 @@ from kvlab.config import cache_spec, parse_flag
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
 from kvlab.paged import PagedKV
-from kvlab.reconstruction import prompt_attention_from
+from kvlab.reconstruction import KVzip, Pass, prompt_attention_from
 from kvlab.recording import PrefillRecorder
 from kvlab.scores import chunk_attention, chunk_mean, window_attention
 from kvlab.strategies import CACHE_STRATEGIES
@@ -171,16 +171,17 @@ def test_a_chunk_beyond_the_context_and_whole_prompt_scorers_are_refused(tiny_mo
         generate(tiny_model, [list(range(20))], 2, cache_spec({"cache_strategy": "l2", "max_cache_length": 8, "prefill_chunk": 4}, 2), attention_loss=True)
 
 
-@pytest.mark.parametrize("chunk, flag", [(None, "--kvzip_chunk"), (32, "--prefill_chunk")])
-def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(chunk, flag, tiny_model):
-    """The repeat follows the prompt: 100 prompt tokens + a repeat of 32 exceed the tiny model's 128 positions."""
+@pytest.mark.parametrize("chunk, flag, asked", [(None, "--kvzip_chunk", 8), (32, "--prefill_chunk", 0)])
+def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(chunk, flag, asked, tiny_model):
+    """The repeat follows the prompt: 100 prompt tokens + a repeat of 32 exceed the tiny model's 128 positions. Without a
+    tokenizer the request is empty, but one-shot passes after the first quote the previous chunk's last 8 tokens."""
     settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24, "kvzip_chunk": 32}
     spec = cache_spec({**settings, "prefill_chunk": chunk} if chunk else settings, 2)
     with pytest.raises(
-        ValueError, match=rf"the prompt \(100 tokens\) \+ its request \(0\) \+ 32 must fit the model's context of 128 tokens; give a smaller {flag}"
+        ValueError, match=rf"the prompt \(100 tokens\) \+ its request \({asked}\) \+ 32 must fit the model's context of 128 tokens; give a smaller {flag}"
     ):
         generate(tiny_model, [[i % 64 for i in range(100)]], 2, spec)
-    assert len(generate(tiny_model, [[i % 64 for i in range(90)]], 2, spec).tokens[0]) == 2
+    assert len(generate(tiny_model, [[i % 64 for i in range(128 - 32 - asked)]], 2, spec).tokens[0]) == 2
 
 
 def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm, essay):
@@ -198,9 +199,10 @@ def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm
     with torch.no_grad():
         model(torch.tensor([prompt]), torch.arange(160)[None], prefill=True)
     model.setup_caches(caches)
-    instruction = list(spec.instruction)
-    first = prompt_attention_from(model, [(k[:, :, :N], v[:, :, :N]) for k, v, _ in recorder.layers], [(instruction + prompt[:N], len(instruction))], "max")
-    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [(instruction + prompt[N:], len(instruction))], "max")
+    instruction = list(spec.repeat.instruction)
+    one_shot = KVzip().queries(prompt[:N], [], spec.repeat)  # the first chunk is scored as one-shot KVzip scores a prompt
+    first = prompt_attention_from(model, [(k[:, :, :N], v[:, :, :N]) for k, v, _ in recorder.layers], one_shot, "max")
+    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [Pass(instruction + prompt[N:], len(instruction))], "max")
     for cache, a, b in zip(caches, first, second, strict=True):
         assert torch.equal(cache.pos[0, :, :160], torch.arange(160).expand(cache.pos.shape[1], 160))
         # fp32 attention through 30 layers by other kernels (one pass vs two, masked vs causal): 3e-6 measured on AVX2

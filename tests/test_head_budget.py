@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import spec_for
 from kvlab.build import make_caches
 from kvlab.engine import compile_decode_step, generate
-from kvlab.eviction import adakv_slots
+from kvlab.head_budget import adakv_capacities, adakv_slots
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.strategies import HeavyHitterCache
 
@@ -33,6 +33,11 @@ def reference_adakv(scores: torch.Tensor, budget: int, floor: float) -> list[flo
     return [c * (1 - floor) + budget * floor for c in counts.tolist()]
 
 
+def split_of(cache: HeavyHitterCache, scores: torch.Tensor, T: int) -> torch.Tensor:
+    """The cache's per-head split of a T-token prompt's scores, as its prefill computes it."""
+    return adakv_capacities(scores, torch.tensor([[[T]]]), cache.row_budget, cache.decode_room, cache.capacity, cache.head_budget, cache.adakv_floor)
+
+
 def adakv_cache(H: int, budget: int, T: int, floor: float = 0.2, **options) -> HeavyHitterCache:
     cache = HeavyHitterCache(1, H, adakv_slots(budget, H, floor), 4, torch.float32, head_budget="adakv", adakv_floor=floor, **options)
     cache.limit_rows(torch.tensor([budget]))
@@ -45,10 +50,43 @@ def test_adakv_split_matches_the_reference_and_sums_exactly(H, budget, extra, fl
     T = budget + extra
     scores = torch.rand(1, H, T, generator=torch.Generator().manual_seed(seed))
     cache = adakv_cache(H, budget, T, floor, global_tokens=0, recent_window=1)
-    caps = cache._adakv_capacities(scores, torch.tensor([[[T]]]))[0, :, 0]
+    caps = split_of(cache, scores, T)[0, :, 0]
     assert int(caps.sum()) == H * budget
     for cap, ideal in zip(caps.tolist(), reference_adakv(scores[0], budget, floor), strict=True):
         assert abs(cap - ideal) < 1  # largest-remainder rounding of the reference's real-valued shares
+
+
+def reference_kvpress_adakv(scores: torch.Tensor, n_kept: int, alpha: float) -> list[int]:
+    """kvpress's AdaKVPress.compress: each head's top max(1, int(alpha x n_kept)) scores set to the largest float,
+    then the H x (T - n_kept) lowest over all heads pruned; the tokens each head keeps."""
+    H, T = scores.shape
+    scores = scores.clone()
+    n_safe = max(1, int(n_kept * alpha))
+    scores.scatter_(-1, scores.topk(n_safe, dim=-1).indices, torch.finfo(scores.dtype).max)
+    pruned = (-scores.flatten()).topk(H * (T - n_kept)).indices // T
+    return [T - c for c in torch.bincount(pruned, minlength=H).tolist()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(H=st.integers(1, 6), budget=st.integers(4, 20), extra=st.integers(0, 40), floor=st.sampled_from([0.2, 0.5, 1.0]), seed=st.integers(0, 99))
+def test_adakv_safeguard_split_is_kvpress_adakv(H, budget, extra, floor, seed):
+    """Exactly the tokens per head that kvpress's AdaKVPress keeps, within the widened buffer."""
+    T = budget + extra
+    scores = torch.rand(1, H, T, generator=torch.Generator().manual_seed(seed))
+    cache = HeavyHitterCache(
+        1,
+        H,
+        adakv_slots(budget, H, floor, safeguard=True),
+        4,
+        torch.float32,
+        head_budget="adakv_safeguard",
+        adakv_floor=floor,
+        global_tokens=0,
+        recent_window=1,
+    )
+    cache.limit_rows(torch.tensor([budget]))
+    caps = split_of(cache, scores, T)[0, :, 0].tolist()
+    assert caps == reference_kvpress_adakv(scores[0], budget, floor) and max(caps) <= cache.capacity
 
 
 def test_adakv_heads_keep_their_share_of_the_prompt_top_tokens_and_decode_inside_it():
@@ -79,12 +117,12 @@ def test_adakv_share_beyond_the_buffer_goes_to_the_other_heads():
     cache.limit_rows(torch.tensor([budget]))
     scores = torch.zeros(1, H, T)
     scores[0, 0] = 1.0  # every winner in head 0: its share (0.8 x 30 + 2 = 26) exceeds the 14 slots
-    caps = cache._adakv_capacities(scores, torch.tensor([[[T]]]))[0, :, 0].tolist()
+    caps = split_of(cache, scores, T)[0, :, 0].tolist()
     assert caps == [14, 8, 8] and adakv_slots(budget, H) == 26
 
 
 def test_make_caches_rejects_a_bad_head_budget():
-    with pytest.raises(ValueError, match="head_budget must be one of uniform, adakv and adakv_floor in \\[0, 1\\]; got 'ada'"):
+    with pytest.raises(ValueError, match="head_budget must be one of uniform, adakv, adakv_safeguard, global and adakv_floor in \\[0, 1\\]; got 'ada'"):
         make_caches("heavy_hitter", 1, 1, 2, 16, 4, torch.float32, head_budget="ada")
     with pytest.raises(ValueError, match="cache strategy 'hybrid' does not take head_budget"):
         make_caches("hybrid", 1, 1, 2, 16, 4, torch.float32, head_budget="adakv")

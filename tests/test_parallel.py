@@ -27,9 +27,9 @@ RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
 # mixed per-layer strategies, token ids (hybrid). `random` is checked by sampling (see tp_worker.py).
 CORE = (
     "full heavy_hitter snapkv snapkv_per_query_head ada_snapkv kvcompress kvc_ada_snapkv kvc_ada_pyramidkv clusterkv quest squeeze_heavy_hitter "
-    "quantized_4bit hybrid keydiff l2 tova window local_global expected_attention lagkv rkv duo_attention"
+    "quantized_4bit hybrid keydiff l2 tova tova_per_head window local_global expected_attention lagkv rkv duo_attention"
 ).split()
-ACROSS_HEADS = {"ada_snapkv", "kvcompress", "kvc_ada_snapkv", "kvc_ada_pyramidkv", "ada_pyramidkv", "ada_expected_attention"}
+ACROSS_HEADS = {"ada_snapkv", "kvcompress", "kvc_ada_snapkv", "kvc_ada_pyramidkv", "ada_pyramidkv", "ada_expected_attention", "kvzip"}
 # A sharded matmul sums in another order (differences of ~1e-6); 4-bit codes round those into different
 # codes now and then, so after a few tokens the text may part from one process's: the first 8 must agree.
 ROUNDING_SENSITIVE = {"quantized_4bit"}

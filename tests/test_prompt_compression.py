@@ -11,7 +11,7 @@ from kvlab import prompt_compression
 from kvlab.build import make_caches
 from kvlab.engine import generate
 from kvlab.prompt_compression import AttentionScores, SnapKV
-from kvlab.strategies import L2Cache, make_prompt_compressor
+from kvlab.strategies import PROMPT_COMPRESSORS, L2Cache, make_prompt_compressor
 
 
 def causal_probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,32 @@ def test_mean_heavy_hitter_divides_by_the_queries_that_saw_each_token(qk):
 
 
 def test_tova_scores_are_the_last_query_attention(qk):
+    """tova_per_head: summed over each KV head's query group; tova: averaged over all 6 query heads, the same in
+    both KV heads (TOVA's paper and kvpress's TOVAPress)."""
     input_pos, q, k = qk
     probs = causal_probs(q[0], k[0].repeat_interleave(3, dim=0))
     torch.testing.assert_close(AttentionScores(1)(input_pos, k, None, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
+    torch.testing.assert_close(PROMPT_COMPRESSORS["tova_per_head"](input_pos, k, None, q)[0], probs[:, -1].view(2, 3, -1).sum(dim=1))
+    torch.testing.assert_close(PROMPT_COMPRESSORS["tova"](input_pos, k, None, q)[0], probs[:, -1].mean(dim=0).expand(2, -1))
+
+
+def test_tova_keeps_the_same_tokens_in_every_head_at_prefill_and_while_decoding():
+    """Scored over the layer, every KV head holds the same positions in the same slots after the prompt is
+    compressed and after each decode step's eviction; per KV head, the heads part."""
+    torch.manual_seed(0)
+    T, steps = 24, 6
+    q, k, v = torch.randn(1, 6, T + steps, 8), torch.randn(1, 2, T + steps, 8), torch.randn(1, 2, T + steps, 8)
+    held = {}
+    for name in ("tova", "tova_per_head"):
+        cache = make_caches(name, 1, 1, 2, 10, 8, torch.float32, global_tokens=0, recent_window=1)[0]
+        cache.prefill(torch.arange(T)[None], k[:, :, :T], v[:, :, :T], q[:, :, :T])
+        for t in range(T, T + steps):
+            cache.update(torch.tensor([[t]]), k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
+            probs = torch.softmax(torch.randn(1, 2, 3, 1, 10), dim=-1)  # a decode step's attention over the slots
+            cache.observe(probs)
+        held[name] = cache.pos[0]
+    assert torch.equal(held["tova"][0], held["tova"][1])
+    assert not torch.equal(held["tova_per_head"][0], held["tova_per_head"][1])
 
 
 @pytest.mark.parametrize("gqa,pooling", [("mean", "max"), ("max", "avg"), ("sum", "max")])

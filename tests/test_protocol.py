@@ -222,6 +222,10 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     assert "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()  # a sweep still running
     assert "| kvzip | 70.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()
     assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "leaderboard.json").read_text()) == {  # the cells over every task, as a script reads them
+        "full": {"query_agnostic": {"0": 70.0}, "query_aware": {"0": 70.0}},
+        "kvzip": {"query_agnostic": {"0.5": 60.0}},
+    }
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figures.append(fig))
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])

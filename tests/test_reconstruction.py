@@ -8,26 +8,31 @@ import torch
 
 from kvlab.config import cache_spec
 from kvlab.engine import generate
-from kvlab.reconstruction import KVzip, Oracle, prompt_attention_from
+from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
 from kvlab.recording import RecordedPrefill
 from kvlab.scores import prompt_attention
 from kvlab.strategies import make_prompt_compressor
 
 
-def direct(model, prompt: list[int], passes: list[tuple[list[int], int]], reduce: str) -> list[torch.Tensor]:
+def direct(model, prompt: list[int], passes: list[Pass], reduce: str) -> list[torch.Tensor]:
     """Per layer [H_kv, n]: each pass prefilled after the prompt as one sequence, its attention computed
-    from the recorded queries and keys, counted rows only, over the prompt's keys."""
+    from the recorded queries and keys, counted rows only, over the prompt's keys; with a window, a softmax
+    over only the first KVZIP_SINKS keys, the window's and the pass's own (KVzip's scope), scoring the window."""
     n = len(prompt)
     total = None
-    for ids, skip in passes:
+    for p in passes:
         recorded = RecordedPrefill()
-        sequence = torch.tensor([prompt + ids])
+        sequence = torch.tensor([prompt + p.ids])
         positions = torch.arange(sequence.shape[1])[None]
         recorded.record(model, sequence, positions, positions[:, -1:])
+        start, end = p.window or (0, n)
+        cols = [*range(min(KVZIP_SINKS, start) if p.window else 0), *range(start, end), *range(n, sequence.shape[1])]
         per_layer = []
         for k, _, q in recorded.recorder.layers:
-            probs = prompt_attention(q[:, :, n + skip :], k, positions, positions[:, n + skip :])[0, ..., :n]  # [H_kv, group, t, n]
-            per_layer.append(probs.amax(dim=(1, 2)) if reduce == "max" else probs.sum(dim=(1, 2)))
+            probs = prompt_attention(q[:, :, n + p.skip :], k[:, :, cols], positions[:, cols], positions[:, n + p.skip :])[0]  # [H_kv, group, t, cols]
+            scored = torch.zeros(*probs.shape[:3], n)
+            scored[..., start:end] = probs[..., cols.index(start) : cols.index(start) + end - start]
+            per_layer.append(scored.amax(dim=(1, 2)) if reduce == "max" else scored.sum(dim=(1, 2)))
         total = per_layer if total is None else [torch.maximum(a, b) if reduce == "max" else a + b for a, b in zip(total, per_layer, strict=True)]
     return total
 
@@ -39,12 +44,21 @@ def prompt_kv(model, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     return [(k, v) for k, v, _ in recorded.recorder.layers]
 
 
-@pytest.mark.parametrize("chunk", [64, 7])
-def test_kvzip_scores_are_the_max_attention_of_the_repeated_prompt(tiny_model, chunk):
+@pytest.mark.parametrize("chunk", [64, 10, 7])
+def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(tiny_model, chunk):
+    """kvpress's KVzipPress passes: the context after the chat prefix (2 tokens here), in chunks, each after the
+    request (a later one quoting the previous chunk's last 8 tokens) and the answer header; every token of a pass
+    counts, in a softmax over the sinks, the chunk and the pass."""
     prompt = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    instruction = (5, 9, 11)
-    passes = KVzip(chunk=chunk).queries(prompt, [], instruction)
-    assert len(passes) == -(-30 // chunk) and all(ids[:3] == list(instruction) and skip == 3 for ids, skip in passes)
+    request = RepeatRequest(first=(5, 9, 11), later=(7,), header=(13, 2), prefix=tuple(prompt[:2]))
+    passes = KVzip(chunk=chunk).queries(prompt, [], request)
+    starts = list(range(2, 30, chunk))
+    assert [p.window for p in passes] == [(s, min(s + chunk, 30)) for s in starts] and all(p.skip == 0 for p in passes)
+    assert passes[0].ids == [5, 9, 11, 13, 2, *prompt[2 : 2 + chunk]]
+    if chunk == 10:
+        assert passes[1].ids == [7, *prompt[4:12], 13, 2, *prompt[12:22]]
+    if chunk == 7:  # a previous chunk shorter than the hint is quoted whole
+        assert passes[1].ids == [7, *prompt[2:9], 13, 2, *prompt[9:16]] and passes[2].ids == [7, *prompt[9:16], 13, 2, *prompt[16:23]]
     got = prompt_attention_from(tiny_model, prompt_kv(tiny_model, prompt), passes, "max")
     for ours, reference in zip(got, direct(tiny_model, prompt, passes, "max"), strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -53,7 +67,7 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_prompt(tiny_model, c
 def test_oracle_scores_are_the_attention_summed_over_the_future(tiny_model):
     prompt = torch.randint(0, 64, (25,), generator=torch.Generator().manual_seed(1)).tolist()
     future = [3, 14, 15, 9, 2, 6]
-    passes = Oracle().queries(prompt, future, ())
+    passes = Oracle().queries(prompt, future, None)
     got = prompt_attention_from(tiny_model, prompt_kv(tiny_model, prompt), passes, "sum")
     for ours, reference in zip(got, direct(tiny_model, prompt, passes, "sum"), strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -73,10 +87,10 @@ def test_generation_keeps_the_prompt_tokens_the_model_scores_highest(tiny_model,
     generate(tiny_model, [prompt], 5, spec, decoded_prompt_tokens=[decoded])
     n = len(prompt) - decoded
     if compressor == "kvzip":
-        passes = KVzip().queries(prompt[:n], [], ())
+        passes = KVzip().queries(prompt[:n], [], repeat_request(None))
     else:
         reference = generate(tiny_model, [prompt], 5, cache_spec({}, 2), decoded_prompt_tokens=[decoded]).tokens[0]
-        passes = Oracle().queries(prompt[:n], prompt[n:] + reference[:4], ())
+        passes = Oracle().queries(prompt[:n], prompt[n:] + reference[:4], None)
         generate(tiny_model, [prompt], 5, spec, decoded_prompt_tokens=[decoded])
     scores = direct(tiny_model, prompt[:n], passes, "max" if compressor == "kvzip" else "sum")
     for layer, score in zip(tiny_model.layers, scores, strict=True):
@@ -91,3 +105,25 @@ def test_generation_keeps_the_prompt_tokens_the_model_scores_highest(tiny_model,
 def test_a_model_scored_compressor_cannot_score_alone():
     with pytest.raises(RuntimeError, match="scores come from a pass of the model"):
         make_prompt_compressor("kvzip")(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
+
+
+def test_global_head_budget_keeps_the_top_scores_of_every_layer_and_head_ranked_together(tiny_model):
+    """head_budget global (kvpress's KVzipPress): L x H x n - int(L x H x n x ratio) of the n context tokens, the top
+    of every layer's and head's KVzip scores ranked together (protected tokens first); each head holds exactly its
+    own, so the heads hold different counts. Only a token scoring within 1e-4 of the cut may fall the other way
+    (the probes and this reference round differently)."""
+    prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    n, ratio = 36, 0.5
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "compression_ratio": ratio, "recent_window": 1}
+    generate(tiny_model, [prompt], 3, cache_spec(settings | {"head_budget": "global"}, 2), decoded_prompt_tokens=[len(prompt) - n])
+    scores = torch.stack(direct(tiny_model, prompt[:n], KVzip().queries(prompt[:n], [], repeat_request(None)), "max"))  # [L, H, n]
+    scores[..., [0, 1, 2, 3, n - 1]] = float("inf")  # 4 sinks and the newest token
+    kept = scores.numel() - int(scores.numel() * ratio)
+    cut = scores.flatten().sort(descending=True).values[kept - 1]
+    held = torch.zeros_like(scores, dtype=torch.bool)
+    for layer, block in enumerate(tiny_model.layers):
+        pos = block.attention.kv_cache.pos[0]
+        for head in range(pos.shape[0]):
+            held[layer, head, [p for p in pos[head].tolist() if 0 <= p < n]] = True
+    assert int(held.sum()) == kept and len(set(held.sum(dim=-1).flatten().tolist())) > 1
+    assert ((held != (scores >= cut)) <= ((scores - cut).abs() < 1e-4)).all()

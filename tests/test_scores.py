@@ -17,15 +17,19 @@ from kvlab.scores import attention_mass, chunk_mean, keydiff, lagkv, pool_keys, 
 from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, ExpectedAttentionCache, KeyDiffCache, RKVCache
 
 
-def test_keydiff_is_minus_the_cosine_to_the_mean_of_held_keys():
+def test_keydiff_is_minus_the_cosine_to_the_mean_of_held_unit_keys():
+    """KeyDiff's anchor (and kvpress's): the mean of the held keys scaled to unit length, which differs from the
+    plain mean key when the norms differ (scaled here from 0.1 to 10)."""
     torch.manual_seed(0)
-    k = torch.randn(2, 3, 7, 8)
+    k = torch.randn(2, 3, 7, 8) * torch.logspace(-1, 1, 7)[:, None]
     pos = torch.arange(7).expand(2, 3, 7).clone()
-    pos[1, :, 5:] = -1  # empty slots do not count towards the mean
+    pos[1, :, 5:] = -1  # empty slots do not count towards the anchor
     scores = keydiff(k, pos)
     for b, held in ((0, 7), (1, 5)):
-        mean = k[b, :, :held].mean(dim=1, keepdim=True)
-        torch.testing.assert_close(scores[b, :, :held], -F.cosine_similarity(k[b, :, :held], mean, dim=-1))
+        keys = k[b, :, :held]
+        anchor = (keys / keys.norm(dim=-1, keepdim=True)).mean(dim=1, keepdim=True)
+        torch.testing.assert_close(scores[b, :, :held], -F.cosine_similarity(keys, anchor, dim=-1))
+        assert not torch.allclose(scores[b, :, :held], -F.cosine_similarity(keys, keys.mean(dim=1, keepdim=True), dim=-1), atol=1e-3)
 
 
 def test_keydiff_prompt_and_cache_share_one_score():

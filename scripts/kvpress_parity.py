@@ -1,0 +1,262 @@
+"""kvlab against kvpress on the same examples: every method that kvpress has too, run by both libraries on
+kvlab's own RULER examples (the same token ids on both sides), in both protocols and at each compression ratio.
+
+    python -m venv .venv-parity && .venv-parity/bin/pip install -e ".[parity]"   # kvpress 0.5.5 needs transformers < 5.3
+    .venv-parity/bin/pip install --no-deps -r requirements-assets.txt
+    .venv-parity/bin/python scripts/kvpress_parity.py --out_dir results/parity
+    .venv-parity/bin/python scripts/kvpress_parity.py --out_dir results/parity --methods tova kvzip --ratios 0.5
+
+kvlab's side is an eval.py sweep (`<out_dir>/kvlab/`); kvpress's side runs each press as kvpress's pipeline does
+(the context prefilled under the press, then the question and a greedy answer through the compressed cache) on the
+model transformers loads from the same GGUF file, and appends one record per example under `<out_dir>/kvpress/`.
+Both resume. The report (`--report PATH.md`, and a .json beside it) counts, for each method, protocol and ratio,
+the examples, how many answers are the same text, and the mean score on each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvlab.cli import ArgumentParser, run_cli
+from kvlab.evaluate import AGNOSTIC, RATIO
+from kvlab.results import append_record, read_job_records
+from kvlab.tasks import resolve_tasks
+
+PROTOCOLS = {"query_agnostic": True, "query_aware": False}
+EVAL = Path(__file__).resolve().parent.parent / "eval.py"
+
+
+def press_factories() -> dict[str, Callable[[float], Any] | None]:
+    """kvlab's method (its configs/ name) -> kvpress's press at a compression ratio; None: no press."""
+    from kvpress import (
+        AdaKVPress,
+        ChunkKVPress,
+        CriticalAdaKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        KVzipPress,
+        LagKVPress,
+        PyramidKVPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+
+    return {
+        "full": None,
+        "recent_global": StreamingLLMPress,
+        "l2": KnormPress,
+        "keydiff": KeyDiffPress,
+        "expected_attention": ExpectedAttentionPress,
+        "ada_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(r, epsilon=1e-2)),
+        "kvzip": KVzipPress,
+        "snapkv": SnapKVPress,
+        "tova": TOVAPress,
+        "pyramidkv": PyramidKVPress,
+        "chunkkv": lambda r: ChunkKVPress(SnapKVPress(r)),
+        "critical_snapkv": lambda r: CriticalAdaKVPress(SnapKVPress(r)),
+        "lagkv": LagKVPress,
+    }
+
+
+METHODS = (
+    "full",
+    "recent_global",
+    "l2",
+    "keydiff",
+    "expected_attention",
+    "ada_expected_attention",
+    "kvzip",
+    "snapkv",
+    "tova",
+    "pyramidkv",
+    "chunkkv",
+    "critical_snapkv",
+    "lagkv",
+)
+
+
+def run_dir(side: Path, method: str, agnostic: bool, ratio: float) -> Path:
+    """Where eval.py puts a run (`<model>/<config>/<size>`), for either side: the full cache has one run."""
+    size = "full" if method == "full" else f"{RATIO}{ratio}" + AGNOSTIC * agnostic
+    return side / "SmolLM2-135M-Instruct" / method / size
+
+
+def kvlab_side(args: argparse.Namespace) -> None:
+    """eval.py's sweep of the methods, once per protocol (the full cache runs once)."""
+    for protocol in args.protocols:
+        flags = ["--tasks", *args.tasks, "--cache_config", *args.methods, "--compression_ratios", *map(str, args.ratios)]
+        flags += ["--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples), "--batch_size", str(min(args.num_samples, 8))]
+        flags += ["--out_dir", str(args.out_dir / "kvlab"), "--device", "cpu", "--dtype", "float32"] + ["--query_agnostic"] * PROTOCOLS[protocol]
+        if subprocess.run([sys.executable, str(EVAL), *flags]).returncode:
+            raise ValueError(f"kvlab's {protocol} sweep stopped (eval.py's error above); rerun to resume it")
+
+
+def hf_model(cache_dir: Path) -> Any:
+    """The default model as transformers loads it from the wheel's GGUF file, saved once as a transformers directory
+    (kvpress's KVzip reloads the tokenizer from the model's own path)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvlab.convert import default_gguf_path
+
+    if not (cache_dir / "config.json").exists():
+        gguf = default_gguf_path()
+        AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).save_pretrained(cache_dir)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache_dir)
+    return AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def press_answer(model: Any, press: Any, context: list[int], question: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """kvpress's pipeline on token ids: the context prefilled under the press, then the question at its own
+    positions and a greedy answer through the compressed cache (KVPressTextGenerationPipeline._forward)."""
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        with press(model) if press is not None else contextlib.nullcontext():
+            model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+        positions = torch.arange(len(context), len(context) + len(question))[None]
+        logits = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+        answer = [int(logits[0, -1].argmax())]
+        position = len(context) + len(question)
+        while len(answer) < max_new_tokens and answer[-1] not in stop_ids:
+            logits = model(input_ids=torch.tensor([[answer[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]])).logits
+            answer.append(int(logits[0, -1].argmax()))
+            position += 1
+    return answer
+
+
+def same_ids_share(hf_tokenizer: Any, examples: list[Any]) -> tuple[int, int]:
+    """How many prompts transformers' tokenizer (from the GGUF) encodes to kvlab's ids: both sides read the same text."""
+    same = sum(hf_tokenizer.encode(hf_tokenizer.decode(e.input_ids), add_special_tokens=False) == e.input_ids for e in examples)
+    return same, len(examples)
+
+
+def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
+    """Every press on every example missing from its records; returns the token-id check."""
+    from transformers import AutoTokenizer
+
+    from kvlab.checkpoint import load_checkpoint
+    from kvlab.convert import default_checkpoint
+    from kvlab.engine import cut_at_stop
+
+    _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
+    model = hf_model(args.out_dir / "hf_model")
+    factories = press_factories()
+    tasks = resolve_tasks(args.tasks)
+    examples = {t.name: t.examples(tokenizer, args.num_samples, 0, args.context_length, True) for t in tasks}
+    same, total = same_ids_share(AutoTokenizer.from_pretrained(args.out_dir / "hf_model"), [e for v in examples.values() for e in v])
+    for method in args.methods:
+        for protocol in args.protocols if method != "full" else ["query_aware"]:
+            for ratio in args.ratios if method != "full" else [0.0]:
+                for task in tasks:
+                    path = run_dir(args.out_dir / "kvpress", method, PROTOCOLS[protocol], ratio) / f"{task.name}@{args.context_length}.jsonl"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    done = read_job_records(path)
+                    for example in examples[task.name]:
+                        if example.id in done:
+                            continue
+                        split = example.question_start if PROTOCOLS[protocol] else len(example.input_ids) - 1
+                        press = factories[method](ratio) if factories[method] is not None else None
+                        t0 = time.perf_counter()
+                        ids = press_answer(model, press, example.input_ids[:split], example.input_ids[split:], example.max_new_tokens, tokenizer.stop_ids)
+                        prediction = tokenizer.decode(cut_at_stop(ids, tokenizer.stop_ids)[0])
+                        record = dict(id=example.id, score=task.score(prediction, example), prediction=prediction, seconds=round(time.perf_counter() - t0, 3))
+                        append_record(path, record)
+                    print(f"kvpress {method} {protocol} {ratio} {task.name}: done", flush=True)
+    return {"same_token_ids": same, "prompts": total}
+
+
+def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[str, Any] | None:
+    """Examples both sides finished: how many answers are the same text, and each side's mean score (0-100)."""
+    pairs = []
+    for path in sorted(run_dir(out_dir / "kvpress", method, agnostic, ratio).glob("*.jsonl")):
+        ours, theirs = read_job_records(run_dir(out_dir / "kvlab", method, agnostic, ratio) / path.name), read_job_records(path)
+        pairs += [(ours[i], theirs[i]) for i in sorted(set(ours) & set(theirs))]
+    if not pairs:
+        return None
+    return {
+        "examples": len(pairs),
+        "same_text": sum(a["prediction"] == b["prediction"] for a, b in pairs),
+        "kvlab": round(100 * sum(a["score"] for a, _ in pairs) / len(pairs), 1),
+        "kvpress": round(100 * sum(b["score"] for _, b in pairs) / len(pairs), 1),
+    }
+
+
+def parity_table(out_dir: Path, methods: list[str], protocols: list[str], ratios: list[float]) -> dict[str, Any]:
+    """{method: {protocol: {ratio: comparison}}}; the full cache under the query-aware protocol at ratio 0."""
+    table: dict[str, Any] = {}
+    for method in methods:
+        for protocol in protocols if method != "full" else ["query_aware"]:
+            for ratio in ratios if method != "full" else [0.0]:
+                row = compare(out_dir, method, PROTOCOLS[protocol], ratio)
+                if row is not None:
+                    table.setdefault(method, {}).setdefault(protocol, {})[str(ratio)] = row
+    return table
+
+
+def markdown(table: dict[str, Any], ids: dict[str, int], args: argparse.Namespace) -> str:
+    lines = [
+        "# kvlab against kvpress on the same examples",
+        "",
+        f"`python scripts/kvpress_parity.py --out_dir results/parity` (kvpress 0.5.5): RULER tasks ({len(args.tasks)}) at {args.context_length} tokens, "
+        f"{args.num_samples} example(s) each, generated by kvlab. transformers' tokenizer re-encodes {ids['same_token_ids']} of "
+        f"{ids['prompts']} prompts to kvlab's ids; both sides run kvlab's ids. Greedy answers; scores 0-100.",
+        "",
+        "| method | protocol | ratio | examples | same text | kvlab | kvpress |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, protocols in table.items():
+        for protocol, ratios in protocols.items():
+            for ratio, r in ratios.items():
+                lines.append(f"| {method} | {protocol} | {ratio} | {r['examples']} | {r['same_text']} | {r['kvlab']:.1f} | {r['kvpress']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out_dir", type=Path, default=Path("results/parity"), help="both sides' records, resumed (default: results/parity)")
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD", help=f"kvlab configs with a kvpress press: {', '.join(METHODS)}"
+    )
+    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS, help="query_agnostic, query_aware or both (default)")
+    parser.add_argument(
+        "--ratios", nargs="+", type=float, default=[0.5, 0.875], help="compression ratios, the share of the prompt removed (default: 0.5 0.875)"
+    )
+    parser.add_argument("--tasks", nargs="+", default=["ruler"], help="kvlab task names or families (default: ruler, its 13 tasks)")
+    parser.add_argument("--num_samples", type=int, default=2, help="examples per task (default: 2)")
+    parser.add_argument("--context_length", type=int, default=1024, help="RULER context length in tokens (default: 1024)")
+    parser.add_argument("--report", type=Path, default=Path("docs/parity.md"), help="the table, and a .json beside it (default: docs/parity.md)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    for ratio in args.ratios:
+        if not 0 < ratio < 1:
+            raise ValueError(f"--ratios {ratio}: a compression ratio is the share removed, between 0 and 1 exclusive")
+    kvlab_side(args)
+    ids = kvpress_side(args)
+    table = parity_table(args.out_dir, args.methods, args.protocols, args.ratios)
+    args.report.write_text(markdown(table, ids, args))
+    args.report.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.report} and {args.report.with_suffix('.json')}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(run, build_parser().parse_args(argv), interrupted="interrupted (Ctrl-C); rerun the same command to resume")
+
+
+if __name__ == "__main__":
+    main()

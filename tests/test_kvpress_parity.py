@@ -1,0 +1,63 @@
+"""scripts/kvpress_parity.py: the report over both sides' records, and kvpress's side of a run (its pipeline's
+prefill, question and greedy answer on token ids) against kvlab's greedy answer with the full cache."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+from kvlab.engine import cut_at_stop, generate
+
+spec = importlib.util.spec_from_file_location("kvpress_parity", ROOT / "scripts" / "kvpress_parity.py")
+parity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(parity)
+
+
+def write_records(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_finished(tmp_path):
+    ours = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.0, prediction="b"), dict(id="vt/1024/2", score=1.0, prediction="c")]
+    theirs = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.5, prediction="x")]  # example 2 not run yet
+    write_records(parity.run_dir(tmp_path / "kvlab", "tova", True, 0.5) / "vt@1024.jsonl", ours)
+    write_records(parity.run_dir(tmp_path / "kvpress", "tova", True, 0.5) / "vt@1024.jsonl", theirs)
+    write_records(parity.run_dir(tmp_path / "kvlab", "full", False, 0.0) / "vt@1024.jsonl", ours)  # no kvpress side: no row
+    table = parity.parity_table(tmp_path, ["full", "tova"], ["query_agnostic", "query_aware"], [0.5, 0.875])
+    assert table == {"tova": {"query_agnostic": {"0.5": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 75.0}}}}
+    args = argparse.Namespace(tasks=["vt"], context_length=1024, num_samples=2)
+    assert "| tova | query_agnostic | 0.5 | 2 | 1 | 50.0 | 75.0 |" in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
+    assert str(parity.run_dir(tmp_path, "full", True, 0.5)).endswith("SmolLM2-135M-Instruct/full/full")  # one full-cache run for every cell
+
+
+def test_bad_ratios_and_methods_are_one_line_errors(capsys):
+    with pytest.raises(SystemExit):
+        parity.main(["--ratios", "1.5"])
+    assert "--ratios 1.5: a compression ratio is the share removed, between 0 and 1 exclusive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parity.main(["--methods", "quest"])
+    assert "invalid choice: 'quest'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_kvpress_side_without_a_press_gives_kvlabs_full_cache_answer(smollm):
+    """transformers' model from the same GGUF, run as kvpress's pipeline runs it (context, then question, then
+    greedy tokens): the same answer as kvlab's full cache, so a difference in a press's row is the press's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from kvlab.convert import default_gguf_path
+
+    model, tokenizer, _ = smollm
+    gguf = default_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+    split = len(prompt) - 6  # the context, then the end of the question, the turn's end and the answer's header
+    theirs = parity.press_answer(hf, None, prompt[:split], prompt[split:], 16, tokenizer.stop_ids)
+    ours = generate(model, [prompt], 16, stop_ids=tokenizer.stop_ids).tokens[0]
+    assert cut_at_stop(theirs, tokenizer.stop_ids)[0] == ours and tokenizer.decode(ours).startswith("The capital of France is Paris")
