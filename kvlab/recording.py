@@ -93,7 +93,7 @@ class RecordedPrefill:
         _, input_pos = self.inputs
         out: list[Tensor | None] = []
         for layer, (cache, (k, v, q), lse) in enumerate(zip(caches, self.recorder.layers, self.recorder.lse, strict=True)):
-            if not getattr(cache, "takes_prompt_compressor", False) or not cache.prompt_compressor.compresses:
+            if not cache.takes_prompt_compressor or not cache.prompt_compressor.compresses:
                 out.append(None)
                 continue
             with self.scored_once(cache, layer):
