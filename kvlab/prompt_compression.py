@@ -123,7 +123,10 @@ class AttentionScores(PromptCompressor):
         if shared_heads and window is None:
             raise ValueError("AttentionScores: shared_heads averages a window of queries' attention; give a window")
         self.window, self.per_query, self.shared_heads = window, per_query, shared_heads
-        self.mass = layer_attention_mass if shared_heads else attention_mass
+
+    def mass(self, probs: Tensor) -> Tensor:
+        """Each key's attention from the observed queries, [B, H_kv, S]: per KV head, or the layer's mean in every head."""
+        return layer_attention_mass(probs) if self.shared_heads else attention_mass(probs)
 
     @property
     def uses_lse(self) -> bool:
