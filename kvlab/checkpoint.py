@@ -26,7 +26,8 @@ from torch import Tensor
 
 from kvlab import parallel, quantize
 from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec, rope_tables
-from kvlab.tokenizer import Tokenizer, load_tokenizer
+from kvlab.tokenizer import Tokenizer
+from kvlab.tokenizer_files import load_tokenizer
 
 FORMAT = "kvlab-checkpoint-1"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

