@@ -88,6 +88,24 @@ def pyramid_schedule(budget: int, window: int, n_layer: int, length: int, beta: 
     return [high - layer * step + window for layer in range(n_layer)]
 
 
+def pyramid_ratio_schedule(length: int, ratio: float, n_layer: int, window: int, beta: int = DEFAULT_PYRAMID_BETA) -> list[int]:
+    """kvpress's PyramidKVPress: prompt tokens each of `n_layer` layers keeps from a `length`-token prompt
+    at compression `ratio`, falling linearly with depth from max to min = length(1 - ratio) / beta, with
+    max + min = 2 length(1 - ratio) (so the layers keep the uniform total), max capped at length - window.
+    Where that does not give length >= max >= min >= window (short prompts, high ratios), every layer
+    keeps round(length(1 - ratio)), SnapKV's count. `window` is SnapKV's observation window."""
+    kept = length * (1 - ratio)
+    low = kept / beta
+    high = 2 * kept - low
+    if high >= length - window:
+        high = length - window
+        low = 2 * kept - high
+    if not length >= high >= low >= window:
+        return [max(1, round(kept))] * n_layer
+    step = (high - low) / (n_layer - 1) if n_layer > 1 else 0.0
+    return [round(high - layer * step) for layer in range(n_layer)]
+
+
 def kmeans_1d(values: Tensor, k: int = 3, iterations: int = 50) -> Tensor:
     """Deterministic KMeans on scalars: centroids start at evenly spaced quantiles; an empty cluster
     keeps its centroid. Returns each value's cluster label, clusters numbered by ascending centroid."""

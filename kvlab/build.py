@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.budget import plan_budgets
+from kvlab.budget import DEFAULT_PYRAMID_BETA, plan_budgets, pyramid_ratio_schedule
 from kvlab.cache import KVCache
 from kvlab.config import CacheSpec, strategy_options
+from kvlab.eviction import EvictionCache
 from kvlab.head_budget import DEFAULT_ADAKV_FLOOR, adakv_slots
 from kvlab.model import Transformer
 from kvlab.strategies import CACHE_STRATEGIES, COMPRESSOR_OPTIONS, PROMPT_COMPRESSORS, make_prompt_compressor
@@ -158,6 +159,8 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, first_layer=i, **common)[0] for i in layers]
         for i, cache in zip(layers, built, strict=True):
             caches[i] = cache
+            if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":  # CriticalKV weighs values through the layer's output projection
+                cache.output_weight = model.layers[i].attention.wo.dequantize()
     model.setup_caches(caches)
     model.cache_key = key
     return caches
@@ -209,42 +212,56 @@ def build_caches(
 def ratio_caches(
     model: Transformer, spec: CacheSpec, prompt_lengths: Sequence[int], prefilled: Sequence[int], max_new_tokens: int, max_seq_length: int
 ) -> list[KVCache]:
-    """kvpress's compression ratio: a sequence keeps int((1 - ratio) x its prefilled tokens) of them, and
-    its slots hold every token decoded afterwards (the prompt's remaining tokens, then all but the last
-    generated one), so nothing is evicted after prefill. The slot axis is dynamic: one compiled step
-    serves every batch."""
+    """kvpress's compression ratio: a sequence keeps int((1 - ratio) x its prefilled tokens) of them in
+    every compressing layer (with --layer_budget pyramid or funnel, kvpress's PyramidKVPress counts per
+    layer), and its slots hold every token decoded afterwards (the prompt's remaining tokens, then all
+    but the last generated one), so nothing is evicted after prefill. The slot axis is dynamic: one
+    compiled step serves every batch."""
     keep = ratio_keep(spec, prefilled)
     room = [n - p + max_new_tokens - 1 for n, p in zip(prompt_lengths, prefilled, strict=True)]
-    own = [k + r for k, r in zip(keep, room, strict=True)]
+    own = [[k + r for k in row] for row, r in zip(keep, room, strict=True)]
+    most = max(max(row) for row in own)
     capacities = [
-        max_seq_length if n is None else min(head_slots(model, max(own), layer_options(s, spec.options)), max(max_seq_length, *own))
+        max_seq_length if n is None else min(head_slots(model, most, layer_options(s, spec.options)), max(max_seq_length, most))
         for s, n in zip(spec.strategies, spec.lengths, strict=True)
     ]
     caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
     device = model.tok_embeddings.weight.device
-    for cache, length in zip(caches, spec.lengths, strict=True):
+    for layer, (cache, length) in enumerate(zip(caches, spec.lengths, strict=True)):
         if length is None:
             cache.limit_rows(torch.tensor([max_seq_length] * len(own), device=device))
         else:
             mark_slots_dynamic(cache)
-            cache.limit_rows(torch.tensor(own, device=device), torch.tensor(room, device=device))
+            cache.limit_rows(torch.tensor([row[layer] for row in own], device=device), torch.tensor(room, device=device))
     return caches
 
 
-def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[int]:
-    """Prompt tokens each sequence keeps at spec.compression_ratio: int((1 - ratio) x its prefilled
-    tokens), raised to what the compressing layers' strategies need (min_slots), with one line saying so."""
-    compressing = [s for s, n in dict.fromkeys(zip(spec.strategies, spec.lengths, strict=True)) if n is not None]
-    least = max(CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options)) for s in compressing)
-    keep = [int((1 - spec.compression_ratio) * p) for p in prefilled]
-    if min(keep) < least:
-        short = min(range(len(keep)), key=keep.__getitem__)
-        outcome = "nothing is evicted" if least >= prefilled[short] else f"keeping {least}"
+def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[list[int]]:
+    """Prompt tokens each sequence keeps in each layer at spec.compression_ratio: int((1 - ratio) x its
+    prefilled tokens), or PyramidKVPress's per-layer counts (`pyramid_ratio_schedule`, over the
+    compressing layers; reversed for funnel), each raised to what the layer's strategy needs
+    (min_slots), with one line saying so. Full layers' entries are unused."""
+    ratio, n_layer = spec.compression_ratio, len(spec.strategies)
+    compressing = [i for i, n in enumerate(spec.lengths) if n is not None]
+    least = [0 if n is None else CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options)) for s, n in zip(spec.strategies, spec.lengths, strict=True)]
+    keep = []
+    for p in prefilled:
+        row = [int((1 - ratio) * p)] * n_layer
+        if spec.layer_budget in ("pyramid", "funnel"):
+            window = spec.options.get("snapkv_window", max(least[i] for i in compressing) - 1)
+            planned = pyramid_ratio_schedule(p, ratio, len(compressing), window, spec.budget_options.get("pyramid_beta", DEFAULT_PYRAMID_BETA))
+            for i, k in zip(compressing, planned[:: -1 if spec.layer_budget == "funnel" else 1], strict=True):
+                row[i] = k
+        keep.append(row)
+    short = [(k, p, least[i]) for row, p in zip(keep, prefilled, strict=True) for i in compressing if (k := row[i]) < least[i]]
+    if short:
+        k, p, need = min(short)
+        outcome = "nothing is evicted" if need >= p else f"keeping {need}"
+        names = "/".join(dict.fromkeys(spec.strategies[i] for i in compressing))
         say_once(
-            f"note: --compression_ratio {spec.compression_ratio} keeps {keep[short]} of {prefilled[short]} prompt tokens here; "
-            f"{'/'.join(dict.fromkeys(compressing))} needs at least {least} (its protected tokens + 1), so {outcome}"
+            f"note: --compression_ratio {ratio} keeps {k} of {p} prompt tokens here; {names} needs at least {need} (its protected tokens + 1), so {outcome}"
         )
-    return [max(k, least) for k in keep]
+    return [[max(k, need) for k, need in zip(row, least, strict=True)] for row in keep]
 
 
 def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:

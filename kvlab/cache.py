@@ -29,7 +29,8 @@ The evicting strategies build on `EvictionCache` (eviction.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -171,3 +172,16 @@ class FullCache(KVCache):
         self.storage.write(slots[:, None, :].expand(k.shape[:3]), k, v)
         self.pos.scatter_(1, slots, input_pos)
         return attend(*self.storage.read(), self.pos)
+
+
+@contextmanager
+def unchanged_where_idle(cache: KVCache, input_pos: Tensor) -> Iterator[None]:
+    """Every per-sequence buffer of `cache` (its batch on dim 0) is put back, after the block, in the sequences
+    with no real token in input_pos [B, N]: their prompt has ended, and a chunk of padding changes nothing."""
+    idle = (input_pos < 0).all(dim=1)
+    batch = input_pos.shape[0]
+    saved = {name: b.clone() for name, b in cache.named_buffers() if b.dim() and b.shape[0] == batch}
+    yield
+    for name, b in cache.named_buffers():
+        if name in saved and b.shape == saved[name].shape:
+            b.copy_(torch.where(idle.view(-1, *[1] * (b.dim() - 1)), saved[name], b))

@@ -178,15 +178,16 @@ def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptC
 
 
 def check_ratio(ratio: float, strategies: list[str], lengths: list[Any], planner: str, sized: bool) -> None:
-    """--compression_ratio sizes each prompt's share of an evicting cache; it replaces the cache length and the layer planners."""
-    takers = [name for name, cls in CACHE_STRATEGIES.items() if cls.takes_prompt_compressor]
+    """--compression_ratio sizes each prompt's share of an evicting cache (of a recallable one: the tokens each step
+    attends); it replaces the cache length and the layer planners."""
+    takers = [name for name, cls in CACHE_STRATEGIES.items() if cls.takes_prompt_compressor or cls.keeps_history]
     wrong = sorted({s for s, n in zip(strategies, lengths, strict=True) if n is not None and s not in takers})
     if sized:
         raise ValueError("give --compression_ratio or --max_cache_length, not both: the ratio sizes the cache from each prompt")
     if wrong:
-        raise ValueError(f"--compression_ratio {ratio} applies to strategies that rank the prompt ({', '.join(takers)}), not {', '.join(wrong)}")
-    if planner != "uniform":
-        raise ValueError(f"--compression_ratio removes the same share in every layer; it takes no --layer_budget {planner}")
+        raise ValueError(f"--compression_ratio {ratio} applies to strategies that rank the prompt or recall it ({', '.join(takers)}), not {', '.join(wrong)}")
+    if planner not in ("uniform", "pyramid", "funnel"):
+        raise ValueError(f"--compression_ratio takes --layer_budget uniform, pyramid or funnel (kvpress's PyramidKVPress counts), not {planner}")
     if all(n is None for n in lengths):
         raise ValueError("--compression_ratio needs a compressing --cache_strategy; full keeps every token")
 
@@ -288,8 +289,12 @@ def load_cache_config(name_or_path: str) -> dict[str, Any]:
 
 
 def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """CLI values that were given (not None) override the config's."""
-    return {**config, **{k: v for k, v in cli.items() if v is not None}}
+    """CLI values that were given (not None) override the config's; a cache size given (--compression_ratio or
+    --max_cache_length) replaces the config's size of either kind."""
+    given = {k: v for k, v in cli.items() if v is not None}
+    if {"compression_ratio", "max_cache_length"} & set(given):
+        config = {k: v for k, v in config.items() if k not in ("compression_ratio", "max_cache_length", "max_cache_length_pattern")}
+    return {**config, **given}
 
 
 def per_layer(value: Any, pattern: str | None, n_layer: int, key: str | None = None, source: str | None = None) -> list[Any]:

@@ -195,7 +195,7 @@ def generate(
         recorded.record(model, tokens[:, :chunk], input_pos[:, :chunk], (prefill_lens - 1).clamp(max=chunk - 1)[:, None])
         similarity = recorded.similarity
     lengths = [len(p) for p in prompts]
-    if spec.layer_budget != "uniform":
+    if spec.layer_budget != "uniform" and spec.compression_ratio is None:  # with a ratio, build.ratio_keep splits it
         budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
     prefilled = prefill_lens.tolist()
     continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]

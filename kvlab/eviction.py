@@ -9,8 +9,7 @@ naming its score plus one line in the registry (`strategies.py`), e.g. `KeyDiffC
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,30 +17,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.cache import KVCache
+from kvlab.cache import KVCache, unchanged_where_idle
 from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities
 from kvlab.options import choice, fraction, integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
-from kvlab.scores import attention_mass, layer_attention_mass, position_order, unrotate
+from kvlab.scores import attention_mass, layer_attention_mass, position_order, two_stage, unrotate, value_norms, value_weighted
 from kvlab.storage import KEY_PRUNING_OPTIONS
 
 PROTECTED_OPTIONS = (
     integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
     integer("recent_window", None, "newest tokens never evicted, the incoming one included", default_help="10; 1 for hybrid"),
 )
-
-
-@contextmanager
-def unchanged_where_idle(cache: KVCache, input_pos: Tensor) -> Iterator[None]:
-    """Every per-sequence buffer of `cache` (its batch on dim 0) is put back, after the block, in the sequences
-    with no real token in input_pos [B, N]: their prompt has ended, and a chunk of padding changes nothing."""
-    idle = (input_pos < 0).all(dim=1)
-    batch = input_pos.shape[0]
-    saved = {name: b.clone() for name, b in cache.named_buffers() if b.dim() and b.shape[0] == batch}
-    yield
-    for name, b in cache.named_buffers():
-        if name in saved and b.shape == saved[name].shape:
-            b.copy_(torch.where(idle.view(-1, *[1] * (b.dim() - 1)), saved[name], b))
 
 
 class EvictionCache(KVCache):
@@ -106,6 +92,7 @@ class EvictionCache(KVCache):
         rope: tuple[Tensor, Tensor] | None = None,
         value_weight: str | None = None,
         value_epsilon: float = 0.0,
+        value_first_stage: float = 0.0,
         chunk_size: int | None = None,
         **storage_options,
     ) -> None:
@@ -114,11 +101,14 @@ class EvictionCache(KVCache):
             raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
         self.prompt_compressor = (prompt_compressor or self.own_prompt_compressor()).with_rope(rope)
-        for option, value in zip(SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, chunk_size), strict=True):
+        for option, value in zip(SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, value_first_stage, chunk_size), strict=True):
             if value is not None:
                 option.validate(value)
         self.value_weight = self.default_value_weight if value_weight is None else value_weight
-        self.value_epsilon, self.chunk_size = value_epsilon, chunk_size  # wrappers of the prompt scores (wrap_scores)
+        self.value_epsilon, self.value_first_stage, self.chunk_size = value_epsilon, value_first_stage, chunk_size  # prompt score wrappers
+        if value_first_stage and self.value_weight == "none":
+            raise ValueError(f"{type(self).__name__}: --value_first_stage {value_first_stage} selects in two stages by the value weight; give a --value_weight")
+        self.output_weight: Tensor | None = None  # the attention's W_o [dim, H x D] for value_weight wo_l1 (build.setup_caches sets it)
         if head_budget != "uniform" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
             raise ValueError(
                 f"{type(self).__name__}: --head_budget {head_budget} shares a layer's slots by how each head scores its prompt tokens; these "
@@ -212,7 +202,19 @@ class EvictionCache(KVCache):
     def _prompt_scores(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None) -> Tensor:
         """The compressor's scores [B, H_kv, T] of the prompt's keys and values (already repeated per head), wrapped."""
         scores = self.prompt_compressor(input_pos, k, v, q, **({} if lse is None else {"lse": lse}))
-        return wrap_scores(scores, input_pos, v, self.value_weight, self.value_epsilon, self.chunk_size)
+        return wrap_scores(scores, input_pos, self._one_stage_norms(v), self.value_epsilon, self.chunk_size)
+
+    def value_norms(self, v: Tensor) -> Tensor | None:
+        """[B, H_kv, T] what `value_weight` weighs the scores of values v [B, H_kv, T, D] by (None: nothing)."""
+        if self.value_weight == "none":
+            return None
+        if self.value_weight == "wo_l1" and self.output_weight is None:
+            raise ValueError(f"{type(self).__name__}: --value_weight wo_l1 needs the attention's output projection; build the caches with build_caches")
+        return value_norms(v, self.output_weight if self.value_weight == "wo_l1" else None)
+
+    def _one_stage_norms(self, v: Tensor) -> Tensor | None:
+        """The value norms that weigh the scores as they are computed; a two-stage selection weighs them when it stores the prompt."""
+        return None if self.value_first_stage else self.value_norms(v)
 
     def prompt_ranking(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
         """[B, H_kv, T]: what prefill ranks the prompt by, protected tokens +inf, padding -inf (head_budget global
@@ -246,7 +248,7 @@ class EvictionCache(KVCache):
             scores = self.prompt_compressor.score_chunk(*with_probe, input_pos[:, -N:], q[:, :, -N:])[..., :S]
         else:
             scores = self.prompt_compressor.score_chunk(sorted_pos, sorted_k, sorted_v, input_pos[:, :N], q[:, :, :N])
-        scores = wrap_scores(scores, sorted_pos, sorted_v, self.value_weight, self.value_epsilon, self.chunk_size)
+        scores = wrap_scores(scores, sorted_pos, self._one_stage_norms(sorted_v), self.value_epsilon, self.chunk_size)
         with unchanged_where_idle(self, input_pos):
             self._store_prompt(sorted_pos, sorted_k, sorted_v, self._with_running_scores(self._with_chunk_scores(scores, order), order))
             self._after_chunk(input_pos[:, :N], q[:, :, :N])
@@ -296,6 +298,8 @@ class EvictionCache(KVCache):
                 parallel.gather_heads(protected), last + 1, self.row_budget, self.decode_room, self.capacity, self.head_budget, self.adakv_floor
             )
             self.row_capacity.copy_(parallel.local_heads(split))
+        if self.value_first_stage:  # CriticalKV: each head's best first, the rest by the value-weighted score
+            protected = two_stage(protected, value_weighted(protected, self.value_norms(v), self.value_epsilon), self._first_stage(last))
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
         # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
         fits = torch.arange(n_keep, device=k.device) < self.row_capacity - self.decode_room
@@ -308,6 +312,15 @@ class EvictionCache(KVCache):
         if self.keeps_prompt_scores:
             self.prompt_scores.zero_()[:, :, :n_keep] = scores.gather(2, keep).masked_fill(~fits, 0)
         self._on_insert(slots, scores.gather(2, keep))
+
+    def _first_stage(self, last: Tensor) -> Tensor:
+        """[B, H, 1] how many prompt tokens each head keeps by the unweighted score (newest position `last` [B, 1, 1]):
+        value_first_stage of its prompt budget, and with adakv_safeguard at least the safeguard (kvpress's CriticalAdaKVPress)."""
+        first = (torch.minimum(self.row_capacity - self.decode_room, last + 1) * self.value_first_stage).floor()
+        if self.head_budget == "adakv_safeguard":
+            safe = (torch.minimum(self.row_budget - self.decode_room, last + 1) * self.adakv_floor).floor()
+            first = torch.maximum(first, safe.clamp(min=1 if self.adakv_floor > 0 else 0))
+        return first
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         slot = self._eviction_idx(input_pos)

@@ -209,6 +209,10 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return kernels.linear(x, self.weight, self.bias)
 
+    def dequantize(self) -> Tensor:
+        """The weight [out, in] in floats, as the quantized Linears give theirs."""
+        return self.weight
+
     def gated(self, up: Linear, x: Tensor) -> Tensor:
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
         if self.bias is None and up.bias is None:

@@ -38,22 +38,36 @@ from kvlab.scores import (
 SCORE_WRAPPER_OPTIONS = (
     choice(
         "value_weight",
-        ("none", "norm"),
+        ("none", "norm", "wo_l1"),
         None,
-        "prompt scores: norm weights each by its value's L2 norm, (score + value_epsilon) x norm(v) (CriticalKV's weighting, with the "
-        "plain value norm for that of W_o v; Expected Attention's value rescaling)",
+        "prompt scores: weight each by its value, (score + value_epsilon) x norm: norm by ||v|| (Expected Attention's value rescaling), "
+        "wo_l1 by ||W_o v||_1, the value through the attention's output projection, averaged over the query group (CriticalKV, as "
+        "kvpress's CriticalKVPress)",
         default_help="norm for expected_attention, none otherwise",
     ),
-    Option("value_epsilon", (int, float), "a number >= 0", "value_weight norm: added to the scores before weighting", 0.0, lambda v: v >= 0),
+    Option("value_epsilon", (int, float), "a number >= 0", "value_weight: added to the scores before weighting", 0.0, lambda v: v >= 0),
+    fraction(
+        "value_first_stage",
+        0.0,
+        "value_weight: the share of each head's prompt budget kept by the unweighted score first, the rest by the weighted one "
+        "(CriticalKV's two-stage selection; kvpress's 0.5); 0: one stage",
+        closed=True,
+    ),
     integer("chunk_size", None, "prompt scores (ChunkKV): rank prompt tokens by the mean score of their chunk of N consecutive positions", default_help="off"),
 )
 
 
-def wrap_scores(scores: Tensor, pos: Tensor, v: Tensor, value_weight: str, value_epsilon: float, chunk_size: int | None) -> Tensor:
-    """A compressor's scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS; pos [B, T] or [B, H_kv, T]."""
-    if value_weight == "norm":
-        scores = value_weighted(scores, v, value_epsilon)
-    return scores if chunk_size is None else chunk_mean(scores, pos, chunk_size)
+def wrap_scores(scores: Tensor, pos: Tensor, norms: Tensor | None, value_epsilon: float, chunk_size: int | None) -> Tensor:
+    """A compressor's scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS; pos [B, T] or [B, H_kv, T], norms
+    [B, H_kv, T] the values' (`scores.value_norms`; None: unweighted). ChunkKV ranks a whole prompt's chunks by their mean
+    over the layer's heads too (kvpress's ChunkKVPress), so every head keeps the same chunks; between prefill chunks, where
+    each head holds its own tokens, each head ranks its own."""
+    if norms is not None:
+        scores = value_weighted(scores, norms, value_epsilon)
+    if chunk_size is None:
+        return scores
+    chunked = chunk_mean(scores, pos, chunk_size)
+    return chunked.mean(dim=1, keepdim=True).expand_as(chunked) if pos.dim() == 2 else chunked
 
 
 class PromptCompressor:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.cache import KVCache, refuse_decode_room
+from kvlab.cache import KVCache
 from kvlab.options import choice, integer
 
 RECALL_SELECT = ("kv_head", "query_head")
@@ -149,7 +149,7 @@ class RecallableCache(KVCache):
         self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)  # steps, reuse hits, selections
 
     def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
-        refuse_decode_room(self, decode_room)
+        """Each sequence attends its capacity every step; at a compression ratio that counts its decode room too (nothing is evicted anyway)."""
         if int(capacities.max()) > self.budget or int(capacities.min()) <= self.sink_tokens:
             raise ValueError(
                 f"{type(self).__name__}: per-sequence budgets must exceed sink_tokens ({self.sink_tokens}) and fit {self.budget}; got {capacities.tolist()}"

@@ -7,7 +7,7 @@ the same function to the prompt (prefill) and to the running cache (decode), see
                       observed is the strategy's choice (all, the last one, a window of the last w)
     expected scores   `expected_logits`: the attention a Gaussian of future queries pays each key
     key/value scores  `lagkv`: keys and values against their neighbours', no queries
-    score wrappers    `value_weighted` (CriticalKV), `chunk_mean` (ChunkKV): any prompt score, transformed
+    score wrappers    `value_weighted`, `value_norms`, `two_stage` (CriticalKV), `chunk_mean` (ChunkKV): any prompt score, transformed
     importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each other
     channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
 """
@@ -213,11 +213,32 @@ def expected_logits(k: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
     return linear + ((k[:, :, None] @ cov) * k[:, :, None]).sum(dim=-1) / (2 * D)
 
 
-def value_weighted(scores: Tensor, v: Tensor, epsilon: float) -> Tensor:
-    """(scores + epsilon) x ||v||: a token moves the output by its attention times its value (CriticalKV, Feng
-    et al., 2025, arXiv 2502.03805, with the plain value norm for their ||W_o v||_1; Expected Attention's
-    value rescaling). For non-negative, attention-like scores."""
-    return (scores + epsilon) * v.float().norm(dim=-1)
+def value_weighted(scores: Tensor, norms: Tensor, epsilon: float) -> Tensor:
+    """(scores + epsilon) x norms: a token moves the output by its attention times its value (CriticalKV, Feng
+    et al., 2025, arXiv 2502.03805; Expected Attention's value rescaling), norms [B, H_kv, T] those of each
+    token's value (`value_norms`). For non-negative, attention-like scores; protected (+inf) and padding
+    (-inf) scores stay as they are."""
+    return torch.where(scores.isinf(), scores, (scores + epsilon) * norms)
+
+
+def value_norms(v: Tensor, output_weight: Tensor | None = None) -> Tensor:
+    """[B, H_kv, T]: each value's L2 norm ||v||, or with the attention's output projection `output_weight`
+    [dim, H x D] (this rank's heads), CriticalKV's ||W_o^h v||_1 averaged over each KV head's query group h
+    (kvpress's CriticalKVPress). One query head at a time, so the memory is one [B, T, dim] product."""
+    if output_weight is None:
+        return v.float().norm(dim=-1)
+    B, H_kv, T, D = v.shape
+    heads = output_weight.shape[1] // D
+    per_head = output_weight.float().view(-1, heads, D)  # [dim, H, D]
+    norms = [(v[:, h // (heads // H_kv)].float() @ per_head[:, h].T).abs().sum(dim=-1) for h in range(heads)]
+    return torch.stack(norms, dim=1).view(B, H_kv, heads // H_kv, T).mean(dim=2)
+
+
+def two_stage(scores: Tensor, weighted: Tensor, first: Tensor) -> Tensor:
+    """CriticalKV's two-stage selection: each head's `first` [B, H, 1] best `scores` [B, H, T] are kept before
+    the rest are ranked by their `weighted` scores (their value-weighted form): those come first (+inf)."""
+    rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return weighted.masked_fill(rank < first, float("inf"))
 
 
 def position_order(pos: Tensor) -> Tensor:

@@ -188,7 +188,8 @@ class ExpectedAttentionCache(EvictionCache):
         """[B, H_kv, S] keys and values -> their expected attention under the prompt's Gaussian and normaliser."""
         logits = expected_logits(unrotate(k.float(), self.frame_cos, self.frame_sin), self.q_mean[:, :, 0], self.q_cov[:, :, 0])
         scores = (logits - self.log_norm.view(*logits.shape[:3], 1)).exp().mean(dim=2)
-        return value_weighted(scores, v, self.value_epsilon) if self.value_weight == "norm" else scores
+        norms = self.value_norms(v)
+        return scores if norms is None else value_weighted(scores, norms, self.value_epsilon)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         keys, values, pos = super().update(input_pos, k, v, q)

@@ -39,6 +39,7 @@ def press_factories() -> dict[str, Callable[[float], Any] | None]:
         AdaKVPress,
         ChunkKVPress,
         CriticalAdaKVPress,
+        CriticalKVPress,
         ExpectedAttentionPress,
         KeyDiffPress,
         KnormPress,
@@ -62,7 +63,8 @@ def press_factories() -> dict[str, Callable[[float], Any] | None]:
         "tova": TOVAPress,
         "pyramidkv": PyramidKVPress,
         "chunkkv": lambda r: ChunkKVPress(SnapKVPress(r)),
-        "critical_snapkv": lambda r: CriticalAdaKVPress(SnapKVPress(r)),
+        "critical_snapkv": lambda r: CriticalKVPress(SnapKVPress(r)),
+        "critical_ada_snapkv": lambda r: CriticalAdaKVPress(SnapKVPress(r)),
         "lagkv": LagKVPress,
     }
 
@@ -80,6 +82,7 @@ METHODS = (
     "pyramidkv",
     "chunkkv",
     "critical_snapkv",
+    "critical_ada_snapkv",
     "lagkv",
 )
 

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.cli import ArgumentParser, run_cli
+from kvlab.config import load_cache_config
 from kvlab.evaluate import parse_ratio
 from kvlab.results import FULL
+from kvlab.strategies import CACHE_STRATEGIES
 
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
 
-# kvpress's leaderboard presses, by the shipped config that runs each here, best known first.
+# kvpress's leaderboard presses, by the shipped config that runs each here, best known first; then the oracle and a recallable cache.
 METHODS = (
     "kvzip",
     "ada_expected_attention",
@@ -43,6 +45,7 @@ METHODS = (
     "l2",
     "random",
     "oracle",
+    "quest",
 )
 RATIOS = ("0.25", "0.5", "0.75", "0.875")
 MODES = {"query_agnostic": True, "query_aware": False}
@@ -122,8 +125,20 @@ def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["tasks"] >= full_tasks.get(r["mode"], 0)]
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """One table per protocol: methods by ratio, the full cache as the first row, methods by mean score."""
+RECALLABLE_NOTE = (
+    "‡ recallable: nothing is evicted, every token's KVs stay in the slow tier (host-tier bytes: the full cache's), and the "
+    "ratio sizes the tokens each decode step attends (the prompt's share, plus every token after it)"
+)
+
+
+def recallable(methods: list[str]) -> frozenset[str]:
+    """The methods whose cache keeps every token and recalls what each step attends (ClusterKV, Quest)."""
+    return frozenset(Path(m).stem for m in methods if CACHE_STRATEGIES[load_cache_config(m).get("cache_strategy", FULL)].keeps_history)
+
+
+def markdown(rows: list[dict[str, Any]], recalling: frozenset[str] = frozenset()) -> str:
+    """One table per protocol: methods by ratio, the full cache as the first row, methods by mean score; the
+    recallable methods (`recalling`) last, marked, with what they keep stated."""
     out = []
     for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
@@ -132,12 +147,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         cell = {(r["method"], r["ratio"]): r for r in mine}
         full = next((r for r in mine if r["method"] == FULL), None)
-        methods = sorted({r["method"] for r in mine if r["method"] != FULL}, key=lambda m: -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell))
+        methods = sorted(
+            {r["method"] for r in mine if r["method"] != FULL}, key=lambda m: (m in recalling, -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell))
+        )
         full_score = "-" if full is None else f"{full['score']:.1f}"
         out += [f"**{mode}** (mean RULER score; full cache: {full_score})", ""]
         out += ["| method | " + " | ".join(f"{x:g}" for x in ratios) + " |", "|---|" + "---|" * len(ratios)]
-        out += [f"| {m} | " + " | ".join(cell_text(cell.get((m, x)), full) for x in ratios) + " |" for m in methods]
-        out.append("")
+        out += [f"| {m}{' ‡' * (m in recalling)} | " + " | ".join(cell_text(cell.get((m, x)), full) for x in ratios) + " |" for m in methods]
+        out += ["", RECALLABLE_NOTE, ""] if recalling & set(methods) else [""]
     return "\n".join(out)
 
 
@@ -186,10 +203,11 @@ def run(args: argparse.Namespace) -> None:
         writer = csv.DictWriter(f, fieldnames=["mode", "method", "ratio", "score", "tasks"])
         writer.writeheader()
         writer.writerows(rows)
-    (args.out_dir / "leaderboard.md").write_text(markdown(rows))
+    table = markdown(rows, recallable(args.methods))
+    (args.out_dir / "leaderboard.md").write_text(table)
     (args.out_dir / "leaderboard.json").write_text(json.dumps(as_json(complete(rows)), indent=1) + "\n")
     plot(complete(rows), args.out_dir / "leaderboard.png")
-    print(markdown(rows), end="")
+    print(table, end="")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,10 @@ def test_command_line_overrides_config_which_overrides_defaults():
     config = {"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "recent_window": 10}
     cli = {"cache_strategy": None, "max_cache_length": 64, "recent_window": None, "global_tokens": None}
     assert resolve_settings(cli, config) == {"cache_strategy": "heavy_hitter", "max_cache_length": 64, "recent_window": 10}
+    ratio = {"compression_ratio": 0.75, "max_cache_length": None}  # a size on the command line replaces the config's, of either kind
+    assert resolve_settings(ratio, config) == {"cache_strategy": "heavy_hitter", "compression_ratio": 0.75, "recent_window": 10}
+    patterned = {**config, "max_cache_length": [0.2, 0.8], "max_cache_length_pattern": "tile"}
+    assert resolve_settings({"max_cache_length": 0.3}, patterned) == {**config, "max_cache_length": 0.3}
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,8 @@ def test_every_shipped_config_runs(name):
     if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv", "kvc_ada_pyramidkv"):
         assert "tokens held per layer: " in proc.stderr and "layer budgets (slots per layer, first sequence): " in proc.stderr
     split = load_cache_config(name).get("head_budget", "uniform") != "uniform"  # Ada-KV's configs, and kvzip's ranking over the model
-    assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == split and split == (name.startswith("ada_") or name == "kvzip")
+    assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == split
+    assert split == (name.startswith(("ada_", "critical_ada_")) or name == "kvzip")
 
 
 def test_flags_override_a_shipped_config():

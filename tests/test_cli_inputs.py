@@ -136,7 +136,9 @@ def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli
 
 
 # kvpress's presses protect only the newest token: half of 9 tokens is above their floor (2), so nothing is raised.
-PROTECTING_THE_NEWEST_ONLY = {f"configs/{name}.yaml" for name in ("l2", "keydiff", "tova", "snapkv", "pyramidkv", "chunkkv", "critical_snapkv")}
+PROTECTING_THE_NEWEST_ONLY = {
+    f"configs/{name}.yaml" for name in ("l2", "keydiff", "tova", "snapkv", "pyramidkv", "chunkkv", "critical_snapkv", "critical_ada_snapkv")
+}
 # Nothing to raise: keeps every token, sizes itself (FastGen, the paged pool, DuoAttention's retrieval heads),
 # or a slot count of its own (the ClusterKV and Quest configs: 512 slots, more than this run's 9 tokens).
 WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {

@@ -109,6 +109,52 @@ def test_a_ratio_removes_that_share_of_the_prefill_and_evicts_nothing_after(smol
     model.cache_key = None
 
 
+@pytest.mark.parametrize("planner", ["pyramid", "funnel"])
+def test_a_ratio_with_a_pyramid_keeps_pyramidkv_press_counts_per_layer(smollm, planner):
+    """kvpress's PyramidKVPress: layer i of L keeps round(max - i (max - min) / (L - 1)) of the n context
+    tokens, max + min = 2 n (1 - ratio), min = n (1 - ratio) / beta, max <= n - window (SnapKV's)."""
+    model, tokenizer, _ = smollm
+    ids, question = encode(tokenizer, PROMPTS[1])
+    settings = dict(prompt_compression_strategy="snapkv", snapkv_window=2, global_tokens=0, recent_window=1)
+    spec = ratio_spec(model, "heavy_hitter", 0.5, layer_budget=planner, pyramid_beta=4, **settings)
+    build_caches(model, spec, [len(ids)], 4, len(ids) + 4, prefilled=[question])
+    with torch.no_grad():
+        model(torch.tensor([ids[:question]]), torch.arange(question)[None], prefill=True)
+    held = [int((layer.attention.kv_cache.pos[0, 0] >= 0).sum()) for layer in model.layers]
+    kept = question * 0.5
+    low, L = kept / 4, model.config.n_layer
+    high = 2 * kept - low
+    assert high < question - 2 and low >= 2  # the schedule, not SnapKV's fallback
+    expected = [round(high - i * (high - low) / (L - 1)) for i in range(L)]
+    assert held == (expected if planner == "pyramid" else expected[::-1])
+    assert held[0] != held[-1] and abs(sum(held) - L * kept) <= L / 2
+    model.cache_key = None
+
+
+@pytest.mark.parametrize("strategy", ["quest", "clusterkv"])
+def test_a_ratio_sizes_what_a_recallable_cache_attends_each_step(smollm, strategy):
+    """Nothing is evicted; every step attends int((1 - ratio) x the prefilled tokens) + the tokens after them."""
+    model, tokenizer, _ = smollm
+    ids, question = encode(tokenizer, PROMPTS[1])
+    spec = ratio_spec(model, strategy, 0.75, sink_tokens=4)
+    max_new = 5
+    build_caches(model, spec, [len(ids)], max_new, len(ids) + max_new, prefilled=[question])
+    attended = int(question * 0.25) + len(ids) - question + max_new - 1
+    assert {int(layer.attention.kv_cache.row_budget) for layer in model.layers} == {attended}
+    model.cache_key = None
+    tokens = generate(model, [ids], max_new, spec, decoded_prompt_tokens=[len(ids) - question]).tokens[0]
+    assert tokens == manual(model, spec, ids, question, max_new)
+    model.cache_key = None
+
+
+def test_a_pyramid_falls_back_to_snapkv_counts_where_kvpress_does():
+    from kvlab.budget import pyramid_ratio_schedule
+
+    assert pyramid_ratio_schedule(1024, 0.875, 30, 64, 20) == [128] * 30  # min = 6.4 < window 64
+    planned = pyramid_ratio_schedule(1024, 0.5, 30, 64, 20)  # max capped at 1024 - 64, min = 1024 - 960
+    assert planned[0] == 960 and planned[-1] == 64 and sum(planned) == 30 * 512
+
+
 @pytest.mark.parametrize("strategy", ["lagkv", "expected_attention", "rkv"])
 def test_a_ratio_decode_skips_the_eviction_score_and_generates_the_same(smollm, monkeypatch, strategy):
     """Under a ratio every decoded token has an empty slot, so the decode step does not score the held
@@ -141,9 +187,12 @@ def test_a_ratio_decode_skips_the_eviction_score_and_generates_the_same(smollm, 
     ("settings", "message"),
     [
         ({"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "max_cache_length": 0.5}, "give --compression_ratio or --max_cache_length"),
-        ({"cache_strategy": "clusterkv", "compression_ratio": 0.5}, "applies to strategies that rank the prompt .*not clusterkv"),
+        ({"cache_strategy": "hybrid", "compression_ratio": 0.5}, "applies to strategies that rank the prompt or recall it .*quest.*, not hybrid"),
         ({"cache_strategy": "kvcompress", "compression_ratio": 0.5}, "not kvcompress"),
-        ({"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "layer_budget": "pyramid"}, "takes no --layer_budget pyramid"),
+        (
+            {"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "layer_budget": "squeeze"},
+            "takes --layer_budget uniform, pyramid or funnel .*not squeeze",
+        ),
         ({"cache_strategy": "full", "compression_ratio": 0.5}, "needs a compressing --cache_strategy"),
         ({"cache_strategy": "heavy_hitter", "compression_ratio": 1.0}, r"compression_ratio must be a fraction in \[0, 1\), got 1.0"),
     ],
@@ -205,6 +254,8 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         ("snapkv", "ratio0.5", True, "vt", 2048, 99.0),  # another context length
         ("ea_epsilon", "ratio0.5", True, "vt", 1024, 30.0),  # an ablation in the same out_dir, not in --methods
         ("ea_epsilon", "ratio0.5", True, "qa_1", 1024, 10.0),
+        ("quest", "ratio0.5", True, "vt", 1024, 95.0),  # recallable: its own rows
+        ("quest", "ratio0.5", True, "qa_1", 1024, 45.0),
     ]
     with (tmp_path / "summary.csv").open("w", newline="") as f:
         writer = csv.writer(f)
@@ -215,22 +266,26 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     assert [(r["mode"], r["method"], float(r["ratio"]), float(r["score"]), int(r["tasks"])) for r in table] == [
         ("query_agnostic", "full", 0.0, 70.0, 2),
         ("query_agnostic", "kvzip", 0.5, 60.0, 2),
+        ("query_agnostic", "quest", 0.5, 70.0, 2),
         ("query_agnostic", "snapkv", 0.5, 20.0, 1),
         ("query_aware", "full", 0.0, 70.0, 2),
         ("query_aware", "kvzip", 0.5, 70.0, 1),
     ]
-    assert "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()  # a sweep still running
+    assert (
+        "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |\n| quest ‡ | 70.0 |\n\n‡ recallable" in (tmp_path / "leaderboard.md").read_text()
+    )  # a sweep still running
     assert "| kvzip | 70.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()
     assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "leaderboard.json").read_text()) == {  # the cells over every task, as a script reads them
         "full": {"query_agnostic": {"0": 70.0}, "query_aware": {"0": 70.0}},
         "kvzip": {"query_agnostic": {"0.5": 60.0}},
+        "quest": {"query_agnostic": {"0.5": 70.0}},
     }
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figures.append(fig))
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
     plotted = [{line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} for ax in figures[0].axes]
-    assert plotted == [{"kvzip": [70.0, 60.0]}]  # the cells over fewer tasks than the full cache are left out of the plot
+    assert plotted == [{"kvzip": [70.0, 60.0], "quest": [70.0, 70.0]}]  # the cells over fewer tasks than the full cache are left out of the plot
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024", "--methods", "kvzip", "docs/ablations/ea_epsilon.yaml"])
     assert (
         "| kvzip | 60.0 |\n| ea_epsilon | 20.0 |\n" in (tmp_path / "leaderboard.md").read_text() and "snapkv" not in (tmp_path / "leaderboard.md").read_text()

@@ -14,7 +14,7 @@ from kvlab.config import CACHE_KEYS, options_table
 from kvlab.model import ModelArgs, apply_rope, causal_attention_lse, rope_tables
 from kvlab.prompt_compression import RKV, ExpectedAttention, KeyScores
 from kvlab.scores import attention_mass, chunk_mean, keydiff, lagkv, pool_keys, prompt_attention, received_attention, rkv, window_attention
-from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, ExpectedAttentionCache, KeyDiffCache, RKVCache
+from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, ExpectedAttentionCache, KeyDiffCache, RKVCache, make_prompt_compressor
 
 
 def test_keydiff_is_minus_the_cosine_to_the_mean_of_held_unit_keys():
@@ -152,9 +152,12 @@ def test_chunk_mean_gives_each_token_its_chunks_mean_and_a_cache_keeps_whole_chu
     options = dict(prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1)
     cache = make_caches("heavy_hitter", 1, 1, 2, 15, 8, torch.float32, **options)[0]
     cache.prefill(torch.arange(40)[None], k, k, q)
-    for head in cache.pos[0].tolist():  # the window's chunk (35..39) and the two best others, whole
-        chunks = sorted({p // 5 for p in head})
-        assert 7 in chunks and sorted(head) == [p for c in chunks for p in range(5 * c, 5 * c + 5)]
+    snapkv = make_prompt_compressor("snapkv", snapkv_window=4)(torch.arange(40)[None], k, k, q)[:, :, :35]
+    per_head = chunk_mean(snapkv, torch.arange(35)[None], 5)[0, :, ::5]  # [head, chunk]
+    best = sorted(per_head.mean(dim=0).topk(2).indices.tolist())  # ChunkKVPress: chunks ranked by their mean over the heads
+    assert per_head[0].topk(2).indices.sort().values.tolist() != per_head[1].topk(2).indices.sort().values.tolist()
+    for head in cache.pos[0].tolist():  # the window's chunk (35..39) and the two best others, whole, the same in every head
+        assert sorted(head) == [p for c in (*best, 7) for p in range(5 * c, 5 * c + 5)]
 
 
 def test_value_weight_ranks_prompt_tokens_by_score_times_value_norm():
