@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.evaluate import AGNOSTIC, RATIO
 from kvlab.results import append_record, read_job_records
@@ -66,7 +68,32 @@ def press_factories() -> dict[str, Callable[[float], Any] | None]:
         "critical_snapkv": lambda r: CriticalKVPress(SnapKVPress(r)),
         "critical_ada_snapkv": lambda r: CriticalAdaKVPress(SnapKVPress(r)),
         "lagkv": LagKVPress,
+        "duo_attention": duo_press,
     }
+
+
+def duo_press(ratio: float) -> Any:
+    """kvpress's DuoAttentionPress with kvlab's calibrated gates as its head scores (kvpress fetches published
+    patterns for a few 7-8B models only) and the shipped config's sinks and window: the `ratio` of the KV heads
+    with the lowest gates stream."""
+    import numpy as np
+    import torch
+    from kvpress import DuoAttentionPress
+
+    from kvlab.config import load_cache_config
+    from kvlab.duo import read_gates
+
+    config = load_cache_config("duo_attention")
+
+    class KvlabGatesDuoAttentionPress(DuoAttentionPress):
+        def post_init_from_model(self, model: Any) -> None:
+            self.sink_size, self.recent_size = config["global_tokens"], config["recent_window"]
+            scores = read_gates(config["duo_gates"]).numpy()
+            self.streaming_mask = torch.zeros(scores.shape, dtype=torch.bool)
+            lowest = np.argsort(scores, axis=None, kind="stable")[: round(scores.size * self.head_compression_ratio)]
+            self.streaming_mask[np.unravel_index(lowest, scores.shape)] = True
+
+    return KvlabGatesDuoAttentionPress(head_compression_ratio=ratio)
 
 
 METHODS = (
@@ -84,23 +111,44 @@ METHODS = (
     "critical_snapkv",
     "critical_ada_snapkv",
     "lagkv",
+    "duo_attention",
 )
 
 
+MODEL = "SmolLM2-135M-Instruct"
+
+
 def run_dir(side: Path, method: str, agnostic: bool, ratio: float) -> Path:
-    """Where eval.py puts a run (`<model>/<config>/<size>`), for either side: the full cache has one run."""
+    """Where eval.py puts a run (`<model>/<config>/<size>`), for either side: the full cache has one run;
+    DuoAttention, whose ratio is the share of streaming heads, one config per ratio (`duo_config`) at its own size."""
+    if method == "duo_attention":
+        return side / MODEL / f"duo_attention_{ratio:g}" / ("1.0" + AGNOSTIC * agnostic)
     size = "full" if method == "full" else f"{RATIO}{ratio}" + AGNOSTIC * agnostic
-    return side / "SmolLM2-135M-Instruct" / method / size
+    return side / MODEL / method / size
+
+
+def duo_config(out_dir: Path, ratio: float) -> Path:
+    """The shipped duo_attention config with `ratio` of the KV heads streaming, written under out_dir."""
+    from kvlab.config import load_cache_config
+
+    path = out_dir / "configs" / f"duo_attention_{ratio:g}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    settings = {**load_cache_config("duo_attention"), "duo_retrieval": round(1 - ratio, 6)}
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
 
 
 def kvlab_side(args: argparse.Namespace) -> None:
-    """eval.py's sweep of the methods, once per protocol (the full cache runs once)."""
+    """eval.py's sweeps of the methods, once per protocol (the full cache runs once; DuoAttention once per ratio)."""
+    ratio_methods = [m for m in args.methods if m != "duo_attention"]
+    sweeps = [["--cache_config", *ratio_methods, "--compression_ratios", *map(str, args.ratios)]] * bool(ratio_methods)
+    sweeps += [["--cache_config", str(duo_config(args.out_dir, r))] for r in args.ratios if "duo_attention" in args.methods]
     for protocol in args.protocols:
-        flags = ["--tasks", *args.tasks, "--cache_config", *args.methods, "--compression_ratios", *map(str, args.ratios)]
-        flags += ["--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples), "--batch_size", str(min(args.num_samples, 8))]
-        flags += ["--out_dir", str(args.out_dir / "kvlab"), "--device", "cpu", "--dtype", "float32"] + ["--query_agnostic"] * PROTOCOLS[protocol]
-        if subprocess.run([sys.executable, str(EVAL), *flags]).returncode:
-            raise ValueError(f"kvlab's {protocol} sweep stopped (eval.py's error above); rerun to resume it")
+        for sweep in sweeps:
+            flags = ["--tasks", *args.tasks, *sweep, "--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples)]
+            flags += ["--batch_size", str(min(args.num_samples, 8)), "--out_dir", str(args.out_dir / "kvlab"), "--device", "cpu", "--dtype", "float32"]
+            if subprocess.run([sys.executable, str(EVAL), *flags, *["--query_agnostic"] * PROTOCOLS[protocol]]).returncode:
+                raise ValueError(f"kvlab's {protocol} sweep stopped (eval.py's error above); rerun to resume it")
 
 
 def hf_model(cache_dir: Path) -> Any:
@@ -198,11 +246,19 @@ def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[st
     }
 
 
-def parity_table(out_dir: Path, methods: list[str], protocols: list[str], ratios: list[float]) -> dict[str, Any]:
-    """{method: {protocol: {ratio: comparison}}}; the full cache under the query-aware protocol at ratio 0."""
+def recorded_ratios(out_dir: Path) -> list[float]:
+    """Every compression ratio kvpress's side has records for, from its run directories."""
+    names = [d.name for d in (out_dir / "kvpress" / MODEL).glob("*/*")] + [d.name for d in (out_dir / "kvpress" / MODEL).glob("duo_attention_*")]
+    ratios = {n.removeprefix(RATIO).removesuffix(AGNOSTIC) for n in names if n.startswith(RATIO)}
+    return sorted(float(r) for r in ratios | {n.removeprefix("duo_attention_") for n in names if n.startswith("duo_attention_")})
+
+
+def parity_table(out_dir: Path) -> dict[str, Any]:
+    """{method: {protocol: {ratio: comparison}}} over every cell both sides ran; the full cache under the query-aware protocol at ratio 0."""
     table: dict[str, Any] = {}
-    for method in methods:
-        for protocol in protocols if method != "full" else ["query_aware"]:
+    ratios = recorded_ratios(out_dir)
+    for method in METHODS:
+        for protocol in PROTOCOLS if method != "full" else ["query_aware"]:
             for ratio in ratios if method != "full" else [0.0]:
                 row = compare(out_dir, method, PROTOCOLS[protocol], ratio)
                 if row is not None:
@@ -251,7 +307,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--ratios {ratio}: a compression ratio is the share removed, between 0 and 1 exclusive")
     kvlab_side(args)
     ids = kvpress_side(args)
-    table = parity_table(args.out_dir, args.methods, args.protocols, args.ratios)
+    table = parity_table(args.out_dir)
     args.report.write_text(markdown(table, ids, args))
     args.report.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {args.report} and {args.report.with_suffix('.json')}")

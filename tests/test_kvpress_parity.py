@@ -8,8 +8,10 @@ import importlib.util
 import json
 
 import pytest
+import yaml
 
 from conftest import ROOT
+from kvlab.config import load_cache_config
 from kvlab.engine import cut_at_stop, generate
 
 spec = importlib.util.spec_from_file_location("kvpress_parity", ROOT / "scripts" / "kvpress_parity.py")
@@ -28,11 +30,22 @@ def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_fi
     write_records(parity.run_dir(tmp_path / "kvlab", "tova", True, 0.5) / "vt@1024.jsonl", ours)
     write_records(parity.run_dir(tmp_path / "kvpress", "tova", True, 0.5) / "vt@1024.jsonl", theirs)
     write_records(parity.run_dir(tmp_path / "kvlab", "full", False, 0.0) / "vt@1024.jsonl", ours)  # no kvpress side: no row
-    table = parity.parity_table(tmp_path, ["full", "tova"], ["query_agnostic", "query_aware"], [0.5, 0.875])
-    assert table == {"tova": {"query_agnostic": {"0.5": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 75.0}}}}
+    for side in ("kvlab", "kvpress"):  # DuoAttention's ratio is the share of its streaming heads: a config of its own per ratio
+        write_records(parity.run_dir(tmp_path / side, "duo_attention", False, 0.875) / "vt@1024.jsonl", ours[:1])
+    assert str(parity.run_dir(tmp_path, "duo_attention", False, 0.875)).endswith("SmolLM2-135M-Instruct/duo_attention_0.875/1.0")
+    table = parity.parity_table(tmp_path)
+    assert table == {
+        "tova": {"query_agnostic": {"0.5": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 75.0}}},
+        "duo_attention": {"query_aware": {"0.875": {"examples": 1, "same_text": 1, "kvlab": 100.0, "kvpress": 100.0}}},
+    }
     args = argparse.Namespace(tasks=["vt"], context_length=1024, num_samples=2)
     assert "| tova | query_agnostic | 0.5 | 2 | 1 | 50.0 | 75.0 |" in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
     assert str(parity.run_dir(tmp_path, "full", True, 0.5)).endswith("SmolLM2-135M-Instruct/full/full")  # one full-cache run for every cell
+
+
+def test_duo_attention_runs_its_shipped_config_with_that_share_of_heads_streaming(tmp_path):
+    config = yaml.safe_load(parity.duo_config(tmp_path, 0.875).read_text())
+    assert config == {**load_cache_config("duo_attention"), "duo_retrieval": 0.125}
 
 
 def test_bad_ratios_and_methods_are_one_line_errors(capsys):
