@@ -89,7 +89,7 @@ def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Pat
         cache_config=load_cache_config(job.config),
         size=job.size,
         model=model_name,
-        checkpoint=str(checkpoint),
+        checkpoint=checkpoint.name,  # the directory's name: committed records hold no machine's paths
         dtype=str(dtype).removeprefix("torch."),
         seed=args.seed,
         chat=not args.no_chat,
@@ -115,6 +115,8 @@ def check_key(run_dir: Path, key: dict[str, Any]) -> None:
         raise ValueError(f"{path} is not a JSON object; remove it, or choose another --out_dir")
     if "key" in saved:
         old = saved["key"] if isinstance(saved["key"], dict) else {}
+        if isinstance(old.get("checkpoint"), str):  # written with the checkpoint's full path
+            old = {**old, "checkpoint": Path(old["checkpoint"]).name}
         fields = list(dict.fromkeys([*key, *old]))
     else:  # written before keys: compare the settings it recorded
         old, fields = saved, [k for k in KEY_FIELDS if k in saved]

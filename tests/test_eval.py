@@ -350,10 +350,15 @@ def test_a_rerun_with_other_settings_is_refused_and_the_same_settings_resume(tmp
     run_eval(tmp_path, *KJV)
     args_json = json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text())
     assert args_json["key"]["seed"] == 0 and args_json["key"]["chat"] is True and args_json["key"]["dtype"] == "float32"
-    assert args_json["key"]["checkpoint"].endswith("SmolLM2-135M-Instruct") and args_json["key"]["ppl_prompt_tokens"] == 1
+    assert args_json["key"]["checkpoint"] == "SmolLM2-135M-Instruct" and args_json["key"]["ppl_prompt_tokens"] == 1  # no machine's path
     capsys.readouterr()
     run_eval(tmp_path, *KJV)  # the same settings: resumed, nothing recomputed
     assert "1 example(s) already done" in capsys.readouterr().err
+    written = {**args_json, "key": {**args_json["key"], "checkpoint": "/elsewhere/checkpoints/SmolLM2-135M-Instruct"}}  # as older records hold it
+    (tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").write_text(json.dumps(written))
+    run_eval(tmp_path, *KJV)
+    assert "1 example(s) already done" in capsys.readouterr().err
+    assert json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text()) == args_json  # rewritten by name
     with pytest.raises(SystemExit, match=r"seed: 0 -> 1.*another --out_dir"):
         run_eval(tmp_path, *KJV, "--seed", "1")
     with pytest.raises(SystemExit, match=r"chat: True -> False"):

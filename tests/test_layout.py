@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -70,3 +71,15 @@ def test_imports_inside_kvlab_go_one_way():
     assert "kvlab.checkpoint" in graph["kvlab.convert"]  # the graph sees imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|root|Users|tmp|mnt|srv|opt)/\w")
+
+
+def test_committed_records_and_docs_hold_no_machines_paths():
+    """Records (args.json, summaries), docs and code name checkpoints and files by name or relative path."""
+    roots = [ROOT / d for d in ("docs", "configs", "bench", "scripts", "kvlab", "tests/data")] + list(ROOT.glob("*.md")) + list(ROOT.glob("*.py"))
+    files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*")) if p.is_file() and p.suffix in (".json", ".jsonl", ".md", ".csv", ".yaml", ".py")]
+    assert len(files) > 1000
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in [MACHINE_PATH.search(p.read_text(encoding="utf-8", errors="replace"))] if m]
+    assert not found, found[:5]
