@@ -233,6 +233,38 @@ def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
     )
 
 
+def bpe_tokenizer_json(tokens: list[str], added: list[dict], merges: list[str], pattern: str) -> dict:
+    """A tokenizer.json of a byte-level BPE: its vocabulary (token i has id i), merges, added special tokens and split regex."""
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": merges,
+        },
+    }
+
+
 def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
     """Write out_dir/tokenizer.json for a GGUF's byte-level BPE vocabulary; return the config's "tokenizer" section."""
     fields = reader.fields
@@ -250,34 +282,7 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
         for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
         if ty in special_types
     ]
-    tokenizer_json = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": GGUF_PRE_PATTERNS[pre]}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-            ],
-        },
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {t: i for i, t in enumerate(tokens)},
-            "merges": fields["tokenizer.ggml.merges"].contents(),
-        },
-    }
+    tokenizer_json = bpe_tokenizer_json(tokens, added, fields["tokenizer.ggml.merges"].contents(), GGUF_PRE_PATTERNS[pre])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
