@@ -238,15 +238,16 @@ def ratio_caches(
 
 def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[list[int]]:
     """Prompt tokens each sequence keeps in each layer at spec.compression_ratio: int((1 - ratio) x its
-    prefilled tokens), or PyramidKVPress's per-layer counts (`pyramid_ratio_schedule`, over the
+    prefilled tokens) (with chunk_size, whole chunks: `chunk_ratio_keep`), or PyramidKVPress's per-layer counts (`pyramid_ratio_schedule`, over the
     compressing layers; reversed for funnel), each raised to what the layer's strategy needs
     (min_slots), with one line saying so. Full layers' entries are unused."""
     ratio, n_layer = spec.compression_ratio, len(spec.strategies)
     compressing = [i for i, n in enumerate(spec.lengths) if n is not None]
     least = [0 if n is None else CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options)) for s, n in zip(spec.strategies, spec.lengths, strict=True)]
     keep = []
+    chunk = spec.options.get("chunk_size")
     for p in prefilled:
-        row = [int((1 - ratio) * p)] * n_layer
+        row = [int((1 - ratio) * p) if chunk is None else chunk_ratio_keep(p, ratio, chunk)] * n_layer
         if spec.layer_budget in ("pyramid", "funnel"):
             window = spec.options.get("snapkv_window", max(least[i] for i in compressing) - 1)
             planned = pyramid_ratio_schedule(p, ratio, len(compressing), window, spec.budget_options.get("pyramid_beta", DEFAULT_PYRAMID_BETA))
@@ -262,6 +263,16 @@ def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[list[int]]:
             f"note: --compression_ratio {ratio} keeps {k} of {p} prompt tokens here; {names} needs at least {need} (its protected tokens + 1), so {outcome}"
         )
     return [[max(k, need) for k, need in zip(row, least, strict=True)] for row in keep]
+
+
+def chunk_ratio_keep(length: int, ratio: float, size: int) -> int:
+    """kvpress's ChunkKVPress count: max(1, int((1 - ratio) x the chunks)) whole chunks of `size` of the
+    `length` tokens, the newest (partial) chunk among them (it holds SnapKV's window and the protected newest
+    token, so it is always kept); int((1 - ratio) x length) when no chunk is whole."""
+    whole, rest = divmod(length, size)
+    if whole == 0:
+        return int((1 - ratio) * length)
+    return max(1, int((whole + (rest > 0)) * (1 - ratio))) * size - (size - rest) * (rest > 0)
 
 
 def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:

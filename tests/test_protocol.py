@@ -147,6 +147,26 @@ def test_a_ratio_sizes_what_a_recallable_cache_attends_each_step(smollm, strateg
     model.cache_key = None
 
 
+def test_a_ratio_with_chunks_keeps_chunkkv_press_whole_chunks(smollm):
+    """kvpress's ChunkKVPress: int((1 - ratio) x the chunks) whole chunks, the newest (partial) one among them,
+    the same chunks in every head of a layer."""
+    model, tokenizer, _ = smollm
+    ids, question = encode(tokenizer, PROMPTS[1])
+    settings = dict(prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1)
+    build_caches(model, ratio_spec(model, "heavy_hitter", 0.5, **settings), [len(ids)], 4, len(ids) + 4, prefilled=[question])
+    with torch.no_grad():
+        model(torch.tensor([ids[:question]]), torch.arange(question)[None], prefill=True)
+    newest = question // 5
+    assert question % 5  # this prompt's newest chunk is partial
+    chunks = int((newest + 1) * 0.5)
+    for layer in model.layers:
+        heads = [sorted(set(h) - {-1}) for h in layer.attention.kv_cache.pos[0].tolist()]
+        kept = sorted({p // 5 for p in heads[0]})
+        assert all(h == heads[0] for h in heads) and len(kept) == chunks and newest in kept
+        assert heads[0] == [p for c in kept for p in range(5 * c, min(5 * c + 5, question))]
+    model.cache_key = None
+
+
 def test_a_pyramid_falls_back_to_snapkv_counts_where_kvpress_does():
     from kvlab.budget import pyramid_ratio_schedule
 
