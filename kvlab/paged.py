@@ -61,6 +61,28 @@ def view_width(most: int, max_blocks: int) -> int:
     return min(max_blocks, width)
 
 
+def check_settings(
+    attention: str, compress_every: int, metric: str, scope: str, block_size: int, window: int, kernel: int, skip: int, head_floor: float
+) -> None:
+    """A one-line error naming any kvcompress setting out of range, or a combination that cannot run."""
+    if attention not in KVC_ATTENTION:
+        raise ValueError(f"kvcompress: kvc_attention must be one of {', '.join(KVC_ATTENTION)}; got {attention!r}")
+    if attention == "flex" and compress_every > 0:
+        raise ValueError(
+            f"kvcompress: kvc_attention flex needs kvc_compress_every 0 (got {compress_every}): FlexAttention returns no probabilities "
+            "for the continual metric; use kvc_attention gather to compress during decoding"
+        )
+    if metric not in KVC_METRICS or scope not in KVC_SCOPES:
+        raise ValueError(
+            f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of {', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
+        )
+    if min(block_size, window, kernel) < 1 or compress_every < 0 or kernel % 2 == 0 or skip < 0 or not 0 <= head_floor <= 1:
+        raise ValueError(
+            "kvcompress: need kvc_block_size, kvc_window >= 1, kvc_compress_every >= 0, an odd kvc_kernel, kvc_skip >= 0 and kvc_head_floor in [0, 1]; "
+            f"got {block_size}, {window}, {compress_every}, {kernel}, {skip}, {head_floor}"
+        )
+
+
 class PagedKV(nn.Module):
     """Block tables and per-head lengths of `n_layer` layers x `batch_size` sequences x `n_kv_heads`
     over one `BlockPool`, and KV-Compress's metrics, budgets and eviction. Tokens of a head fill its
@@ -90,22 +112,7 @@ class PagedKV(nn.Module):
         attention: str = "gather",
     ) -> None:
         super().__init__()
-        if attention not in KVC_ATTENTION:
-            raise ValueError(f"kvcompress: kvc_attention must be one of {', '.join(KVC_ATTENTION)}; got {attention!r}")
-        if attention == "flex" and compress_every > 0:
-            raise ValueError(
-                f"kvcompress: kvc_attention flex needs kvc_compress_every 0 (got {compress_every}): FlexAttention returns no probabilities "
-                "for the continual metric; use kvc_attention gather to compress during decoding"
-            )
-        if metric not in KVC_METRICS or scope not in KVC_SCOPES:
-            raise ValueError(
-                f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of {', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
-            )
-        if min(block_size, window, kernel) < 1 or compress_every < 0 or kernel % 2 == 0 or skip < 0 or not 0 <= head_floor <= 1:
-            raise ValueError(
-                "kvcompress: need kvc_block_size, kvc_window >= 1, kvc_compress_every >= 0, an odd kvc_kernel, kvc_skip >= 0 and kvc_head_floor in [0, 1]; "
-                f"got {block_size}, {window}, {compress_every}, {kernel}, {skip}, {head_floor}"
-            )
+        check_settings(attention, compress_every, metric, scope, block_size, window, kernel, skip, head_floor)
         self.block_size, self.window, self.kernel, self.full, self.skip = block_size, window, kernel, full, skip
         self.protect = (32 if full else window) if protect is None else protect
         self.metric_kind, self.scope, self.head_floor, self.compress_every = metric, scope, head_floor, compress_every
