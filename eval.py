@@ -38,6 +38,7 @@ with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a tracebac
 
 
 def build_parser() -> ArgumentParser:
+    """What a sweep runs: tasks, cache configs and sizes, the protocol and the examples; then how (`add_run_flags`)."""
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", required=True, help="task names, families (ruler, longbench, book) or all")
     p.add_argument("--cache_config", nargs="+", default=[FULL], help="cache configs: names in configs/ or YAML paths (default: full)")
@@ -78,6 +79,12 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--no_chat", action="store_true", help="plain prompts instead of the model's chat template")
     p.add_argument("--longbench_dir", type=Path, default=None, help="LongBench jsonl files (default: $KVLAB_LONGBENCH_DIR, else downloaded from the hub)")
+    add_run_flags(p)
+    return p
+
+
+def add_run_flags(p: ArgumentParser) -> None:
+    """How a sweep runs: the model, where results go, the device, and what each job also does."""
     p.add_argument("--checkpoint_path", type=Path, default=None, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out_dir", type=Path, default=Path("results"), help="results directory (default: results/)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
@@ -102,7 +109,6 @@ def build_parser() -> ArgumentParser:
         help="generation tasks: also record per example the attention loss and the top-B attention recall (B = the tokens the cache "
         "attends), from a full cache run alongside (eager; about twice the decode time)",
     )
-    return p
 
 
 @contextlib.contextmanager
