@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kvlab import parallel
 from kvlab.cache import KVCache, unchanged_where_idle
-from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities
+from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities, safeguard
 from kvlab.options import choice, fraction, integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
 from kvlab.scores import attention_mass, layer_attention_mass, position_order, two_stage, unrotate, value_norms, value_weighted
@@ -318,8 +318,7 @@ class EvictionCache(KVCache):
         value_first_stage of its prompt budget, and with adakv_safeguard at least the safeguard (kvpress's CriticalAdaKVPress)."""
         first = (torch.minimum(self.row_capacity - self.decode_room, last + 1) * self.value_first_stage).floor()
         if self.head_budget == "adakv_safeguard":
-            safe = (torch.minimum(self.row_budget - self.decode_room, last + 1) * self.adakv_floor).floor()
-            first = torch.maximum(first, safe.clamp(min=1 if self.adakv_floor > 0 else 0))
+            first = torch.maximum(first, safeguard(torch.minimum(self.row_budget - self.decode_room, last + 1), self.adakv_floor))
         return first
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:

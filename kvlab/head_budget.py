@@ -25,7 +25,7 @@ def adakv_capacities(scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Ten
     budget = budget.double()
     prompt_part = torch.minimum(budget - room, n_prompt.double())
     if rule == "adakv_safeguard":
-        safe = (prompt_part * floor).floor().clamp(min=1 if floor > 0 else 0)
+        safe = safeguard(prompt_part, floor)
         in_head = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         scores = scores.masked_fill(in_head < safe, float("inf"))
     rank = scores.flatten(1).argsort(dim=1, descending=True, stable=True).argsort(dim=1).view(B, H, T)
@@ -41,6 +41,11 @@ def adakv_capacities(scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Ten
     left = (H * budget - whole.sum(dim=1, keepdim=True)).round()
     by_fraction = (whole - share).argsort(dim=1, stable=True).argsort(dim=1)  # largest fraction first
     return (whole + (by_fraction < left)).long()
+
+
+def safeguard(prompt_part: Tensor, floor: float) -> Tensor:
+    """AdaKVPress's safeguard: the max(1, int(floor x b)) best prompt tokens each head keeps of a uniform share of b (0 with floor 0)."""
+    return (prompt_part * floor).floor().clamp(min=1 if floor > 0 else 0)
 
 
 def adakv_slots(budget: int, n_heads: int, floor: float = DEFAULT_ADAKV_FLOOR, safeguard: bool = False) -> int:
