@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.options import Option, choice, fraction, integer
 from kvlab.scores import (
     attention_mass,
@@ -67,7 +68,10 @@ def wrap_scores(scores: Tensor, pos: Tensor, norms: Tensor | None, value_epsilon
     if chunk_size is None:
         return scores
     chunked = chunk_mean(scores, pos, chunk_size)
-    return chunked.mean(dim=1, keepdim=True).expand_as(chunked) if pos.dim() == 2 else chunked
+    if pos.dim() == 3:
+        return chunked
+    over_heads = parallel.sum_over_ranks(chunked.sum(dim=1, keepdim=True)) / parallel.all_heads(chunked.shape[1])  # every rank's heads
+    return over_heads.expand_as(chunked)
 
 
 class PromptCompressor:
