@@ -3,16 +3,15 @@
     python eval.py --tasks niah_single_2 vt book_shakespeare --cache_config full recent_global heavy_hitter \\
         --cache_sizes 0.5 0.25 0.1 --context_lengths 2048 --num_samples 20
 
-Under --out_dir (default results/), one directory per (model, config, cache size):
-    <model>/<config>/<size>/args.json              the run's settings
-    <model>/<config>/<size>/<task>@<ctx>.jsonl     one line per finished example, written as it finishes
-    <model>/<config>/<size>/<task>@<ctx>.json      the task's metrics over the requested examples
+Under --out_dir (default results/), one directory per (model, config), whatever its sizes and tasks:
+    <model>/<config>/records.jsonl   one line per finished example of any run (size, protocol) and task, written as it finishes
+    <model>/<config>/runs.json       each run's settings, and each finished task's metrics over the requested examples
 and summary.csv / summary.md over everything in --out_dir. An interrupted sweep resumes where it
 stopped: finished examples are read back, never recomputed. Every example is decoded with
 compress_first_token, so even a one-token answer is computed from the compressed cache.
 
 Under torchrun, the ranks share the sweep's batches out, on one machine or several (docs/scaling.md);
-each rank appends to its own <task>@<ctx>.rank<r>.jsonl, and a sweep resumes with any number of ranks:
+each rank appends to its own records.rank<r>.jsonl, and a sweep resumes with any number of ranks:
     torchrun --standalone --nproc_per_node 4 eval.py --tasks ruler --cache_config full snapkv
 """
 
@@ -32,7 +31,8 @@ from kvlab import interrupts_quietly
 with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a traceback
     from kvlab import parallel
     from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
-    from kvlab.evaluate import Evaluator, Job, jobs_for, on_rank0, parse_ratio, parse_size, prepare_runs
+    from kvlab.evaluate import Evaluator, on_rank0, prepare_runs
+    from kvlab.jobs import Job, jobs_for, parse_ratio, parse_size
     from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
     from kvlab.tasks import PerplexityTask, resolve_tasks
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import time
 from collections import defaultdict
@@ -24,114 +23,18 @@ from tqdm import tqdm
 
 from kvlab import parallel
 from kvlab.build import build_caches, plan_layer_budgets
-from kvlab.cache import KVCache
 from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
-from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config, model_scored
+from kvlab.config import CacheSpec, model_scored
 from kvlab.convert import default_checkpoint
 from kvlab.engine import compile_decode_step, decode_one_token, generate, maintain
+from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
 from kvlab.model import ModelArgs, Transformer
 from kvlab.recording import RecordedPrefill
-from kvlab.results import FULL, append_record, rank_file, read_job_records, read_records, rewrite_complete_lines
-from kvlab.strategies import CACHE_STRATEGIES
+from kvlab.results import append_record, rank_file, read_config_records, read_runs, rewrite_complete_lines, write_runs
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
 from kvlab.tasks.ruler import ContextTooShortError, minimum_context_length
-from kvlab.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class Job:
-    """One task at one context length for one (config, cache size): the unit of work and of resume."""
-
-    config: str
-    size: str  # "full", a fraction "0.25", a slot count "512" or a compression ratio "ratio0.5" (RATIO)
-    task: str
-    context_length: int
-    prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
-    query_agnostic: bool = False  # the context is compressed before the question is seen (kvpress's default protocol)
-    prefill_chunk: int | None = None  # prefill in chunks of N, compressing between them (chunked.py); None: as the config says
-
-    def run_dir(self, out_dir: Path, model_name: str) -> Path:
-        """<model>/<config>/<size>, and <size>+query_agnostic for that protocol: the two never share results."""
-        size = self.size + AGNOSTIC * self.query_agnostic + (f"{CHUNKED}{self.prefill_chunk}" if self.prefill_chunk else "")
-        return out_dir / checked_model_name(model_name) / Path(self.config).stem / size
-
-    def stem(self) -> str:
-        """The results file name: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
-        task = self.task if self.prompt_tokens == 1 else f"{self.task}+prompt{self.prompt_tokens}"
-        return f"{task}@{self.context_length}"
-
-
-RATIO = "ratio"  # a size "ratio0.5": kvpress's compression ratio, the share of the prefilled tokens removed
-AGNOSTIC = "+query_agnostic"
-CHUNKED = "+prefill_chunk"  # a run directory's suffix, e.g. 0.5+prefill_chunk512
-
-# What changes a run's results: a run directory holding results under another key is never resumed.
-KEY_FIELDS = ("cache_config", "size", "model", "checkpoint", "dtype", "seed", "chat", "ppl_prompt_tokens")
-
-
-def checked_model_name(name: Any) -> str:
-    """The checkpoint config's name, which names a directory under --out_dir: one plain path component."""
-    if not isinstance(name, str) or name in ("", ".", "..") or ".." in name or any(c in name for c in "/\\\0"):
-        raise ValueError(f"checkpoint name {name!r} (config.json \"name\") must be a plain directory name: no path separators, no '..'")
-    return name
-
-
-def checkpoint_dir(args: argparse.Namespace) -> Path:
-    return Path(args.checkpoint_path or default_checkpoint()).resolve()
-
-
-def run_key(job: Job, args: argparse.Namespace, model_name: str, checkpoint: Path) -> dict[str, Any]:
-    """Everything that changes a run directory's results (stored in its args.json)."""
-    _, dtype = resolve_device_dtype(args.device, args.dtype)
-    key = dict(
-        cache_config=load_cache_config(job.config),
-        size=job.size,
-        model=model_name,
-        checkpoint=checkpoint.name,  # the directory's name: committed records hold no machine's paths
-        dtype=str(dtype).removeprefix("torch."),
-        seed=args.seed,
-        chat=not args.no_chat,
-        ppl_prompt_tokens=args.ppl_prompt_tokens,
-    )
-    if job.query_agnostic:  # absent otherwise, so runs written before the protocol existed still resume
-        key["query_agnostic"] = True
-    if job.prefill_chunk:
-        key["prefill_chunk"] = job.prefill_chunk
-    return json.loads(json.dumps(key))  # as it reads back from args.json
-
-
-def check_key(run_dir: Path, key: dict[str, Any]) -> None:
-    """Refuse a run directory whose args.json was written under another key (resuming it would mix results)."""
-    path = run_dir / "args.json"
-    if not path.exists():
-        return
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); remove it, or choose another --out_dir") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} is not a JSON object; remove it, or choose another --out_dir")
-    if "key" in saved:
-        old = saved["key"] if isinstance(saved["key"], dict) else {}
-        if isinstance(old.get("checkpoint"), str):  # written with the checkpoint's full path
-            old = {**old, "checkpoint": Path(old["checkpoint"]).name}
-        fields = list(dict.fromkeys([*key, *old]))
-    else:  # written before keys: compare the settings it recorded
-        old, fields = saved, [k for k in KEY_FIELDS if k in saved]
-    differ = [f"{k}: {old.get(k)!r} -> {key.get(k)!r}" for k in fields if old.get(k) != key.get(k)]
-    if differ and any(p.stat().st_size for p in run_dir.glob("*.jsonl")):  # a directory with no results yet (a run that failed at once) is reused
-        raise ValueError(f"{run_dir} holds results of other settings ({'; '.join(differ)}); choose another --out_dir, or remove that directory to recompute")
-
-
-def write_args_json(run_dir: Path, job: Job, key: dict[str, Any]) -> None:
-    check_key(run_dir, key)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    args_json = dict(config=job.config, cache_config=key["cache_config"], size=job.size, model=key["model"], seed=key["seed"], key=key)
-    tmp = run_dir / "args.json.tmp"
-    tmp.write_text(json.dumps(args_json, indent=1))
-    tmp.replace(run_dir / "args.json")
 
 
 def check_context_lengths(tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int, model_context: int) -> None:
@@ -157,76 +60,13 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
     model_name = checked_model_name(config.get("name"))
     check_context_lengths(resolve_tasks(args.tasks), args.context_lengths, args.ppl_prompt_tokens, ModelArgs.from_dict(config["model"]).block_size)
     done = 0
+    records = {}
     for job in jobs:
-        run_dir = job.run_dir(args.out_dir, model_name)
-        check_key(run_dir, run_key(job, args, model_name, checkpoint))
-        done += len(read_job_records(run_dir / f"{job.stem()}.jsonl"))
+        config_dir = job.config_dir(args.out_dir, model_name)
+        records.setdefault(config_dir, read_config_records(config_dir))
+        check_key(config_dir, job.run(), run_key(job, args, model_name, checkpoint), records[config_dir])
+        done += len(records[config_dir].get((job.run(), job.stem()), {}))
     return done
-
-
-def parse_ratio(text: str) -> str:
-    """A compression ratio as a size, "ratio0.5": checked like --compression_ratio."""
-    try:
-        check_value("compression_ratio", float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a compression ratio is the share of the prompt removed, in [0, 1), got {text!r}") from None
-    return f"{RATIO}{float(text):g}"
-
-
-def parse_size(text: str) -> str:
-    """A cache size (a fraction in (0, 1] or a slot count), checked like --max_cache_length, written one way
-    (".5" and "0.50" are "0.5"): it names the run's directory."""
-    try:
-        size = check_value("max_cache_length", int(text) if text.isdigit() else float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}") from None
-    return str(size)
-
-
-def jobs_for(
-    configs: list[str],
-    sizes: list[str] | None,
-    tasks: list[GenerationTask | PerplexityTask],
-    context_lengths: list[int],
-    ppl_prompt_tokens: int = 1,
-    query_agnostic: bool = False,
-    prefill_chunk: int | None = None,
-) -> list[Job]:
-    """The full config runs once (it keeps every token, so both protocols are the same run); every other
-    config once per size, or with None at its strategy's default size (0.5; 1.0 for duo_attention and
-    hybrid, whose heads or policies set the compression)."""
-    stems: dict[str, str] = {}
-    for config in configs:
-        stem = Path(config).stem
-        if stem in stems:
-            raise ValueError(f"--cache_config {stems[stem]!r} and {config!r} both write to {stem}/; give each config its own file name")
-        stems[stem] = config
-    jobs = []
-    for config in configs:
-        strategy = load_cache_config(config).get("cache_strategy", FULL)
-        own = [str(float(CACHE_STRATEGIES.get(strategy, KVCache).default_cache_length))]  # an unknown strategy: cache_spec names it later
-        for size in [FULL] if strategy == FULL else own if sizes is None else sizes:
-            for task in tasks:
-                prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1
-                agnostic = query_agnostic and strategy != FULL
-                chunk = prefill_chunk if strategy != FULL else None
-                jobs += [Job(config, size, task.name, ctx, prompt_tokens, agnostic, chunk) for ctx in context_lengths]
-    return jobs
-
-
-def job_spec(job: Job, n_layer: int, tokenizer: Tokenizer) -> CacheSpec:
-    settings = load_cache_config(job.config)
-    if job.size.startswith(RATIO):
-        settings["compression_ratio"] = float(job.size.removeprefix(RATIO))
-        settings.pop("max_cache_length", None)
-        settings.pop("max_cache_length_pattern", None)
-    elif job.size != FULL:
-        settings["max_cache_length"] = int(job.size) if job.size.isdigit() else float(job.size)
-        settings.pop("max_cache_length_pattern", None)
-    settings["compress_first_token"] = True
-    if job.prefill_chunk:
-        settings["prefill_chunk"] = job.prefill_chunk
-    return cache_spec(settings, n_layer, tokenizer, source=str(config_path(job.config)))
 
 
 def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
@@ -296,16 +136,16 @@ class Group:
 
     task: GenerationTask | PerplexityTask
     examples: list[Any]  # Examples, or a perplexity task's Documents
-    runs: list[tuple[Job, CacheSpec, Path]]  # each job's cache spec and .jsonl (results.rank_file: this process's file beside it)
+    runs: list[tuple[Job, CacheSpec]]  # each job with its cache spec
     done: dict[Job, dict[str, dict[str, Any]]]  # each job's finished examples by id, from every rank's file
 
     def todo(self) -> list[Any]:
         """The examples some job still misses, in order."""
-        return [e for e in self.examples if any(e.id not in self.done[job] for job, _, _ in self.runs)]
+        return [e for e in self.examples if any(e.id not in self.done[job] for job, _ in self.runs)]
 
-    def pending(self, batch: list[Any]) -> list[tuple[Job, CacheSpec, Path]]:
+    def pending(self, batch: list[Any]) -> list[tuple[Job, CacheSpec]]:
         """The runs missing one of `batch`'s examples."""
-        return [(job, spec, path) for job, spec, path in self.runs if any(e.id not in self.done[job] for e in batch)]
+        return [(job, spec) for job, spec in self.runs if any(e.id not in self.done[job] for e in batch)]
 
 
 T = TypeVar("T")
@@ -368,7 +208,7 @@ class Evaluator:
         lead = parallel.rank() == 0
         if lead:
             for group in groups:
-                for job, _, _ in group.runs:
+                for job, _ in group.runs:
                     self.prepare(job)
         parallel.barrier()  # the run directories exist, and every rank has read what was done, before any rank appends
         index, count = self.shard
@@ -380,14 +220,27 @@ class Evaluator:
                 self.generate(group, batch)
         parallel.barrier()  # every rank's records are on disk
         if lead:
-            for group in groups:
-                for _, _, path in group.runs:
-                    records = read_job_records(path)
-                    path.with_suffix(".json").write_text(json.dumps(summarize_job(group.task, [records[e.id] for e in group.examples]), indent=1))
+            self.write_metrics(groups)
+
+    def write_metrics(self, groups: list[Group]) -> None:
+        """Each job's metrics over exactly the requested examples, from every rank's records, into its config's runs.json."""
+        by_dir: dict[Path, list[tuple[Group, Job]]] = defaultdict(list)
+        for group in groups:
+            for job, _ in group.runs:
+                by_dir[self.config_dir(job)].append((group, job))
+        for config_dir, jobs in by_dir.items():
+            records, runs = read_config_records(config_dir), read_runs(config_dir)
+            for group, job in jobs:
+                done = records[job.run(), job.stem()]
+                runs[job.run()].setdefault("tasks", {})[job.stem()] = summarize_job(group.task, [done[e.id] for e in group.examples])
+            write_runs(config_dir, runs)
+
+    def config_dir(self, job: Job) -> Path:
+        return job.config_dir(self.args.out_dir, self.config["name"])
 
     def group(self, name: str, ctx: int, jobs: list[Job]) -> Group:
         """A task's examples at one context length with its jobs' specs and records: built alike on every
-        rank before any args.json, so a bad setting fails on every rank and leaves nothing behind."""
+        rank before any runs.json, so a bad setting fails on every rank and leaves nothing behind."""
         task = self.tasks[name]
         if isinstance(task, PerplexityTask):
             examples = task.documents(self.tokenizer, self.args.num_samples, ctx)
@@ -418,21 +271,22 @@ class Evaluator:
                     f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
                     "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
                 )
-            path = job.run_dir(self.args.out_dir, self.config["name"]) / f"{job.stem()}.jsonl"
             if self.writes:  # a torn last line of this process's own file goes before it appends
-                mine = rank_file(path, *self.shard)
-                rewrite_complete_lines(mine, read_records(mine))
-            runs.append((job, spec, path))
-        return Group(task, examples, runs, {job: read_job_records(path) for job, _, path in runs})
+                rewrite_complete_lines(rank_file(self.config_dir(job), *self.shard))
+            runs.append((job, spec))
+        records = {d: read_config_records(d) for d in {self.config_dir(job) for job, _ in runs}}
+        return Group(task, examples, runs, {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs})
 
     def prepare(self, job: Job) -> None:
-        """The job's directory with its args.json."""
-        write_args_json(job.run_dir(self.args.out_dir, self.config["name"]), job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)))
+        """The job's config directory with the run's settings in its runs.json."""
+        config_dir = self.config_dir(job)
+        key = run_key(job, self.args, self.config["name"], checkpoint_dir(self.args))
+        write_run_args(config_dir, job, key, read_config_records(config_dir))
 
-    def keep(self, group: Group, job: Job, path: Path, record: dict[str, Any]) -> None:
-        """A finished example: appended to this process's file of the job, and done."""
+    def keep(self, group: Group, job: Job, record: dict[str, Any]) -> None:
+        """A finished example: appended to this process's records file of the job's config, and done."""
         if self.writes:
-            append_record(rank_file(path, *self.shard), record)
+            append_record(rank_file(self.config_dir(job), *self.shard), {"run": job.run(), "job": job.stem(), **record})
         group.done[job][record["id"]] = record
 
     def generate(self, group: Group, batch: list[Any]) -> None:
@@ -442,13 +296,13 @@ class Evaluator:
         max_new = max(e.max_new_tokens for e in group.examples)
         # Fixed for the task, so nothing recompiles between batches: the longest context + the longest question (decoded one token
         # at a time, query-agnostic; else the last prompt token) + the answer.
-        agnostic = any(job.query_agnostic for job, _, _ in group.runs)
+        agnostic = any(job.query_agnostic for job, _ in group.runs)
         contexts = [e.question_start if agnostic else len(e.input_ids) - 1 for e in group.examples]
         questions = [len(e.input_ids) - c for e, c in zip(group.examples, contexts, strict=True)]
         max_seq_length = min(max(contexts) + max(questions) + max_new, self.model.config.block_size)
         padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
         shared = {False: RecordedPrefill(), True: RecordedPrefill()}  # one prefill per protocol: the whole prompt, or the context alone
-        for job, spec, path in group.pending(batch):
+        for job, spec in group.pending(batch):
             t0 = time.perf_counter()
             result = generate(
                 self.model,
@@ -480,12 +334,12 @@ class Evaluator:
                 )
                 if result.attention_loss is not None:
                     record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
-                self.keep(group, job, path, record)
+                self.keep(group, job, record)
 
     def score_documents(self, group: Group, batch: list[Any]) -> None:
         """Score a batch of a perplexity task's documents for every run still missing one of them."""
         padded = batch + batch[-1:] * (self.args.batch_size - len(batch))
-        for job, spec, path in group.pending(batch):
+        for job, spec in group.pending(batch):
             t0 = time.perf_counter()
             losses, held = document_nll(self.model, [d.input_ids for d in padded], spec, self.ppl_step, job.prompt_tokens)
             seconds = (time.perf_counter() - t0) / len(batch)
@@ -502,4 +356,4 @@ class Evaluator:
                     compression=len(doc.input_ids) / float(held[i]),
                     seconds=round(seconds, 3),
                 )
-                self.keep(group, job, path, record)
+                self.keep(group, job, record)

@@ -186,20 +186,34 @@ class SnapKV(PromptCompressor):
             valid="mean, max, sum or query",
             param="gqa",
         ),
+        choice(
+            "snapkv_window_reduce",
+            ("sum", "mean"),
+            "sum",
+            "snapkv: a key's attention from the window's queries summed (the paper's code; H2O's scale when it seeds H2O's "
+            "running scores) or averaged (kvpress's SnapKVPress, the scale that CriticalKV's value_epsilon is set for)",
+            valid="sum or mean",
+            param="window_reduce",
+        ),
     )
 
-    def __init__(self, window: int = 16, kernel: int = 7, pooling: str = "max", gqa: str = "mean") -> None:
-        for option, value in zip(self.options, (window, kernel, pooling, gqa), strict=True):
+    def __init__(self, window: int = 16, kernel: int = 7, pooling: str = "max", gqa: str = "mean", window_reduce: str = "sum") -> None:
+        for option, value in zip(self.options, (window, kernel, pooling, gqa, window_reduce), strict=True):
             option.validate(value)
-        self.window, self.kernel, self.pooling, self.gqa = window, kernel, pooling, gqa
+        self.window, self.kernel, self.pooling, self.gqa, self.window_reduce = window, kernel, pooling, gqa, window_reduce
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        probs = window_attention(input_pos, k, q, self.window).sum(dim=3)  # [B, H_kv, group, T]
+        probs = self.over_window(window_attention(input_pos, k, q, self.window))
         return self.select(probs, input_pos[:, None, :], input_pos.max(dim=-1, keepdim=True).values)
 
     def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
-        probs = chunk_attention(key_pos, k, query_pos, q, self.window).sum(dim=3)
+        probs = self.over_window(chunk_attention(key_pos, k, query_pos, q, self.window))
         return self.select(probs, key_pos, query_pos.max(dim=-1, keepdim=True).values)
+
+    def over_window(self, probs: Tensor) -> Tensor:
+        """The window's attention [B, H_kv, group, w, T] reduced over its w queries (rows of missing queries are zero
+        and count in the mean's w alike for every key, so a row's ranking is the sum's)."""
+        return probs.sum(dim=3) if self.window_reduce == "sum" else probs.mean(dim=3)
 
     def select(self, probs: Tensor, key_pos: Tensor, last: Tensor) -> Tensor:
         """Scores from the window's attention [B, H_kv, group, T] to keys at key_pos [B, 1 or H_kv, T], the newest position last [B, 1]."""

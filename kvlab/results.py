@@ -1,5 +1,6 @@
-"""Results on disk: one JSON line per finished example (appended and synced as it finishes, so an
-interrupted sweep resumes where it stopped), and summaries over every finished task of a results directory."""
+"""Results on disk, one directory per model and cache config: records.jsonl, one JSON line per finished example of
+any of the config's runs (appended and synced as it finishes, so an interrupted sweep resumes where it stopped), and
+runs.json, each run's settings and finished tasks' metrics; summaries over every finished task of a results directory."""
 
 from __future__ import annotations
 
@@ -30,46 +31,57 @@ def removed_unless_results(out_dir: Path) -> Iterator[None]:
         raise
 
 
-def read_records(path: Path) -> dict[str, dict[str, Any]]:
-    """Finished examples of a .jsonl by id; a last line cut short by a kill is dropped (and redone). Any
-    other line that is not a JSON record with an "id" is an error: the file is not one this harness wrote."""
-    records = {}
-    if path.exists():
-        lines = path.read_text().splitlines()
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):
-                    continue  # torn by a kill mid-write
-                raise ValueError(f"{path} line {number}: not a JSON record ({line[:60]!r}); fix or remove the line, or the file, to redo it") from None
-            if not isinstance(record, dict) or "id" not in record:
-                raise ValueError(f'{path} line {number}: a record with no "id" ({line[:60]!r}); fix or remove the line, or the file, to redo it')
-            records[record["id"]] = record
+RECORDS = "records.jsonl"  # <out_dir>/<model>/<config>/records.jsonl: every example of every run of the config
+RUNS = "runs.json"  # beside it: each run's settings ("args") and its finished tasks' metrics ("tasks")
+RUN_FIELDS = ("run", "job", "id")  # every record names its run (size+flags), its job (task@ctx) and its example
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of one .jsonl in order; a last line cut short by a kill is dropped (and redone). Any other line
+    that is not a JSON record with a run, a job and an id is an error: the file is not one this harness wrote."""
+    records = []
+    lines = path.read_text().splitlines() if path.exists() else []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue  # torn by a kill mid-write
+            raise ValueError(f"{path} line {number}: not a JSON record ({line[:60]!r}); fix or remove the line, or the file, to redo it") from None
+        if not isinstance(record, dict) or any(k not in record for k in RUN_FIELDS):
+            raise ValueError(f"{path} line {number}: a record without {', '.join(RUN_FIELDS)} ({line[:60]!r}); fix or remove the line, or the file, to redo it")
+        records.append(record)
     return records
 
 
-def rank_file(path: Path, rank: int, world: int) -> Path:
-    """The .jsonl one process appends a job's records to: the job's `path` itself in a sweep run by one
-    process, `<task>@<ctx>.rank<r>.jsonl` beside it when `world` processes share the sweep (one writer per file)."""
-    return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}.jsonl")
+def rank_file(config_dir: Path, rank: int, world: int) -> Path:
+    """The .jsonl one process appends to: the config's records.jsonl in a sweep run by one process,
+    records.rank<r>.jsonl beside it when `world` processes share the sweep (one writer per file)."""
+    return config_dir / (RECORDS if world == 1 else f"records.rank{rank}.jsonl")
 
 
-def read_job_records(path: Path) -> dict[str, dict[str, Any]]:
-    """A job's finished examples from its `path` and every rank's file beside it, whatever the number of
-    processes that wrote them, so a sweep resumes with any number of ranks."""
-    records = read_records(path)
-    for part in sorted(path.parent.glob(f"{path.stem}.rank*.jsonl")):
-        records |= read_records(part)
-    return records
+def config_dirs(out_dir: Path) -> list[Path]:
+    """The <model>/<config> directories under out_dir that hold records, in order."""
+    return sorted({p.parent for p in out_dir.glob("*/*/records*.jsonl")})
 
 
-def rewrite_complete_lines(path: Path, records: dict[str, dict[str, Any]]) -> None:
+def read_config_records(config_dir: Path) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+    """A config's finished examples by (run, job) and id, from records.jsonl and every rank's file beside it, whatever
+    the number of processes that wrote them, so a sweep resumes with any number of ranks."""
+    jobs: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for path in [config_dir / RECORDS, *sorted(config_dir.glob("records.rank*.jsonl"))]:
+        for record in read_records(path):
+            jobs[record["run"], record["job"]][record["id"]] = record
+    return jobs
+
+
+def rewrite_complete_lines(path: Path) -> None:
     """Drop a torn last line before appending, so the file stays one JSON object per line. Replaced in one
     step: another rank may be reading the file for its own resume."""
+    records = read_records(path)
     if path.exists() and len(path.read_text().splitlines()) != len(records):
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.replace(path)
 
 
@@ -80,31 +92,56 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-TASK_METRICS = ("metric", "value", "n", "compression")  # every task@ctx.json holds them
-
-
-def read_task_metrics(path: Path) -> dict[str, Any]:
-    """A finished task's metrics file, refused in one line when damaged or incomplete."""
+def read_runs(config_dir: Path) -> dict[str, dict[str, Any]]:
+    """A config's runs.json: {run: {"args": the run's settings, "tasks": {job: metrics}}}, refused in one line when damaged."""
+    path = config_dir / RUNS
+    if not path.exists():
+        return {}
     try:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
+        runs = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete it and rerun the same command to recompute the task") from None
+        raise ValueError(f"{path}: not valid JSON ({e}); remove it, or choose another --out_dir") from None
+    if not isinstance(runs, dict) or not all(isinstance(r, dict) for r in runs.values()):
+        raise ValueError(f"{path}: not a JSON object of runs; remove it, or choose another --out_dir")
+    return runs
+
+
+def write_runs(config_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
+    """runs.json replaced in one step, runs and tasks in sorted order (a stable diff)."""
+    ordered = {run: {**runs[run], "tasks": dict(sorted(runs[run].get("tasks", {}).items()))} for run in sorted(runs)}
+    tmp = config_dir / (RUNS + ".tmp")
+    tmp.write_text(json.dumps(ordered, indent=1) + "\n")
+    tmp.replace(config_dir / RUNS)
+
+
+TASK_METRICS = ("metric", "value", "n", "compression")  # every finished task's metrics hold them
+
+
+def checked_task_metrics(where: str, metrics: Any) -> dict[str, Any]:
+    """A finished task's metrics from runs.json, refused in one line when incomplete."""
     missing = [k for k in TASK_METRICS if not isinstance(metrics, dict) or k not in metrics]
     if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)}; delete it and rerun the same command to recompute the task")
+        raise ValueError(f"{where}: no {', '.join(missing)}; remove that task from it and rerun the same command to recompute the task")
     return metrics
+
+
+def finished_tasks(out_dir: Path) -> Iterator[tuple[Path, str, str, dict[str, Any]]]:
+    """(runs.json, run, job, metrics) of every finished task under out_dir, in order."""
+    for path in sorted(out_dir.glob(f"*/*/{RUNS}")):
+        for run, entry in read_runs(path.parent).items():
+            for job, metrics in entry.get("tasks", {}).items():
+                yield path, run, job, checked_task_metrics(f"{path} {run} {job}", metrics)
 
 
 def write_summary(out_dir: Path) -> list[dict[str, Any]]:
     """summary.csv and summary.md over every finished task in out_dir, each score also relative to the
     full cache of the same model, task and context length."""
     rows = []
-    for path in sorted(out_dir.glob("*/*/*/*@*.json")):
-        model_name, config, run = path.parts[-4:-1]
+    for path, run, job, metrics in finished_tasks(out_dir):
+        model_name, config = path.parts[-3:-1]
         size, *flags = run.split("+")  # "ratio0.5+query_agnostic+prefill_chunk512"
         chunk = next((int(f.removeprefix("prefill_chunk")) for f in flags if f.startswith("prefill_chunk")), None)
-        task, ctx = path.stem.split("@")
-        metrics = read_task_metrics(path)
+        task, ctx = job.split("@")
         rows.append(
             dict(
                 model=model_name,

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.evaluate import CHUNKED
-from kvlab.results import read_job_records
+from kvlab.jobs import CHUNKED
+from kvlab.results import config_dirs, read_config_records
 
 MEASURES = ("score", "needle_digits")
 
@@ -37,19 +37,18 @@ def paired(oneshot: list[float], chunked: list[float]) -> dict[str, float]:
 def comparisons(out_dir: Path) -> list[dict[str, Any]]:
     """One row per (config, size, chunk, task@context, measure) with examples in both runs."""
     rows = []
-    for chunked_dir in sorted(out_dir.glob(f"*/*/*{CHUNKED}*")):
-        size, _, chunk = chunked_dir.name.partition(CHUNKED)
-        for path in sorted(chunked_dir.glob("*.jsonl")):
-            if ".rank" in path.name:
+    for config_dir in config_dirs(out_dir):
+        records = read_config_records(config_dir)
+        for (run, task), chunked in sorted(records.items()):
+            if CHUNKED not in run:
                 continue
-            chunked, oneshot = read_job_records(path), read_job_records(chunked_dir.parent / size / path.name)
+            size, _, chunk = run.partition(CHUNKED)
+            oneshot = records.get((size, task), {})
             ids = sorted(set(chunked) & set(oneshot))
             for measure in MEASURES:
                 if ids and all(measure in chunked[i] and measure in oneshot[i] for i in ids):
                     values = paired([oneshot[i][measure] for i in ids], [chunked[i][measure] for i in ids])
-                    rows.append(
-                        {"config": chunked_dir.parent.name, "size": size, "chunk": int(chunk), "task": path.stem, "measure": measure, "n": len(ids), **values}
-                    )
+                    rows.append({"config": config_dir.name, "size": size, "chunk": int(chunk), "task": task, "measure": measure, "n": len(ids), **values})
     return rows
 
 

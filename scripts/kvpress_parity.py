@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.evaluate import AGNOSTIC, RATIO
-from kvlab.results import append_record, read_job_records
+from kvlab.jobs import AGNOSTIC, RATIO
+from kvlab.results import RECORDS, append_record, read_config_records
 from kvlab.tasks import resolve_tasks
 
 PROTOCOLS = {"query_agnostic": True, "query_aware": False}
@@ -118,13 +118,13 @@ METHODS = (
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def run_dir(side: Path, method: str, agnostic: bool, ratio: float) -> Path:
-    """Where eval.py puts a run (`<model>/<config>/<size>`), for either side: the full cache has one run;
-    DuoAttention, whose ratio is the share of streaming heads, one config per ratio (`duo_config`) at its own size."""
+def run_of(side: Path, method: str, agnostic: bool, ratio: float) -> tuple[Path, str]:
+    """Where eval.py keeps a run, for either side: its config directory (`<model>/<config>`) and its name there
+    (`<size>+flags`). The full cache has one run; DuoAttention, whose ratio is the share of streaming heads, one config
+    per ratio (`duo_config`) at its own size."""
     if method == "duo_attention":
-        return side / MODEL / f"duo_attention_{ratio:g}" / ("1.0" + AGNOSTIC * agnostic)
-    size = "full" if method == "full" else f"{RATIO}{ratio}" + AGNOSTIC * agnostic
-    return side / MODEL / method / size
+        return side / MODEL / f"duo_attention_{ratio:g}", "1.0" + AGNOSTIC * agnostic
+    return side / MODEL / method, "full" if method == "full" else f"{RATIO}{ratio}" + AGNOSTIC * agnostic
 
 
 def duo_config(out_dir: Path, ratio: float) -> Path:
@@ -178,8 +178,14 @@ def press_answer(model: Any, press: Any, context: list[int], question: list[int]
     with torch.inference_mode():
         with press(model) if press is not None else contextlib.nullcontext():
             model.model(input_ids=torch.tensor([context]), past_key_values=cache)
-        positions = torch.arange(len(context), len(context) + len(question))[None]
-        logits = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+        lengths = {cache.get_seq_length(layer) for layer in range(len(cache.layers))}
+        # Layers of different lengths (PyramidKV) get one mask from transformers, sized for the first (transformers
+        # #35168): the question then goes token by token, which is the same causal attention.
+        step = len(question) if len(lengths) == 1 else 1
+        for start in range(0, len(question), step):
+            positions = torch.arange(len(context) + start, len(context) + start + step)[None]
+            ids = torch.tensor([question[start : start + step]])
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
         answer = [int(logits[0, -1].argmax())]
         position = len(context) + len(question)
         while len(answer) < max_new_tokens and answer[-1] not in stop_ids:
@@ -212,10 +218,11 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
     for method in args.methods:
         for protocol in args.protocols if method != "full" else ["query_aware"]:
             for ratio in args.ratios if method != "full" else [0.0]:
+                config_dir, run = run_of(args.out_dir / "kvpress", method, PROTOCOLS[protocol], ratio)
+                config_dir.mkdir(parents=True, exist_ok=True)
                 for task in tasks:
-                    path = run_dir(args.out_dir / "kvpress", method, PROTOCOLS[protocol], ratio) / f"{task.name}@{args.context_length}.jsonl"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    done = read_job_records(path)
+                    job = f"{task.name}@{args.context_length}"
+                    done = read_config_records(config_dir).get((run, job), {})
                     for example in examples[task.name]:
                         if example.id in done:
                             continue
@@ -224,8 +231,8 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
                         t0 = time.perf_counter()
                         ids = press_answer(model, press, example.input_ids[:split], example.input_ids[split:], example.max_new_tokens, tokenizer.stop_ids)
                         prediction = tokenizer.decode(cut_at_stop(ids, tokenizer.stop_ids)[0])
-                        record = dict(id=example.id, score=task.score(prediction, example), prediction=prediction, seconds=round(time.perf_counter() - t0, 3))
-                        append_record(path, record)
+                        record = dict(run=run, job=job, id=example.id, score=task.score(prediction, example), prediction=prediction)
+                        append_record(config_dir / RECORDS, record | {"seconds": round(time.perf_counter() - t0, 3)})
                     print(f"kvpress {method} {protocol} {ratio} {task.name}: done", flush=True)
     return {"same_token_ids": same, "prompts": total}
 
@@ -233,9 +240,12 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
 def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[str, Any] | None:
     """Examples both sides finished: how many answers are the same text, and each side's mean score (0-100)."""
     pairs = []
-    for path in sorted(run_dir(out_dir / "kvpress", method, agnostic, ratio).glob("*.jsonl")):
-        ours, theirs = read_job_records(run_dir(out_dir / "kvlab", method, agnostic, ratio) / path.name), read_job_records(path)
-        pairs += [(ours[i], theirs[i]) for i in sorted(set(ours) & set(theirs))]
+    (their_dir, run), (our_dir, _) = run_of(out_dir / "kvpress", method, agnostic, ratio), run_of(out_dir / "kvlab", method, agnostic, ratio)
+    ours_by_job = read_config_records(our_dir)
+    for (their_run, job), theirs in sorted(read_config_records(their_dir).items()):
+        if their_run == run:
+            ours = ours_by_job.get((run, job), {})
+            pairs += [(ours[i], theirs[i]) for i in sorted(set(ours) & set(theirs))]
     if not pairs:
         return None
     return {
@@ -247,10 +257,11 @@ def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[st
 
 
 def recorded_ratios(out_dir: Path) -> list[float]:
-    """Every compression ratio kvpress's side has records for, from its run directories."""
-    names = [d.name for d in (out_dir / "kvpress" / MODEL).glob("*/*")] + [d.name for d in (out_dir / "kvpress" / MODEL).glob("duo_attention_*")]
-    ratios = {n.removeprefix(RATIO).removesuffix(AGNOSTIC) for n in names if n.startswith(RATIO)}
-    return sorted(float(r) for r in ratios | {n.removeprefix("duo_attention_") for n in names if n.startswith("duo_attention_")})
+    """Every compression ratio kvpress's side has records for: its runs' names, and its DuoAttention configs'."""
+    config_dirs = sorted((out_dir / "kvpress" / MODEL).glob("*"))
+    runs = {run for d in config_dirs for run, _ in read_config_records(d)}
+    ratios = {r.removeprefix(RATIO).removesuffix(AGNOSTIC) for r in runs if r.startswith(RATIO)}
+    return sorted(float(r) for r in ratios | {d.name.removeprefix("duo_attention_") for d in config_dirs if d.name.startswith("duo_attention_")})
 
 
 def parity_table(out_dir: Path) -> dict[str, Any]:

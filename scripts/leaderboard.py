@@ -24,7 +24,7 @@ from typing import Any
 
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.config import load_cache_config
-from kvlab.evaluate import parse_ratio
+from kvlab.jobs import parse_ratio
 from kvlab.results import FULL
 from kvlab.strategies import CACHE_STRATEGIES
 

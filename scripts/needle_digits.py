@@ -10,30 +10,29 @@ results written before it did (docs/sweeps), and prints one table per results di
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.results import read_job_records
+from kvlab.results import config_dirs, read_config_records
 from kvlab.tasks import Example
 from kvlab.tasks.ruler import TASKS
 
 
 def table(results: Path) -> str:
-    """One row per run and task: examples, exact-match score and needle digits, both in %."""
+    """One row per config, run and task: examples, exact-match score and needle digits, both in %."""
     lines = ["| model | config | size | task | n | score | needle digits (%) |", "|---|---|---|---|---|---|---|"]
-    jobs = {path.with_name(re.sub(r"\.rank\d+$", "", path.stem) + ".jsonl") for path in results.glob("*/*/*/*@*.jsonl")}  # rank files join their job
-    for path in sorted(jobs):
-        model_name, config, size = path.parts[-4:-1]
-        task = TASKS.get(path.stem.split("@")[0])
-        records = list(read_job_records(path).values())
-        if task is None or not records:
-            continue
-        digits = [task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits") for r in records]
-        if None in digits:  # not a task with numeric needles
-            continue
-        score = 100 * sum(r["score"] for r in records) / len(records)
-        lines.append(f"| {model_name} | {config} | {size} | {path.stem} | {len(records)} | {score:.0f} | {100 * sum(digits) / len(digits):.1f} |")
+    for config_dir in config_dirs(results):
+        for (run, job), by_id in sorted(read_config_records(config_dir).items()):
+            model_name, config = config_dir.parts[-2:]
+            task = TASKS.get(job.split("@")[0])
+            records = list(by_id.values())
+            if task is None or not records:
+                continue
+            digits = [task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits") for r in records]
+            if None in digits:  # not a task with numeric needles
+                continue
+            score = 100 * sum(r["score"] for r in records) / len(records)
+            lines.append(f"| {model_name} | {config} | {run} | {job} | {len(records)} | {score:.0f} | {100 * sum(digits) / len(digits):.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -255,10 +255,10 @@ def test_chunked_vs_oneshot_pairs_the_examples_both_runs_finished(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     runs = {"ratio0.5+query_agnostic": [1.0, 1.0, 0.0], "ratio0.5+query_agnostic+prefill_chunk512": [0.0, 1.0]}
-    for size, scores in runs.items():
-        run = tmp_path / "SmolLM2-135M-Instruct" / "keydiff" / size
-        run.mkdir(parents=True)
-        (run / "vt@2048.jsonl").write_text("".join(json.dumps({"id": f"vt/{i}", "score": s}) + "\n" for i, s in enumerate(scores)))
+    config_dir = tmp_path / "SmolLM2-135M-Instruct" / "keydiff"
+    config_dir.mkdir(parents=True)
+    lines = [{"run": run, "job": "vt@2048", "id": f"vt/{i}", "score": s} for run, scores in runs.items() for i, s in enumerate(scores)]
+    (config_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     rows = script.comparisons(tmp_path)
     assert rows == [
         {"config": "keydiff", "size": "ratio0.5+query_agnostic", "chunk": 512, "task": "vt@2048", "measure": "score", "n": 2}

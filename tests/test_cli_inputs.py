@@ -276,7 +276,7 @@ def test_a_checkpoint_config_out_of_range_is_refused(field, value, error, tiny_c
 
 def test_eval_writes_each_cache_size_one_way_and_refuses_repeats(capsys):
     import eval as kv_eval
-    from kvlab.evaluate import parse_size
+    from kvlab.jobs import parse_size
 
     assert [parse_size(text) for text in ("0.5", ".5", "0.50", "512", "1.0", "1")] == ["0.5", "0.5", "0.5", "512", "1.0", "1"]
     with pytest.raises(SystemExit):
@@ -370,10 +370,13 @@ def test_damaged_results_are_one_line_naming_the_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         plot.main([str(tmp_path)])
     assert "line 2: compression 'inf' cannot be plotted (a finite number, > 0)" in one_line_error(capsys, exit_info)
-    run = tmp_path / "SmolLM2-135M-Instruct" / "l2" / "0.5"
-    run.mkdir(parents=True)
-    (run / "vt@512.json").write_text('{"metric": "acc", "value": 50.0}')
-    with pytest.raises(ValueError, match=r"vt@512.json: no n, compression; delete it and rerun"):
+    config_dir = tmp_path / "SmolLM2-135M-Instruct" / "l2"
+    config_dir.mkdir(parents=True)
+    (config_dir / "runs.json").write_text('{"0.5": {"tasks": {"vt@512": {"metric": "acc", "value": 50.0}}}}')
+    with pytest.raises(ValueError, match=r"runs.json 0.5 vt@512: no n, compression; remove that task from it and rerun"):
+        write_summary(tmp_path)
+    (config_dir / "runs.json").write_text("{garbage")
+    with pytest.raises(ValueError, match=r"runs.json: not valid JSON"):
         write_summary(tmp_path)
 
 

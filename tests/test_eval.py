@@ -20,9 +20,10 @@ from conftest import ROOT
 from kvlab import evaluate
 from kvlab.build import make_caches
 from kvlab.config import cache_spec
+from kvlab.jobs import jobs_for
 from kvlab.prompt_compression import AttentionScores
 from kvlab.recording import PrefillRecorder
-from kvlab.results import read_job_records, read_records
+from kvlab.results import RECORDS, config_dirs, read_config_records, read_records, read_runs, write_runs
 from kvlab.tasks import Example, GenerationTask, resolve_tasks
 from kvlab.tasks.book import TASKS as BOOKS
 from kvlab.tasks.book import pg19_books
@@ -30,6 +31,8 @@ from kvlab.tasks.ruler import TASKS, ContextTooShortError, needle_digits
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from plot import main as plot_main  # noqa: E402
+
+M = "SmolLM2-135M-Instruct"
 
 
 def use_echo_task(monkeypatch) -> None:
@@ -114,21 +117,36 @@ def run_eval(tmp_path, *extra):
     kv_eval.main(["--out_dir", str(tmp_path), "--context_lengths", "64", "--batch_size", "2", *extra])
 
 
+def job_records(config_dir, run: str, job: str) -> list[dict]:
+    """One job's records in the config's records.jsonl, in file order."""
+    return [r for r in read_records(config_dir / RECORDS) if (r["run"], r["job"]) == (run, job)]
+
+
+def task_metrics(config_dir, run: str, job: str) -> dict:
+    return read_runs(config_dir)[run]["tasks"][job]
+
+
+def jobs_under(out_dir) -> list[tuple[str, str, str]]:
+    """(config directory, run, job) of every job with records under out_dir."""
+    return sorted((d.relative_to(out_dir).as_posix(), *key) for d in config_dirs(out_dir) for key in read_config_records(d))
+
+
 def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monkeypatch):
     args = ["--tasks", "book_shakespeare", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "3"]
     run_eval(tmp_path, *args)
-    runs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*/*/*.jsonl"))
-    assert runs == ["SmolLM2-135M-Instruct/full/full/book_shakespeare@64.jsonl", "SmolLM2-135M-Instruct/recent_global/0.5/book_shakespeare@64.jsonl"]
+    assert jobs_under(tmp_path) == [(f"{M}/full", "full", "book_shakespeare@64"), (f"{M}/recent_global", "0.5", "book_shakespeare@64")]
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(r["config"], r["size"]) for r in rows] == [("full", "full"), ("recent_global", "0.5")]
     assert float(rows[0]["relative_to_full"]) == 1.0 and float(rows[1]["relative_to_full"]) > 1.0  # perplexity rises under compression
     assert abs(float(rows[1]["compression"]) - 2.0) < 0.1
 
     # A kill mid-run: metrics not written, the last line torn. Resuming redoes only the missing documents.
-    run_dir = tmp_path / "SmolLM2-135M-Instruct/recent_global/0.5"
-    jsonl = run_dir / "book_shakespeare@64.jsonl"
+    config_dir = tmp_path / f"{M}/recent_global"
+    jsonl = config_dir / RECORDS
     finished = jsonl.read_text().splitlines()
-    (run_dir / "book_shakespeare@64.json").unlink()
+    runs = read_runs(config_dir)
+    del runs["0.5"]["tasks"]["book_shakespeare@64"]
+    write_runs(config_dir, runs)
     jsonl.write_text(finished[0] + "\n" + finished[1][:20])
     computed = []
     original = evaluate.document_nll
@@ -137,7 +155,7 @@ def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monke
     assert computed == [2]  # one batch (padded to 2) for the two unfinished documents; the full run was not touched
     resumed = jsonl.read_text().splitlines()
     assert resumed[0] == finished[0] and sorted(json.loads(x)["id"] for x in resumed) == sorted(json.loads(x)["id"] for x in finished)
-    assert (run_dir / "book_shakespeare@64.json").exists()
+    assert task_metrics(config_dir, "0.5", "book_shakespeare@64")["n"] == 3
     plot_main([str(tmp_path)])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -149,17 +167,17 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     original = evaluate.generate
     monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k))
     run_eval(tmp_path, *args)
-    records = [json.loads(line) for line in (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()]
+    config_dir = tmp_path / f"{M}/heavy_hitter"
+    records = job_records(config_dir, "0.9", "echo@64")
     assert [r["id"] for r in records] == [f"echo/{i}" for i in range(5)] and calls == [2, 2, 2]  # the last batch padded to 2
     assert all(r["score"] == float(r["answers"][0] in r["prediction"].lower()) for r in records)
-    metrics = json.loads((tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json").read_text())
+    metrics = task_metrics(config_dir, "0.9", "echo@64")
     assert metrics["n"] == 5 and metrics["value"] == 100 * sum(r["score"] for r in records) / 5
-    metrics_path = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.json"
     run_eval(tmp_path, *args[:-1], "7")  # more samples: the first five are kept; one batch holds the two new ones
-    lines = (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()
-    assert calls == [2, 2, 2, 2] and len(lines) == 7 and json.loads(metrics_path.read_text())["n"] == 7
+    lines = (config_dir / RECORDS).read_text().splitlines()
+    assert calls == [2, 2, 2, 2] and len(lines) == 7 and task_metrics(config_dir, "0.9", "echo@64")["n"] == 7
     run_eval(tmp_path, *args)  # fewer again: nothing to compute, metrics over the first five
-    assert calls == [2, 2, 2, 2] and json.loads(metrics_path.read_text())["value"] == metrics["value"]
+    assert calls == [2, 2, 2, 2] and task_metrics(config_dir, "0.9", "echo@64")["value"] == metrics["value"]
 
 
 def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
@@ -176,9 +194,9 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
     for config in configs:
         for size in ["full"] if config == "full" else sizes:
             run_eval(tmp_path / config / size, "--tasks", "echo", "--cache_config", config, "--cache_sizes", sizes[size == "0.8"], "--num_samples", "4")
-            together = (tmp_path / "together/SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
-            alone = (tmp_path / config / size / "SmolLM2-135M-Instruct" / config / size / "echo@64.jsonl").read_text().splitlines()
-            assert [json.loads(x)["prediction"] for x in together] == [json.loads(x)["prediction"] for x in alone]
+            together = job_records(tmp_path / "together" / M / config, size, "echo@64")
+            alone = job_records(tmp_path / config / size / M / config, size, "echo@64")
+            assert [r["prediction"] for r in together] == [r["prediction"] for r in alone]
 
 
 # A generation and a perplexity task, two configs, two batches of one example each per task: four units.
@@ -214,17 +232,18 @@ def test_two_ranks_share_a_sweep_out_and_equal_one_process(two_rank_sweep, tmp_p
         run_eval(tmp_path, *SWEEP)
     finally:
         torch.set_num_threads(threads)
-    runs = sorted(p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*/*.jsonl"))
-    assert [r.as_posix() for r in runs] == [
-        f"SmolLM2-135M-Instruct/{run}/{task}.jsonl" for run in ("full/full", "recent_global/0.5") for task in ("book_kjv+prompt240@256", "qa_1@256")
+    runs = jobs_under(tmp_path)
+    assert runs == [
+        (f"{M}/{config}", run, task) for config, run in (("full", "full"), ("recent_global", "0.5")) for task in ("book_kjv+prompt240@256", "qa_1@256")
     ]
-    for run in runs:
-        one = {id: without_seconds(r) for id, r in read_records(tmp_path / run).items()}
-        ranks = [read_records(two_rank_sweep / run.with_name(f"{run.stem}.rank{rank}.jsonl")) for rank in (0, 1)]
-        assert [list(records) for records in ranks] == [[id] for id in one]  # batch 0 on rank 0, batch 1 on rank 1
-        assert {id: without_seconds(r) for records in ranks for id, r in records.items()} == one
-        assert not (two_rank_sweep / run).exists()
-        metrics = [json.loads((out / run.with_suffix(".json")).read_text()) for out in (tmp_path, two_rank_sweep)]
+    assert jobs_under(two_rank_sweep) == runs
+    for config, run, job in runs:
+        one = [without_seconds(r) for r in job_records(tmp_path / config, run, job)]
+        ranks = [[r for r in read_records(two_rank_sweep / config / f"records.rank{rank}.jsonl") if (r["run"], r["job"]) == (run, job)] for rank in (0, 1)]
+        assert [[r["id"] for r in records] for records in ranks] == [[r["id"]] for r in one]  # batch 0 on rank 0, batch 1 on rank 1
+        assert [without_seconds(r) for records in ranks for r in records] == one
+        assert not (two_rank_sweep / config / RECORDS).exists()
+        metrics = [task_metrics(out / config, run, job) for out in (tmp_path, two_rank_sweep)]
         assert without_seconds(metrics[0]) == without_seconds(metrics[1])
     assert (two_rank_sweep / "summary.csv").read_text() == (tmp_path / "summary.csv").read_text()
 
@@ -233,9 +252,10 @@ def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, m
     """The ranks' files count as done for a rerun with another number of processes: nothing is recomputed
     but a missing example, which goes to the one process's own file."""
     shutil.copytree(two_rank_sweep, tmp_path, dirs_exist_ok=True)
-    run_dir = tmp_path / "SmolLM2-135M-Instruct/recent_global/0.5"
-    removed = read_records(run_dir / "qa_1@256.rank1.jsonl")
-    (run_dir / "qa_1@256.rank1.jsonl").unlink()
+    config_dir = tmp_path / f"{M}/recent_global"
+    rank1 = read_records(config_dir / "records.rank1.jsonl")
+    removed = [r for r in rank1 if r["job"] == "qa_1@256"]
+    (config_dir / "records.rank1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rank1 if r["job"] != "qa_1@256"))
     generated, scored = [], []
     original_generate, original_nll = evaluate.generate, evaluate.document_nll
     monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: generated.append(len(prompts)) or original_generate(model, prompts, *a, **k))
@@ -244,9 +264,9 @@ def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, m
     run_eval(tmp_path, *SWEEP)
     assert "resuming: 7 example(s) already done" in capsys.readouterr().err
     assert generated == [1] and scored == []  # the missing example, for its config alone
-    assert list(read_records(run_dir / "qa_1@256.jsonl")) == list(removed)
-    assert [p.name for p in tmp_path.glob("*/*/*/*@256.jsonl")] == ["qa_1@256.jsonl"]
-    assert json.loads((run_dir / "qa_1@256.json").read_text())["n"] == 2
+    assert [r["id"] for r in read_records(config_dir / RECORDS)] == [r["id"] for r in removed] and len(removed) == 1
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.glob(f"*/*/{RECORDS}")] == [f"{M}/recent_global/{RECORDS}"]
+    assert task_metrics(config_dir, "0.5", "qa_1@256")["n"] == 2
 
 
 def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_path):
@@ -255,10 +275,11 @@ def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_
     equal up to the sharded sums' rounding."""
     proc = torchrun_eval(tmp_path, *SWEEP, "--tensor_parallel")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list(tmp_path.glob("*/*/*/*.rank*.jsonl"))
-    for run in sorted(p.relative_to(tmp_path) for p in tmp_path.glob("*/*/*/*.jsonl")):
-        sharded = read_records(tmp_path / run)
-        alone = read_job_records(two_rank_sweep / run)
+    assert not list(tmp_path.glob("*/*/records.rank*.jsonl"))
+    assert jobs_under(tmp_path) == jobs_under(two_rank_sweep)
+    for config, run, job in jobs_under(tmp_path):
+        sharded = read_config_records(tmp_path / config)[run, job]
+        alone = read_config_records(two_rank_sweep / config)[run, job]
         assert list(sharded) == sorted(alone)
         for id, record in sharded.items():
             if "prediction" in record:
@@ -281,8 +302,7 @@ def test_compiled_sweep_compiles_once_per_config_not_per_batch(tmp_path, monkeyp
     torch._dynamo.utils.counters.clear()
     run_eval(tmp_path, "--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "6", "--compile")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # three batches, one compiled decode step
-    records = [json.loads(x) for x in (tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.9/echo@64.jsonl").read_text().splitlines()]
-    assert len(records) == 6
+    assert len(job_records(tmp_path / f"{M}/heavy_hitter", "0.9", "echo@64")) == 6
 
 
 def test_pg19_reads_parquet_files(tmp_path):
@@ -299,7 +319,7 @@ def test_layer_budget_planners_need_a_perplexity_prompt(tmp_path):
     run_eval(
         tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "96", "--ppl_prompt_tokens", "48"
     )
-    record = json.loads((tmp_path / "SmolLM2-135M-Instruct/squeeze_heavy_hitter/0.5/book_kjv+prompt48@96.jsonl").read_text())
+    [record] = job_records(tmp_path / f"{M}/squeeze_heavy_hitter", "0.5", "book_kjv+prompt48@96")
     assert record["tokens"] == 95 and 1.9 < record["compression"] < 2.1
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(r["task"], r["context_length"]) for r in rows] == [("book_kjv+prompt48", "96")]
@@ -335,7 +355,7 @@ def test_attention_metrics_record_recall_per_example(tmp_path, monkeypatch):
     run_eval(tmp_path, "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", "1.0", "10", "--num_samples", "2", "--attention_metrics")
     rows = {(r["config"], r["size"]): r for r in csv.DictReader((tmp_path / "summary.csv").open())}
     for config in ("quest", "clusterkv"):
-        covering = [json.loads(x) for x in (tmp_path / f"SmolLM2-135M-Instruct/{config}/1.0/echo@64.jsonl").read_text().splitlines()]
+        covering = job_records(tmp_path / M / config, "1.0", "echo@64")
         assert [r["topb_recall"] for r in covering] == [1.0, 1.0] and all(abs(r["attention_loss"]) < 1e-6 for r in covering)
         assert 0 < float(rows[(config, "10")]["topb_recall"]) < 1 and float(rows[(config, "10")]["attention_loss"]) > 0
     monkeypatch.undo()
@@ -348,22 +368,18 @@ KJV = ["--tasks", "book_kjv", "--cache_config", "full", "--num_samples", "1", "-
 
 def test_a_rerun_with_other_settings_is_refused_and_the_same_settings_resume(tmp_path, capsys):
     run_eval(tmp_path, *KJV)
-    args_json = json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text())
+    config_dir = tmp_path / f"{M}/full"
+    args_json = read_runs(config_dir)["full"]["args"]
     assert args_json["key"]["seed"] == 0 and args_json["key"]["chat"] is True and args_json["key"]["dtype"] == "float32"
-    assert args_json["key"]["checkpoint"] == "SmolLM2-135M-Instruct" and args_json["key"]["ppl_prompt_tokens"] == 1  # no machine's path
+    assert args_json["key"]["checkpoint"] == M and args_json["key"]["ppl_prompt_tokens"] == 1  # no machine's path
     capsys.readouterr()
     run_eval(tmp_path, *KJV)  # the same settings: resumed, nothing recomputed
     assert "1 example(s) already done" in capsys.readouterr().err
-    written = {**args_json, "key": {**args_json["key"], "checkpoint": "/elsewhere/checkpoints/SmolLM2-135M-Instruct"}}  # as older records hold it
-    (tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").write_text(json.dumps(written))
-    run_eval(tmp_path, *KJV)
-    assert "1 example(s) already done" in capsys.readouterr().err
-    assert json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text()) == args_json  # rewritten by name
     with pytest.raises(SystemExit, match=r"seed: 0 -> 1.*another --out_dir"):
         run_eval(tmp_path, *KJV, "--seed", "1")
     with pytest.raises(SystemExit, match=r"chat: True -> False"):
         run_eval(tmp_path, *KJV, "--no_chat")
-    assert json.loads((tmp_path / "SmolLM2-135M-Instruct/full/full/args.json").read_text()) == args_json  # left as it was
+    assert read_runs(config_dir)["full"]["args"] == args_json  # left as it was
 
 
 def test_two_cache_configs_with_one_stem_are_refused(tmp_path):
@@ -379,29 +395,30 @@ def test_a_second_writer_to_one_out_dir_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(SystemExit, match=f"another eval.py is writing to {tmp_path}"):
             run_eval(tmp_path, *KJV)
-    assert not list(tmp_path.glob("*/*/*/args.json"))
+    assert not list(tmp_path.glob("*/*/runs.json"))
 
 
 def test_read_records_drops_only_a_torn_last_line(tmp_path):
-    path = tmp_path / "echo@64.jsonl"
-    path.write_text('{"id": "a", "score": 1}\n{"id": "b", "sc')
-    assert list(read_records(path)) == ["a"]
-    path.write_text('{"id": "a", "score": 1}\n{"id": "b", "sc\n{"id": "c"}\n')
+    path = tmp_path / RECORDS
+    a, c = '{"run": "full", "job": "echo@64", "id": "a", "score": 1}', '{"run": "full", "job": "echo@64", "id": "c"}'
+    path.write_text(a + '\n{"run": "full", "job": "echo@64", "id": "b", "sc')
+    assert [r["id"] for r in read_records(path)] == ["a"]
+    path.write_text(a + '\n{"id": "b", "sc\n' + c + "\n")
     with pytest.raises(ValueError, match=f"{path} line 2: not a JSON record"):
         read_records(path)
-    path.write_text('{"id": "a"}\n{"score": 1}\n{"id": "c"}\n')
-    with pytest.raises(ValueError, match=f'{path} line 2: .*no "id"'):
+    path.write_text(a + '\n{"run": "full", "id": "b"}\n' + c + "\n")
+    with pytest.raises(ValueError, match=f"{path} line 2: a record without run, job, id"):
         read_records(path)
 
 
-def test_bad_out_dir_and_context_lengths_are_one_error_before_any_args_json(tmp_path):
+def test_bad_out_dir_and_context_lengths_are_one_error_before_any_runs_json(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=f"--out_dir {tmp_path / 'file'} is a file"):
         run_eval(tmp_path / "file", *KJV)
     for bad, message in [("1", "--context_lengths 1 is below the 2 tokens book_kjv needs"), ("9000", "--context_lengths 9000 is over")]:
         with pytest.raises(SystemExit, match=f"{message}.*context length of 8192 tokens"):
             run_eval(tmp_path / "out", *KJV[:-1], bad)
-    assert not list(tmp_path.rglob("args.json"))
+    assert not list(tmp_path.rglob("runs.json"))
 
 
 def drop_write_override() -> None:
@@ -436,19 +453,19 @@ def test_a_context_too_short_for_a_ruler_task_is_one_error_naming_its_minimum(tm
     assert [len(e.input_ids) + e.max_new_tokens <= minimum for e in task.examples(tokenizer, 2, 0, minimum)] == [True, True]
     with pytest.raises(ContextTooShortError):  # the minimum: one token fewer does not fit
         task.examples(tokenizer, 2, 0, minimum - 1)
-    assert not list(tmp_path.rglob("args.json"))
+    assert not list(tmp_path.rglob("runs.json"))
 
 
 def test_numeric_needles_record_and_summarise_the_needle_digits(tmp_path, monkeypatch):
     pytest.importorskip("long_context_eval")
     monkeypatch.setattr(TASKS["niah_single_2"], "max_new_tokens", 16)  # room for the 7 digits; RULER's 128 cost minutes here
     run_eval(tmp_path, "--tasks", "niah_single_2", "--num_samples", "2", "--context_lengths", "200")
-    run_dir = tmp_path / "SmolLM2-135M-Instruct/full/full"
-    records = [json.loads(line) for line in (run_dir / "niah_single_2@200.jsonl").read_text().splitlines()]
-    assert [list(r)[:3] for r in records] == [["id", "score", "needle_digits"]] * 2  # next to the score
+    config_dir = tmp_path / f"{M}/full"
+    records = job_records(config_dir, "full", "niah_single_2@200")
+    assert [list(r)[:5] for r in records] == [["run", "job", "id", "score", "needle_digits"]] * 2  # next to the score
     assert [r["needle_digits"] for r in records] == [needle_digits(r["prediction"], r["answers"]) for r in records]
     mean = 100 * sum(r["needle_digits"] for r in records) / 2
-    assert json.loads((run_dir / "niah_single_2@200.json").read_text())["needle_digits"] == mean
+    assert task_metrics(config_dir, "full", "niah_single_2@200")["needle_digits"] == mean
     assert float(next(csv.DictReader((tmp_path / "summary.csv").open()))["needle_digits"]) == mean
     assert f"digits {mean:.1f}%" in (tmp_path / "summary.md").read_text()
 
@@ -497,10 +514,10 @@ def test_without_sizes_each_config_runs_at_its_strategys_default_size():
     token in their retrieval heads or policies, so a 0.5 cache could not hold their prompts); given sizes
     and ratios apply to every compressing config."""
     tasks = resolve_tasks(["niah_single_1"])
-    jobs = evaluate.jobs_for(["full", "snapkv", "duo_attention", "hybrid"], None, tasks, [1024])
-    assert [(j.config, j.size) for j in jobs] == [("full", "full"), ("snapkv", "0.5"), ("duo_attention", "1.0"), ("hybrid", "1.0")]
-    jobs = evaluate.jobs_for(["snapkv", "duo_attention"], ["0.25", "ratio0.5"], tasks, [1024])
-    assert [(j.config, j.size) for j in jobs] == [("snapkv", "0.25"), ("snapkv", "ratio0.5"), ("duo_attention", "0.25"), ("duo_attention", "ratio0.5")]
+    planned = jobs_for(["full", "snapkv", "duo_attention", "hybrid"], None, tasks, [1024])
+    assert [(j.config, j.size) for j in planned] == [("full", "full"), ("snapkv", "0.5"), ("duo_attention", "1.0"), ("hybrid", "1.0")]
+    planned = jobs_for(["snapkv", "duo_attention"], ["0.25", "ratio0.5"], tasks, [1024])
+    assert [(j.config, j.size) for j in planned] == [("snapkv", "0.25"), ("snapkv", "ratio0.5"), ("duo_attention", "0.25"), ("duo_attention", "ratio0.5")]
 
 
 def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_run(tmp_path, monkeypatch):
@@ -511,9 +528,9 @@ def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_
         evaluate, "generate", lambda model, prompts, n, spec, *a, **k: chunks.append(spec.prefill_chunk) or original(model, prompts, n, spec, *a, **k)
     )
     run_eval(tmp_path, "--tasks", "echo", "--cache_config", "full", "heavy_hitter", "--cache_sizes", "0.5", "--num_samples", "2", "--prefill_chunk", "16")
-    run_dir = tmp_path / "SmolLM2-135M-Instruct/heavy_hitter/0.5+prefill_chunk16"
-    assert (run_dir / "echo@64.jsonl").exists() and json.loads((run_dir / "args.json").read_text())["key"]["prefill_chunk"] == 16
-    assert (tmp_path / "SmolLM2-135M-Instruct/full/full/echo@64.jsonl").exists() and chunks == [None, 16]  # full keeps every token: one-shot
+    assert jobs_under(tmp_path) == [(f"{M}/full", "full", "echo@64"), (f"{M}/heavy_hitter", "0.5+prefill_chunk16", "echo@64")]
+    assert read_runs(tmp_path / f"{M}/heavy_hitter")["0.5+prefill_chunk16"]["args"]["key"]["prefill_chunk"] == 16
+    assert chunks == [None, 16]  # full keeps every token: one-shot
     rows = {r["config"]: r for r in csv.DictReader((tmp_path / "summary.csv").open())}
     assert (rows["heavy_hitter"]["size"], rows["heavy_hitter"]["prefill_chunk"], rows["full"]["prefill_chunk"]) == ("0.5", "16", "")
     assert "heavy_hitter@0.5+prefill_chunk16" in (tmp_path / "summary.md").read_text()
@@ -522,3 +539,33 @@ def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_
 def test_book_perplexity_refuses_prefill_chunk_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"book_shakespeare prefills 1 prompt token\(s\) and decodes the rest token by token"):
         run_eval(tmp_path, "--tasks", "book_shakespeare", "--cache_config", "recent_global", "--num_samples", "1", "--prefill_chunk", "16")
+
+
+def test_results_kept_one_directory_per_run_are_compacted_and_resume(tmp_path, capsys):
+    """scripts/compact_results.py: a run directory's args.json (a full checkpoint path cut to its name), records (a
+    torn line dropped, rank files joined) and metrics become the config's records.jsonl and runs.json, which eval.py resumes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compact_results", ROOT / "scripts" / "compact_results.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run_eval(tmp_path / "new", *KJV[:-1], "64", "--num_samples", "2")
+    config_dir = tmp_path / "new" / M / "full"
+    [entry] = read_runs(config_dir).values()
+    records = read_records(config_dir / RECORDS)
+    run_dir = tmp_path / "old" / M / "full" / "full"
+    run_dir.mkdir(parents=True)
+    key = {**entry["args"]["key"], "checkpoint": "/elsewhere/checkpoints/" + M}
+    (run_dir / "args.json").write_text(json.dumps({**entry["args"], "key": key}))
+    (run_dir / "book_kjv@64.json").write_text(json.dumps(entry["tasks"]["book_kjv@64"]))
+    old = [{k: v for k, v in r.items() if k not in ("run", "job")} for r in records]
+    (run_dir / "book_kjv@64.jsonl").write_text(json.dumps(old[0]) + "\n" + json.dumps(old[1])[:20])
+    (run_dir / "book_kjv@64.rank1.jsonl").write_text(json.dumps(old[1]) + "\n")
+    script.main([str(tmp_path / "old")])
+    compacted = tmp_path / "old" / M / "full"
+    assert sorted(p.name for p in compacted.iterdir()) == [RECORDS, "runs.json"]
+    assert read_runs(compacted) == read_runs(config_dir) and read_records(compacted / RECORDS) == records
+    capsys.readouterr()
+    run_eval(tmp_path / "old", *KJV[:-1], "64", "--num_samples", "2")
+    assert "2 example(s) already done" in capsys.readouterr().err
+    assert read_records(compacted / RECORDS) == records

@@ -13,26 +13,31 @@ import yaml
 from conftest import ROOT
 from kvlab.config import load_cache_config
 from kvlab.engine import cut_at_stop, generate
+from kvlab.results import RECORDS
 
 spec = importlib.util.spec_from_file_location("kvpress_parity", ROOT / "scripts" / "kvpress_parity.py")
 parity = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(parity)
 
 
-def write_records(path, records):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+def write_records(side, method, agnostic, ratio, records):
+    config_dir, run = parity.run_of(side, method, agnostic, ratio)
+    config_dir.mkdir(parents=True, exist_ok=True)
+    with (config_dir / RECORDS).open("a") as f:
+        f.write("".join(json.dumps({"run": run, "job": "vt@1024", **r}) + "\n" for r in records))
 
 
 def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_finished(tmp_path):
     ours = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.0, prediction="b"), dict(id="vt/1024/2", score=1.0, prediction="c")]
     theirs = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.5, prediction="x")]  # example 2 not run yet
-    write_records(parity.run_dir(tmp_path / "kvlab", "tova", True, 0.5) / "vt@1024.jsonl", ours)
-    write_records(parity.run_dir(tmp_path / "kvpress", "tova", True, 0.5) / "vt@1024.jsonl", theirs)
-    write_records(parity.run_dir(tmp_path / "kvlab", "full", False, 0.0) / "vt@1024.jsonl", ours)  # no kvpress side: no row
+    write_records(tmp_path / "kvlab", "tova", True, 0.5, ours)
+    write_records(tmp_path / "kvpress", "tova", True, 0.5, theirs)
+    write_records(tmp_path / "kvpress", "tova", False, 0.5, theirs)  # no kvlab side: no row
+    write_records(tmp_path / "kvlab", "full", False, 0.0, ours)  # no kvpress side: no row
     for side in ("kvlab", "kvpress"):  # DuoAttention's ratio is the share of its streaming heads: a config of its own per ratio
-        write_records(parity.run_dir(tmp_path / side, "duo_attention", False, 0.875) / "vt@1024.jsonl", ours[:1])
-    assert str(parity.run_dir(tmp_path, "duo_attention", False, 0.875)).endswith("SmolLM2-135M-Instruct/duo_attention_0.875/1.0")
+        write_records(tmp_path / side, "duo_attention", False, 0.875, ours[:1])
+    config_dir, run = parity.run_of(tmp_path, "duo_attention", False, 0.875)
+    assert str(config_dir).endswith("SmolLM2-135M-Instruct/duo_attention_0.875") and run == "1.0"
     table = parity.parity_table(tmp_path)
     assert table == {
         "tova": {"query_agnostic": {"0.5": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 75.0}}},
@@ -41,7 +46,8 @@ def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_fi
     args = argparse.Namespace(tasks=["ruler"], context_length=1024, num_samples=2)
     report = parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
     assert "| tova | query_agnostic | 0.5 | 2 | 1 | 50.0 | 75.0 |" in report and "13 RULER tasks at 1024 tokens" in report
-    assert str(parity.run_dir(tmp_path, "full", True, 0.5)).endswith("SmolLM2-135M-Instruct/full/full")  # one full-cache run for every cell
+    config_dir, run = parity.run_of(tmp_path, "full", True, 0.5)
+    assert str(config_dir).endswith("SmolLM2-135M-Instruct/full") and run == "full"  # one full-cache run for every cell
 
 
 def test_duo_attention_runs_its_shipped_config_with_that_share_of_heads_streaming(tmp_path):

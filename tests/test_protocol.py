@@ -16,6 +16,7 @@ from kvlab.build import build_caches
 from kvlab.config import cache_spec
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
+from kvlab.results import read_config_records, read_runs
 from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import resolve_tasks
 
@@ -236,12 +237,17 @@ def test_query_agnostic_ratio_sweep_writes_its_own_runs(tmp_path):
     common = ["--out_dir", str(tmp_path), "--tasks", "niah_single_1", "--context_lengths", "400", "--num_samples", "2", "--batch_size", "2"]
     kv_eval.main([*common, "--cache_config", "full", "snapkv", "--compression_ratios", "0.5", "--query_agnostic"])
     kv_eval.main([*common, "--cache_config", "snapkv", "--compression_ratios", "0.5"])
-    runs = sorted(p.relative_to(tmp_path).parent.as_posix() for p in tmp_path.glob("*/*/*/args.json"))
-    assert runs == ["SmolLM2-135M-Instruct/full/full", "SmolLM2-135M-Instruct/snapkv/ratio0.5", "SmolLM2-135M-Instruct/snapkv/ratio0.5+query_agnostic"]
-    assert json.loads((tmp_path / runs[2] / "args.json").read_text())["key"]["query_agnostic"] is True
+    runs = sorted((p.parent.relative_to(tmp_path).as_posix(), run) for p in tmp_path.glob("*/*/runs.json") for run in read_runs(p.parent))
+    assert runs == [
+        ("SmolLM2-135M-Instruct/full", "full"),
+        ("SmolLM2-135M-Instruct/snapkv", "ratio0.5"),
+        ("SmolLM2-135M-Instruct/snapkv", "ratio0.5+query_agnostic"),
+    ]
+    assert read_runs(tmp_path / "SmolLM2-135M-Instruct/snapkv")["ratio0.5+query_agnostic"]["args"]["key"]["query_agnostic"] is True
     rows = {(r["config"], r["size"], r["query_agnostic"]) for r in csv.DictReader((tmp_path / "summary.csv").open())}
     assert rows == {("full", "full", "False"), ("snapkv", "ratio0.5", "False"), ("snapkv", "ratio0.5", "True")}
-    aware, agnostic = ([json.loads(line) for line in (tmp_path / run / "niah_single_1@400.jsonl").read_text().splitlines()] for run in runs[1:])
+    records = read_config_records(tmp_path / "SmolLM2-135M-Instruct/snapkv")
+    aware, agnostic = (list(records[run, "niah_single_1@400"].values()) for _, run in runs[1:])
     for a, b in zip(aware, agnostic, strict=True):  # half the prompt removed, or half the context only; the answer kept in both
         assert 1.0 < b["compression"] < a["compression"] < 2.0
 
