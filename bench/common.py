@@ -23,7 +23,7 @@ from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec
 from kvlab.convert import default_checkpoint
-from kvlab.engine import Generation
+from kvlab.generation import Generation
 from kvlab.model import Transformer
 from kvlab.quantize import Quantization, quantize_model
 from kvlab.tokenizer import Tokenizer

@@ -108,6 +108,8 @@ class DuoAttentionCache(KVCache):
         if gates.shape[1] != heads or layer >= gates.shape[0]:
             raise ValueError(f"--duo_gates {duo_gates} holds gates for {list(gates.shape)} layers x KV heads; this model has {heads} KV heads per layer")
         retrieval = retrieval_heads(gates, duo_retrieval)[layer, parallel.first_head() : parallel.first_head() + n_kv_heads]
+        if recent_window == 0:
+            raise ValueError("duo_attention: --recent_window 0 leaves its streaming heads no window; give 1 or more (default: 256)")
         sinks = self.default_global_tokens if global_tokens is None else global_tokens
         window = min(sinks + (self.default_recent_window if recent_window is None else recent_window), capacity)
         self.sinks = min(sinks, window - 1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_ove
 from kvlab.cache import KVCache
 from kvlab.chunked import chunk_length, chunk_ready, first_chunk, prefill_chunk_step, prefill_rest
 from kvlab.config import CacheSpec, model_scored
-from kvlab.diagnostics import AttentionLossProbe, attention_loss_summary
+from kvlab.diagnostics import AttentionLossProbe
+from kvlab.generation import Generation, summarize
 from kvlab.model import Transformer
 from kvlab.recording import RecordedPrefill
 
@@ -97,23 +97,205 @@ def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], boo
 
 
 @dataclass
-class Generation:
-    tokens: list[list[int]]  # generated ids per prompt, up to (not including) a stop token
-    finished: list[bool]  # True where a stop token ended the sequence
-    prompt_tokens: int
-    prefill_seconds: float
-    decode_steps: int
-    decode_seconds: float  # all decode steps but the first
-    first_step_seconds: float  # the first decode step, which includes compilation under --compile
-    kv_cache_bytes: int  # allocated by the caches (packed bytes for a quantized cache)
-    full_cache_bytes: int  # what a full cache in the model's dtype would allocate for the same batch
-    tokens_held: list[float]  # per layer, at the end: tokens held per sequence and KV head (mean)
-    sequence_length: float  # prompt + generated tokens per sequence (mean): what a full cache would hold
-    cache_stats: dict[str, int]  # the caches' own counts, summed over layers (e.g. hybrid's heads per policy)
-    attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
-    layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
-    layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
-    head_budgets: list[list[list[int]]] | None = None  # with head_budget adakv*: slots per sequence, layer and KV head ([] for a full layer)
+class Batch:
+    """Right-padded prompts [B, T] and where each row's prefill ends: its last `suffix[i]` tokens are decoded
+    through the compressed cache, from column prefill_lens[i]."""
+
+    tokens: Tensor
+    input_pos: Tensor  # [B, T_prefill] positions of the prefilled columns, -1 padding
+    lens: Tensor  # [B] prompt lengths
+    prefill_lens: Tensor  # [B] tokens prefilled per row
+    suffix: list[int]
+    max_seq_length: int  # what the caches are sized for
+
+    @property
+    def forced(self) -> int:
+        """Decode steps that feed prompt tokens (a row with a shorter suffix finishes early; its extra steps are dropped)."""
+        return max(self.suffix)
+
+
+def pad_batch(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    spec: CacheSpec,
+    decoded_prompt_tokens: Sequence[int] | None,
+    streaming: bool,
+    max_seq_length: int | None,
+) -> Batch:
+    """The prompts checked against the model's context and padded into a Batch."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    suffix = [max(n, int(spec.compress_first_token)) for n in decoded_prompt_tokens or [0] * len(prompts)]
+    if not prompts or len(suffix) != len(prompts) or any(len(p) < 1 + s for p, s in zip(prompts, suffix, strict=True)):
+        raise ValueError(f"every prompt must have at least 1 token more than it decodes through the cache ({suffix})")
+    if streaming and len(set(suffix)) > 1:
+        raise ValueError("streaming (on_token) needs the same number of decoded prompt tokens in every row")
+    device = model.tok_embeddings.weight.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    prefill_lens = lens - torch.tensor(suffix, device=device)
+    T, T_prefill = int(lens.max()), int(prefill_lens.max())
+    needed = T_prefill + max(suffix) + max_new_tokens  # every row runs max(suffix) + max_new_tokens - 1 steps
+    context = model.config.block_size
+    if needed > context:
+        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
+    max_seq_length = max_seq_length or needed
+    if not needed <= max_seq_length <= context:
+        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the context length ({context})")
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, device=device)
+    columns = torch.arange(T_prefill, device=device)
+    return Batch(tokens, torch.where(columns < prefill_lens[:, None], columns, -1), lens, prefill_lens, suffix, max_seq_length)
+
+
+@dataclass
+class Prepared:
+    """The caches a batch runs through, with what planned them."""
+
+    caches: list[KVCache]
+    chunk: int  # the first prefill chunk's length (the whole prefill when not chunked)
+    recorded: RecordedPrefill | None  # the prefill to replay into the caches (None: prefill directly)
+    budgets: Tensor | None  # a layer budget planner's slots per sequence and layer
+    similarity: Tensor | None
+    probes: list[AttentionLossProbe] | None
+
+
+def prepare_caches(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    batch: Batch,
+    max_new_tokens: int,
+    spec: CacheSpec,
+    decode_step: Callable[..., Tensor],
+    recorded: RecordedPrefill | None,
+    attention_loss: bool,
+) -> Prepared:
+    """Record the prefill where the caches' plan needs it (a layer budget, a model-scored compressor, a global ranking),
+    then build the caches and give them their scores."""
+    cfg, T_prefill = model.config, batch.input_pos.shape[1]
+    scored_by_model = model_scored(spec.strategies, spec.options)
+    chunk = chunk_length(spec, T_prefill, cfg.block_size, scored_by_model, attention_loss)
+    share_globally = spec.options.get("head_budget") == "global"  # every layer's scores ranked before any is stored
+    if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
+        recorded = RecordedPrefill() if spec.layer_budget != "uniform" or scored_by_model else None
+    elif (spec.layer_budget != "uniform" or scored_by_model or share_globally) and recorded is None:
+        recorded = RecordedPrefill()
+    budgets = similarity = None
+    if recorded is not None:
+        recorded.record(model, batch.tokens[:, :chunk], batch.input_pos[:, :chunk], (batch.prefill_lens - 1).clamp(max=chunk - 1)[:, None])
+        similarity = recorded.similarity
+    lengths = [len(p) for p in prompts]
+    if spec.layer_budget != "uniform" and spec.compression_ratio is None:  # with a ratio, build.ratio_keep splits it
+        budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
+    prefilled = batch.prefill_lens.tolist()
+    continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
+    if any(c.needs_reference for c in scored_by_model):  # the oracle: what a full cache run decodes after the prefill
+        key = (max_new_tokens, tuple(batch.suffix))
+        if key not in recorded.references:
+            full = CacheSpec.full(cfg.n_layer)
+            reference = generate(
+                model,
+                prompts,
+                max_new_tokens,
+                full,
+                decode_step=decode_step,
+                max_seq_length=batch.max_seq_length,
+                recorded=recorded,
+                decoded_prompt_tokens=batch.suffix,
+            )
+            recorded.references[key] = [c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)]
+        continuations = recorded.references[key]
+    caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
+    if scored_by_model:
+        recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
+    if share_globally:
+        share_over_model(caches, recorded.rankings(caches), spec.compression_ratio, prefilled)
+    probes = None
+    if attention_loss:
+        kv_heads = model.layers[0].attention.n_local_heads
+        full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, batch.max_seq_length, cfg.head_dim, model.norm.weight.dtype, batch.tokens.device)
+        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
+        model.setup_caches(probes)
+        model.cache_key = None  # the probes are single-use: the next call builds fresh caches
+    return Prepared(caches, chunk, recorded, budgets, similarity, probes)
+
+
+def prefill_batch(
+    model: Transformer,
+    batch: Batch,
+    max_new_tokens: int,
+    spec: CacheSpec,
+    ready: Prepared,
+    sampling: Sampling,
+    decode_step: Callable[..., Tensor],
+    prefill_step: Callable[..., Tensor],
+    chunk_step: Callable[..., Tensor],
+) -> Tensor:
+    """Prefill (in chunks, replayed, or at once), then decode each row's prompt suffix through the compressed cache.
+    Returns out [B, forced + max_new_tokens]: out[:, c] follows position prefill_lens + c - 1, the prompt's own token
+    while c < suffix, then generated; filled up to the first generated token of every row."""
+    temperature, top_k = sampling.temperature, sampling.top_k
+    tokens, input_pos, prefill_lens, chunk = batch.tokens, batch.input_pos, batch.prefill_lens, ready.chunk
+    T_prefill, forced, device = input_pos.shape[1], batch.forced, tokens.device
+    if chunk < T_prefill:
+        with chunk_ready(model, ready.caches, probed=bool(model_scored(spec.strategies, spec.options))):
+            logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, ready.recorded)
+            repeat = spec.repeat.instruction if spec.repeat is not None else None
+            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
+            next_token = sample(logits, temperature, top_k)
+    elif ready.recorded is not None:
+        ready.recorded.replay(model, ready.caches)
+        next_token = sample(ready.recorded.logits[:, -1], temperature, top_k)
+    else:
+        next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
+    out = torch.zeros(len(batch.suffix), forced + max_new_tokens, dtype=torch.long, device=device)
+    out[:, :forced] = tokens.gather(1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=tokens.shape[1] - 1))
+    first = torch.tensor(batch.suffix, device=device)
+    out[:, 0] = torch.where(first == 0, next_token, out[:, 0])
+    for c in range(1, forced + 1):  # the rest of each prompt through the compressed cache
+        next_token = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
+        maintain(ready.caches)
+        out[:, c] = torch.where(first <= c, next_token, out[:, c])
+    return out
+
+
+def decode_rest(
+    model: Transformer,
+    out: Tensor,
+    batch: Batch,
+    caches: Sequence[KVCache],
+    sampling: Sampling,
+    stop_ids: Sequence[int],
+    decode_step: Callable[..., Tensor],
+    on_token: Callable[[list[int]], None] | None,
+) -> tuple[int, float, float]:
+    """Decode into `out` after the first generated token until max_new_tokens or every row has stopped. Tokens stay on
+    the device: the host checks for stops every STOP_CHECK_INTERVAL steps on a GPU (every step on CPU, or when
+    streaming). Returns the tokens generated per row, the first step's seconds and the later steps'."""
+    device, forced, max_new_tokens = out.device, batch.forced, out.shape[1] - batch.forced
+    first = torch.tensor(batch.suffix, device=device)
+    stop = torch.tensor(list(stop_ids) or [-1], device=device)
+    stopped = (torch.isin(out[:, : forced + 1], stop) & (torch.arange(forced + 1, device=device) >= first[:, None])).any(dim=1)
+    if on_token is not None:
+        on_token(out[:, forced].tolist())
+    check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
+    n, first_step_seconds = 1, 0.0
+    t0 = time.perf_counter()
+    while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
+        c = forced + n
+        out[:, c] = decode_step(model, out[:, c - 1 : c].clone(), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
+        maintain(caches)
+        stopped |= torch.isin(out[:, c], stop)
+        n += 1
+        if on_token is not None:
+            on_token(out[:, c].tolist())
+        if n == 2:
+            sync(device)
+            first_step_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+    sync(device)
+    return n, first_step_seconds, time.perf_counter() - t0 if n > 2 else 0.0
 
 
 @torch.no_grad()
@@ -148,163 +330,25 @@ def generate(
     recorded and replayed into caches sized by the plan. Passing `recorded` (a `RecordedPrefill` of
     this batch) reuses its prefill instead of running `prefill_step`: sweeps share one prefill between
     cache configs. With `spec.prefill_chunk` shorter than the prompt, the prompt is prefilled in chunks, each
-    later one through `chunk_step`, compressing between them (chunked.py); `recorded` is not used then.
-
-    Tokens stay on the device and stop tokens are tracked there: the host syncs only every
-    `STOP_CHECK_INTERVAL` steps on a GPU (every step on CPU, or when streaming), so the GPU never
-    waits for Python between steps."""
+    later one through `chunk_step`, compressing between them (chunked.py); `recorded` is not used then."""
     cfg = model.config
-    kv_heads = model.layers[0].attention.n_local_heads  # this rank's, under tensor parallelism
     spec = spec or CacheSpec.full(cfg.n_layer)
-    temperature, top_k = sampling.temperature, sampling.top_k
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    suffix = [max(n, int(spec.compress_first_token)) for n in decoded_prompt_tokens or [0] * len(prompts)]
-    if not prompts or len(suffix) != len(prompts) or any(len(p) < 1 + s for p, s in zip(prompts, suffix, strict=True)):
-        raise ValueError(f"every prompt must have at least 1 token more than it decodes through the cache ({suffix})")
-    if on_token is not None and len(set(suffix)) > 1:
-        raise ValueError("streaming (on_token) needs the same number of decoded prompt tokens in every row")
-    device = model.tok_embeddings.weight.device
-    lens = torch.tensor([len(p) for p in prompts], device=device)
-    prefill_lens = lens - torch.tensor(suffix, device=device)
-    T, T_prefill, forced = int(lens.max()), int(prefill_lens.max()), max(suffix)
-    # Every row runs forced + max_new_tokens - 1 steps; a row decoding fewer prompt tokens finishes early and its extra steps are dropped.
-    needed = T_prefill + forced + max_new_tokens
-    context = cfg.block_size
-    if needed > context:
-        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
-    max_seq_length = max_seq_length or needed
-    if not needed <= max_seq_length <= context:
-        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the context length ({context})")
-    tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, device=device)
-    columns = torch.arange(T_prefill, device=device)
-    input_pos = torch.where(columns < prefill_lens[:, None], columns, -1)
-
+    batch = pad_batch(model, prompts, max_new_tokens, spec, decoded_prompt_tokens, on_token is not None, max_seq_length)
     t0 = time.perf_counter()
-    scored_by_model = model_scored(spec.strategies, spec.options)
-    chunk = chunk_length(spec, T_prefill, context, scored_by_model, attention_loss)
-    share_globally = spec.options.get("head_budget") == "global"  # every layer's scores ranked before any is stored
-    if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
-        recorded = RecordedPrefill() if spec.layer_budget != "uniform" or scored_by_model else None
-    elif (spec.layer_budget != "uniform" or scored_by_model or share_globally) and recorded is None:
-        recorded = RecordedPrefill()
-    budgets = similarity = None
-    if recorded is not None:
-        recorded.record(model, tokens[:, :chunk], input_pos[:, :chunk], (prefill_lens - 1).clamp(max=chunk - 1)[:, None])
-        similarity = recorded.similarity
-    lengths = [len(p) for p in prompts]
-    if spec.layer_budget != "uniform" and spec.compression_ratio is None:  # with a ratio, build.ratio_keep splits it
-        budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
-    prefilled = prefill_lens.tolist()
-    continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
-    if any(c.needs_reference for c in scored_by_model):  # the oracle: what a full cache run decodes after the prefill
-        key = (max_new_tokens, tuple(suffix))
-        if key not in recorded.references:
-            full = CacheSpec.full(cfg.n_layer)
-            reference = generate(
-                model, prompts, max_new_tokens, full, decode_step=decode_step, max_seq_length=max_seq_length, recorded=recorded, decoded_prompt_tokens=suffix
-            )
-            recorded.references[key] = [c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)]
-        continuations = recorded.references[key]
-    caches = build_caches(model, spec, lengths, max_new_tokens, max_seq_length, budgets, prefilled)
-    if scored_by_model:
-        recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
-    if share_globally:
-        share_over_model(caches, recorded.rankings(caches), spec.compression_ratio, prefilled)
-    probes = None
-    if attention_loss:
-        full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, max_seq_length, cfg.head_dim, model.norm.weight.dtype, device)
-        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
-        model.setup_caches(probes)
-        model.cache_key = None  # the probes are single-use: the next call builds fresh caches
-
-    if chunk < T_prefill:
-        with chunk_ready(model, caches, probed=bool(scored_by_model)):
-            logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, recorded)
-            repeat = spec.repeat.instruction if spec.repeat is not None else None
-            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
-            next_token = sample(logits, temperature, top_k)
-    elif recorded is not None:
-        recorded.replay(model, caches)
-        next_token = sample(recorded.logits[:, -1], temperature, top_k)
-    else:
-        next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
-    # out[:, c] is what follows position prefill_lens + c - 1: the prompt's own token while c < suffix, then generated.
-    out = torch.zeros(len(prompts), forced + max_new_tokens, dtype=torch.long, device=device)
-    out[:, :forced] = tokens.gather(1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=T - 1))
-    first = torch.tensor(suffix, device=device)
-    out[:, 0] = torch.where(first == 0, next_token, out[:, 0])
-    for c in range(1, forced + 1):  # the rest of each prompt through the compressed cache
-        next_token = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
-        maintain(caches)
-        out[:, c] = torch.where(first <= c, next_token, out[:, c])
-    sync(device)
+    ready = prepare_caches(model, prompts, batch, max_new_tokens, spec, decode_step, recorded, attention_loss)
+    out = prefill_batch(model, batch, max_new_tokens, spec, ready, sampling, decode_step, prefill_step, chunk_step)
+    sync(out.device)
     prefill_seconds = time.perf_counter() - t0
-
-    stop = torch.tensor(list(stop_ids) or [-1], device=device)
-    stopped = (torch.isin(out[:, : forced + 1], stop) & (torch.arange(forced + 1, device=device) >= first[:, None])).any(dim=1)
-    if on_token is not None:
-        on_token(out[:, forced].tolist())
-    check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
-    n, first_step_seconds = 1, 0.0
-    t0 = time.perf_counter()
-    while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
-        c = forced + n
-        out[:, c] = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
-        maintain(caches)
-        stopped |= torch.isin(out[:, c], stop)
-        n += 1
-        if on_token is not None:
-            on_token(out[:, c].tolist())
-        if n == 2:
-            sync(device)
-            first_step_seconds = time.perf_counter() - t0
-            t0 = time.perf_counter()
-    sync(device)
-    decode_seconds = time.perf_counter() - t0 if n > 2 else 0.0
-    rows = [cut_at_stop(row[s : min(s + max_new_tokens, forced + n)], stop_ids) for row, s in zip(out.tolist(), suffix, strict=True)]
-    full_bytes = 2 * cfg.n_layer * len(prompts) * kv_heads * (T + n - 1) * cfg.head_dim * model.norm.weight.element_size()
-    return Generation(
-        [r[0] for r in rows],
-        [r[1] for r in rows],
-        int(lens.sum()),
-        prefill_seconds,
-        n - 1,
-        decode_seconds,
-        first_step_seconds,
-        sum(c.nbytes() for c in caches),
-        full_bytes,
-        [c.tokens_held().float().mean().item() for c in caches],
-        float(lens.float().mean()) + n - 1,
-        sum_stats(caches),
-        attention_loss_summary(probes) if probes else None,
-        None if budgets is None else budgets.tolist(),
-        None if similarity is None else similarity.tolist(),
-        head_budget_lists(caches) if spec.options.get("head_budget", "uniform") != "uniform" else None,
-    )
-
-
-def head_budget_lists(caches: Sequence[KVCache]) -> list[list[list[int]]]:
-    """Per sequence, layer and KV head: the slots each head may fill ([] for a layer that keeps every token)."""
-    per_layer = [c.head_budgets() for c in caches]
-    batch = next(b.shape[0] for b in per_layer if b is not None)
-    return [[[] if b is None else b[row].tolist() for b in per_layer] for row in range(batch)]
+    n, first_step_seconds, decode_seconds = decode_rest(model, out, batch, ready.caches, sampling, stop_ids, decode_step, on_token)
+    rows = [cut_at_stop(row[s : min(s + max_new_tokens, batch.forced + n)], stop_ids) for row, s in zip(out.tolist(), batch.suffix, strict=True)]
+    seconds = (prefill_seconds, first_step_seconds, decode_seconds)
+    return summarize(model, rows, batch.lens, n - 1, seconds, ready.caches, ready.probes, ready.budgets, ready.similarity, spec)
 
 
 def maintain(caches: Sequence[KVCache]) -> None:
     """Each cache's host-side upkeep after a decode step (ClusterKV's periodic clustering)."""
     for cache in caches:
         cache.maintain()
-
-
-def sum_stats(caches: Sequence[KVCache]) -> dict[str, int]:
-    """The caches' stats summed over layers, zero counts kept."""
-    total: Counter[str] = Counter()
-    for cache in caches:
-        total.update(cache.stats())
-    return dict(total)
 
 
 def sync(device: torch.device) -> None:

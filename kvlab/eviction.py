@@ -26,7 +26,14 @@ from kvlab.storage import KEY_PRUNING_OPTIONS
 
 PROTECTED_OPTIONS = (
     integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
-    integer("recent_window", None, "newest tokens never evicted, the incoming one included", default_help="10; 1 for hybrid"),
+    integer(
+        "recent_window",
+        None,
+        "newest tokens never evicted, the incoming one included; 0 leaves the prompt's last token to its score, as kvpress's scorer presses do "
+        "(a decoded token is always written, so 0 and 1 decode alike)",
+        minimum=0,
+        default_help="10; 1 for hybrid",
+    ),
 )
 
 
@@ -117,8 +124,8 @@ class EvictionCache(KVCache):
         self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
         self.recent_window = self.default_recent_window if recent_window is None else recent_window
         self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
-        if self.global_tokens < 0 or self.recent_window < 1:
-            raise ValueError(f"{type(self).__name__}: need --global_tokens >= 0 and --recent_window >= 1; got {self.global_tokens} and {self.recent_window}")
+        if self.global_tokens < 0 or self.recent_window < 0:
+            raise ValueError(f"{type(self).__name__}: need --global_tokens >= 0 and --recent_window >= 0; got {self.global_tokens} and {self.recent_window}")
         if self.global_tokens + self.recent_window >= capacity:
             raise ValueError(
                 f"{type(self).__name__}: --max_cache_length gives {capacity} slots here; the cache needs more than "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvlab.engine import Generation, cut_at_stop
+from kvlab.engine import cut_at_stop
+from kvlab.generation import Generation
 from kvlab.serving import ServeResult
 from kvlab.tokenizer import Tokenizer
 

@@ -65,6 +65,21 @@ def test_prompt_longer_than_cache_keeps_most_important_and_protected_tokens():
     assert sorted(cache.storage.read()[0][0, 0, :, 0].tolist()) == [1.0, 2.0, 5.0, 6.0, 7.0]
 
 
+def test_recent_window_0_leaves_the_prompts_last_token_to_its_score_and_decodes_as_1():
+    """kvpress's scorer presses protect nothing at prefill: with recent_window 0 the prompt's last token goes when its
+    score is lowest. A decoded token is always written, so 0 and 1 then evict the same slots."""
+    keys = torch.tensor([1.0, 2.0, 9.0, 3.0, 8.0]).view(1, 1, 5, 1)
+    caches = {w: L2Cache(1, 1, 3, 1, torch.float32, global_tokens=0, recent_window=w) for w in (0, 1)}
+    for cache in caches.values():
+        cache.prefill(torch.arange(5)[None], keys, keys, keys)
+    assert sorted(caches[0].pos[0, 0].tolist()) == [0, 1, 3]  # 8.0, the prompt's last token, goes with 9.0
+    assert sorted(caches[1].pos[0, 0].tolist()) == [0, 1, 4]  # protected: 3.0 goes instead
+    caches[1].prefill(torch.arange(5)[None], keys, keys, keys)  # the same held tokens in both, then the same decode steps
+    caches[0].prefill(torch.arange(5)[None], *[keys.masked_fill(torch.arange(5).view(1, 1, 5, 1) == 3, 100.0)] * 3)
+    for position, value in ((5, 5.0), (6, 0.5), (7, 7.0)):
+        assert sorted(insert(caches[0], position, value).tolist()) == sorted(insert(caches[1], position, value).tolist())
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     strategy=st.sampled_from([s for s in EVICTING if s != "hybrid"]),  # hybrid keeps what its policies cover: tests/test_hybrid.py

@@ -113,5 +113,7 @@ def test_gates_files_and_settings_are_checked(tmp_path, gates_file, tiny_model):
         read_gates(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="this model has 4 KV heads per layer"):
         make_caches(**{**build, "n_kv_heads": 4}, duo_gates=gates_file)
+    with pytest.raises(ValueError, match="duo_attention: --recent_window 0 leaves its streaming heads no window"):
+        make_caches(**build, duo_gates=gates_file, recent_window=0)
     caches = make_caches(**build, duo_gates=gates_file, duo_retrieval=0.25)
     assert [c.stats() for c in caches] == [{"heads retrieval": 1, "heads streaming": 1}, {"heads retrieval": 0, "heads streaming": 2}]

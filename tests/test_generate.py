@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from generate import read_prompts
 from kvlab.engine import Sampling, compile_decode_step, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.model import ModelArgs
+from kvlab.textgen import read_prompts
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -230,10 +230,11 @@ def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys)
     compiles the compressing branch before the timed prefill (8-token warm-up prompts never reached it, and
     the timed prefill recompiled); without it, the warm-up stays 8 tokens."""
     import generate as cli
+    from kvlab import textgen
 
     calls = []
-    real = cli.generate
-    monkeypatch.setattr(cli, "generate", lambda model, prompts, *a, **kw: calls.append([len(p) for p in prompts]) or real(model, prompts, *a, **kw))
+    real = textgen.generate
+    monkeypatch.setattr(textgen, "generate", lambda model, prompts, *a, **kw: calls.append([len(p) for p in prompts]) or real(model, prompts, *a, **kw))
     monkeypatch.setattr(cli.torch, "compile", lambda fn, **kw: fn)  # the wiring, not Inductor, is under test
     prompt = "The history of the Roman Empire begins with the founding of the city, and over many centuries it grew into"
     settings = ["--prompt", prompt, "--cache_strategy", "heavy_hitter", "--recent_window", "4", "--max_new_tokens", "4"]

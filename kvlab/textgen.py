@@ -1,0 +1,159 @@
+"""What generate.py runs once its flags are parsed: the prompts read and encoded, a warm-up, the batches generated
+(streamed when one prompt runs alone) or served by continuous batching, and the timing report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvlab.build import layer_slots, quiet_notices
+from kvlab.cli import peak_memory_bytes
+from kvlab.config import CacheSpec
+from kvlab.engine import generate
+from kvlab.generation import Generation
+from kvlab.model import Transformer
+from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
+from kvlab.serving import serve
+from kvlab.tokenizer import Tokenizer
+
+DEFAULT_PROMPT = "The history of the printing press begins"
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 text file's contents; a directory, binary data or an unreadable file is a one-line error."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory")
+    try:
+        data = Path(path).read_bytes()
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path!r} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror})") from None
+
+
+def read_prompts(values: Sequence[str]) -> list[str]:
+    """Each --prompt is a path to an existing text file (read, whatever its suffix), or else literal text.
+    A directory, a file that is not UTF-8 text, or a missing file ending in .txt is an error."""
+    prompts = []
+    for value in values:
+        try:
+            exists = bool(value) and os.path.exists(value)
+        except (OSError, ValueError):  # e.g. a long literal prompt: too long to be a path
+            exists = False
+        if exists:
+            try:
+                value = read_text_file(value, "--prompt")
+            except ValueError as e:
+                raise ValueError(f"{e}; give a text file or the prompt text itself") from None
+        elif value.endswith(".txt"):
+            raise ValueError(f"prompt file {value!r} does not exist")
+        prompts.append(value)
+    return prompts
+
+
+def read_texts(prompt: Sequence[str] | None, prompts_file: Path | None) -> list[str]:
+    """--prompt's texts (the default prompt when neither flag is given), then --prompts_file's non-empty lines."""
+    texts = read_prompts(prompt or ([] if prompts_file else [DEFAULT_PROMPT]))
+    if prompts_file:
+        if not prompts_file.exists():
+            raise ValueError(f"--prompts_file {str(prompts_file)!r} does not exist")
+        try:
+            text = read_text_file(str(prompts_file), "--prompts_file")
+        except ValueError as e:
+            raise ValueError(f"{e}; give a UTF-8 text file, one prompt per line") from None
+        texts += [line for line in text.splitlines() if line.strip()]
+        if not texts:
+            raise ValueError(f"--prompts_file {str(prompts_file)!r} holds no prompt (one per non-empty line)")
+    return texts
+
+
+def encode_prompts(tokenizer: Tokenizer, texts: list[str], chat: bool, system_prompt: str | None) -> list[list[int]]:
+    """Token ids per text, in the model's chat template with --chat; an empty prompt is an error."""
+    if chat:
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": t}]) for t in texts]
+    else:
+        prompts = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
+    if not all(prompts):
+        raise ValueError("the prompt is empty (0 tokens); give some text with --prompt (or a file holding it), or use --chat")
+    return prompts
+
+
+def serve_prompts(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, spec: CacheSpec, **kw) -> None:
+    """Several prompts through one shared KV-Compress pool by continuous batching, each printed as it finishes."""
+
+    def show(i: int, ids: list[int]) -> None:
+        print(f"--- [{i}] {tokenizer.decode(prompts[i])!r}\n{tokenizer.decode(ids)}", flush=True)
+
+    result = serve(model, prompts, max_new_tokens, batch_size, spec, on_finish=show, **kw)
+    print("\n" + serving_report(result, prompts, batch_size), file=sys.stderr)
+
+
+def warm_up(model: Transformer, spec: CacheSpec, prompts: list[list[int]], max_seq_length: int, prefill_step: Callable[..., Tensor], whole: bool) -> float:
+    """One prefill before the timed ones, so one-time initialisation is not counted as prefill time; seconds taken.
+    With `whole` (a compiled prefill) it prefills the first batch itself: a prompt longer than its cache compiles the
+    compressing branch here, which short warm-up prompts never reach. The decode step compiles at its first real step."""
+    t0 = time.perf_counter()
+    if max_seq_length <= model.config.block_size:  # else generate() reports the error
+        warm_spec = dataclasses.replace(spec, layer_budget="uniform", budget_options={})
+        if spec.compression_ratio is None:  # warm-up rows: no per-row fractions
+            warm_spec.lengths = [n if n is None else slots for n, slots in zip(spec.lengths, layer_slots(spec, max_seq_length), strict=True)]
+        with quiet_notices():
+            generate(model, prompts if whole else [p[:8] for p in prompts], 1, warm_spec, prefill_step=prefill_step, max_seq_length=max_seq_length)
+    return time.perf_counter() - t0
+
+
+def generate_batches(
+    model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], batch_size: int, max_new_tokens: int, spec: CacheSpec, **kw
+) -> tuple[dict[str, float], Generation]:
+    """Every batch of prompts generated and printed (a prompt alone is streamed as it decodes); the summed counts and
+    timings, and the last batch's Generation. `kw`: generate()'s keywords."""
+    totals = dict(prompt=0, prefill_s=0.0, decode_tokens=0, decode_s=0.0, first_s=0.0)
+    stop_ids = kw.get("stop_ids", ())
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        streamer = TextStreamer(tokenizer, stop_ids) if len(batch) == 1 else None
+        result = generate(model, batch, max_new_tokens, spec, on_token=streamer, **kw)
+        if result.attention_loss:
+            print_attention_loss(result.attention_loss)
+        if streamer is not None:
+            print(flush=True)
+        else:
+            for i, ids in enumerate(result.tokens):
+                print(f"--- [{start + i}] {tokenizer.decode(batch[i])!r}\n{tokenizer.decode(ids)}", flush=True)
+        totals["prompt"] += result.prompt_tokens
+        totals["prefill_s"] += result.prefill_seconds
+        totals["first_s"] += result.first_step_seconds
+        totals["decode_tokens"] += len(batch) * max(result.decode_steps - 1, 0)
+        totals["decode_s"] += result.decode_seconds
+    return totals, result
+
+
+def timing_report(
+    totals: dict[str, float],
+    last: Generation,
+    warm_up_seconds: float,
+    batch_size: int,
+    names: str | Sequence[str],
+    device: torch.device,
+    compiled: tuple[bool, bool],
+) -> str:
+    """Warm-up, prefill and decode throughput, the caches' report and peak memory; `compiled`: (prefill, decode step)."""
+    peak, peak_kind = peak_memory_bytes(device)
+    return (
+        f"\nwarm-up{' (compiles prefill)' if compiled[0] else ''}: {warm_up_seconds:.2f} s\n"
+        f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
+        f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
+        f"batch {batch_size}); first step{' (compile)' if compiled[1] else ''}: {totals['first_s']:.2f} s\n"
+        f"{cache_report(names, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB"
+    )
