@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from kvlab import interrupts_quietly
@@ -31,8 +28,8 @@ from kvlab import interrupts_quietly
 with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a traceback
     from kvlab import parallel
     from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
-    from kvlab.evaluate import Evaluator, on_rank0, prepare_runs
-    from kvlab.jobs import Job, jobs_for, parse_ratio, parse_size
+    from kvlab.evaluate import SWEEP_TIMEOUT, Evaluator, on_rank0, open_out_dir
+    from kvlab.jobs import jobs_for, parse_ratio, parse_size
     from kvlab.results import FULL, markdown_table, removed_unless_results, write_summary
     from kvlab.tasks import PerplexityTask, resolve_tasks
 
@@ -56,20 +53,22 @@ def build_parser() -> ArgumentParser:
         type=parse_ratio,
         default=[],
         help="kvpress's protocol, beside or instead of --cache_sizes: remove this share of each prompt (the context, with "
-        "--query_agnostic) at prefill and keep every token after it; e.g. 0.25 0.5 0.75 0.875 (results under ratio<r>/)",
+        "--query_agnostic) at prefill and keep every token after it; e.g. 0.25 0.5 0.75 0.875 (the run ratio<r>)",
     )
     p.add_argument(
         "--query_agnostic",
         action="store_true",
         help="compress the context before the question is seen, then decode the question and the answer through the compressed "
-        "cache (kvpress's default; RULER tasks); results go to <size>+query_agnostic/, apart from the query-aware runs",
+        "cache (kvpress's default; RULER tasks); in the run <size>+query_agnostic, apart from the query-aware runs",
     )
     p.add_argument(
         "--context_lengths", nargs="+", type=int, default=[2048], help="RULER context / book document / LongBench truncation lengths in tokens (default: 2048)"
     )
-    p.add_argument("--num_samples", type=int, default=20, help="examples per task (the same seeded ones for every run; nested as n grows) (default: 20)")
+    p.add_argument(
+        "--num_samples", type=positive_int, default=20, help="examples per task (the same seeded ones for every run; nested as n grows) (default: 20)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated examples (default: 0)")
-    p.add_argument("--batch_size", type=int, default=4, help="examples decoded together (default: 4)")
+    p.add_argument("--batch_size", type=positive_int, default=4, help="examples decoded together (default: 4)")
     p.add_argument(
         "--ppl_prompt_tokens",
         type=int,
@@ -111,42 +110,7 @@ def add_run_flags(p: ArgumentParser) -> None:
     )
 
 
-@contextlib.contextmanager
-def locked_out_dir(out_dir: Path):
-    """Create --out_dir and hold an exclusive lock on it for the run: two sweeps writing one directory would interleave records."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out_dir {out_dir} is a file, not a directory; choose a directory")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        lock = (out_dir / ".lock").open("a")
-    except OSError as e:
-        raise ValueError(f"--out_dir {out_dir} is not writable ({e.strerror}); choose a writable directory") from None
-    with lock:
-        if not os.access(out_dir, os.W_OK):
-            raise ValueError(f"--out_dir {out_dir} is not writable; choose a writable directory")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another eval.py is writing to {out_dir}; wait for it, or choose another --out_dir") from None
-        yield
-
-
-SWEEP_TIMEOUT = timedelta(hours=48)  # ranks that finish early wait this long for the slowest
-
-
-def open_out_dir(jobs: list[Job], args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
-    """Rank 0's part before a sweep: check everything, then lock --out_dir for the sweep (held by `stack`).
-    Returns the examples already done."""
-    if args.out_dir.exists() and not args.out_dir.is_dir():
-        raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
-    done = prepare_runs(jobs, args)  # checks the checkpoint name, context lengths and each run's key before anything is written
-    stack.enter_context(locked_out_dir(args.out_dir))
-    return done
-
-
 def run(args: argparse.Namespace) -> None:
-    if args.num_samples < 1 or args.batch_size < 1:
-        raise ValueError(f"--num_samples and --batch_size must be >= 1, got {args.num_samples}, {args.batch_size}")
     tasks = resolve_tasks(args.tasks)
     if args.attention_metrics and (args.compile or any(isinstance(t, PerplexityTask) for t in tasks)):
         raise ValueError("--attention_metrics runs eagerly on generation tasks: drop --compile and the perplexity tasks (book_*)")

@@ -6,12 +6,14 @@ is decoded with compress_first_token, so even a one-token answer is computed fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,10 +33,22 @@ from kvlab.engine import compile_decode_step, decode_one_token, generate, mainta
 from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
 from kvlab.model import ModelArgs, Transformer
 from kvlab.recording import RecordedPrefill
-from kvlab.results import append_record, rank_file, read_config_records, read_runs, rewrite_complete_lines, write_runs
+from kvlab.results import append_record, locked_out_dir, rank_file, read_config_records, read_runs, rewrite_complete_lines, write_runs
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
 from kvlab.tasks.ruler import ContextTooShortError, minimum_context_length
+
+SWEEP_TIMEOUT = timedelta(hours=48)  # ranks that finish early wait this long for the slowest
+
+
+def open_out_dir(jobs: list[Job], args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
+    """Rank 0's part before a sweep: check everything, then lock --out_dir for the sweep (held by `stack`).
+    Returns the examples already done."""
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
+    done = prepare_runs(jobs, args)  # checks the checkpoint name, context lengths and each run's key before anything is written
+    stack.enter_context(locked_out_dir(args.out_dir))
+    return done
 
 
 def check_context_lengths(tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int, model_context: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import json
 import os
 import shutil
@@ -34,6 +35,26 @@ def removed_unless_results(out_dir: Path) -> Iterator[None]:
 RECORDS = "records.jsonl"  # <out_dir>/<model>/<config>/records.jsonl: every example of every run of the config
 RUNS = "runs.json"  # beside it: each run's settings ("args") and its finished tasks' metrics ("tasks")
 RUN_FIELDS = ("run", "job", "id")  # every record names its run (size+flags), its job (task@ctx) and its example
+
+
+@contextlib.contextmanager
+def locked_out_dir(out_dir: Path):
+    """Create --out_dir and hold an exclusive lock on it for the run: two sweeps writing one directory would interleave records."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out_dir {out_dir} is a file, not a directory; choose a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = (out_dir / ".lock").open("a")
+    except OSError as e:
+        raise ValueError(f"--out_dir {out_dir} is not writable ({e.strerror}); choose a writable directory") from None
+    with lock:
+        if not os.access(out_dir, os.W_OK):
+            raise ValueError(f"--out_dir {out_dir} is not writable; choose a writable directory")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another eval.py is writing to {out_dir}; wait for it, or choose another --out_dir") from None
+        yield
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
