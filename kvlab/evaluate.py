@@ -221,9 +221,7 @@ class Evaluator:
         groups = [self.group(name, ctx, group) for (name, ctx), group in by_task.items()]
         lead = parallel.rank() == 0
         if lead:
-            for group in groups:
-                for job, _ in group.runs:
-                    self.prepare(job)
+            self.prepare([job for group in groups for job, _ in group.runs])
         parallel.barrier()  # the run directories exist, and every rank has read what was done, before any rank appends
         index, count = self.shard
         units = [(group, batch) for group in groups for batch in batches(group.todo(), self.args.batch_size)]
@@ -291,11 +289,13 @@ class Evaluator:
         records = {d: read_config_records(d) for d in {self.config_dir(job) for job, _ in runs}}
         return Group(task, examples, runs, {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs})
 
-    def prepare(self, job: Job) -> None:
-        """The job's config directory with the run's settings in its runs.json."""
-        config_dir = self.config_dir(job)
-        key = run_key(job, self.args, self.config["name"], checkpoint_dir(self.args))
-        write_run_args(config_dir, job, key, read_config_records(config_dir))
+    def prepare(self, jobs: list[Job]) -> None:
+        """Each job's config directory with its run's settings in the runs.json (each config's records read once)."""
+        records: dict[Path, dict] = {}
+        for job in jobs:
+            config_dir = self.config_dir(job)
+            records.setdefault(config_dir, read_config_records(config_dir))
+            write_run_args(config_dir, job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)), records[config_dir])
 
     def keep(self, group: Group, job: Job, record: dict[str, Any]) -> None:
         """A finished example: appended to this process's records file of the job's config, and done."""
