@@ -283,10 +283,12 @@ class Evaluator:
                     f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
                     "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
                 )
-            if self.writes:  # a torn last line of this process's own file goes before it appends
-                rewrite_complete_lines(rank_file(self.config_dir(job), *self.shard))
             runs.append((job, spec))
-        records = {d: read_config_records(d) for d in {self.config_dir(job) for job, _ in runs}}
+        config_dirs = {self.config_dir(job) for job, _ in runs}
+        if self.writes:  # a torn last line of this process's own files goes before it appends
+            for config_dir in config_dirs:
+                rewrite_complete_lines(rank_file(config_dir, *self.shard))
+        records = {d: read_config_records(d) for d in config_dirs}
         return Group(task, examples, runs, {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs})
 
     def prepare(self, jobs: list[Job]) -> None:
