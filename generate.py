@@ -11,7 +11,6 @@ that `--compile` compiles with static shapes.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -22,17 +21,15 @@ from kvlab import interrupts_quietly
 with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a traceback
     import torch
 
-    from kvlab import parallel
+    from kvlab import parallel, textgen
     from kvlab.checkpoint import load_checkpoint
     from kvlab.chunked import prefill_chunk_step
     from kvlab.cli import ArgumentParser, check_fits, positive_int, resolve_device_dtype, run_cli
-    from kvlab.config import CACHE_KEYS, CacheSpec, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
+    from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
     from kvlab.convert import default_checkpoint
     from kvlab.duo import with_default_gates
     from kvlab.engine import Sampling, compile_cache_dir, compile_decode_step, decode_one_token, prefill
-    from kvlab.quantize import weight_bytes
     from kvlab.strategies import CACHE_STRATEGIES
-    from kvlab.textgen import DEFAULT_PROMPT, encode_prompts, generate_batches, read_texts, serve_prompts, timing_report, warm_up
 
 
 def build_parser() -> ArgumentParser:
@@ -40,7 +37,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--prompt",
         action="append",
-        help=f"prompt text, or a path to a text file (read when the path exists); repeat for several prompts (default: {DEFAULT_PROMPT!r})",
+        help=f"prompt text, or a path to a text file (read when the path exists); repeat for several prompts (default: {textgen.DEFAULT_PROMPT!r})",
     )
     p.add_argument(
         "--prompts_file",
@@ -89,33 +86,14 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: sampling would be greedy, or nan
-
-
-def check_args(args: argparse.Namespace, settings: dict) -> None:
-    """Flags that cannot be right together: one error each, never silently ignored."""
-    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
-        raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {args.temperature}")
-    if args.top_k is not None and args.temperature == 0:
-        raise ValueError(f"--top_k {args.top_k} applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)")
-    if args.system_prompt is not None and not args.chat:
-        raise ValueError("--system_prompt applies to --chat; add --chat, or drop --system_prompt")
-    if args.compile and settings.get("slow_tier") == "host":
-        raise ValueError("--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs eagerly; drop --compile")
-    if args.attention_loss and (args.compile or args.compile_prefill):
-        raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
-
-
 def run(args: argparse.Namespace) -> None:
     settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
-    check_args(args, settings)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
     tensor_parallel = parallel.launched()  # torchrun --nproc_per_node N: one model sharded over the N ranks
-    if tensor_parallel and args.attention_loss:
-        raise ValueError("--attention_loss measures every head of one process; run it without torchrun")
+    textgen.check_generate_args(args, settings, tensor_parallel)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     device = parallel.init(device)
     parallel.quiet_other_ranks()
-    texts = read_texts(args.prompt, args.prompts_file)
+    texts = textgen.read_texts(args.prompt, args.prompts_file)
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
@@ -123,14 +101,9 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, config = load_checkpoint(checkpoint, device, dtype, tensor_parallel)
     settings = with_default_gates(settings, checkpoint, config["name"])
     spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
-    if "quantization" in config:  # its matrices are integer buffers, not parameters
-        size = f"{config['quantization']['mode']} weights, {weight_bytes(model) / 1e6:.0f} MB"
-    else:
-        size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
-    ranks = f", tensor parallel over {parallel.world_size()} ranks (rank 0's share)" if tensor_parallel else ""
-    print(f"Loaded {config['name']} ({size}{ranks}, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(textgen.loaded_model_line(config, model, dtype, device, tensor_parallel, time.perf_counter() - t0), file=sys.stderr)
 
-    prompts = encode_prompts(tokenizer, texts, args.chat, args.system_prompt)
+    prompts = textgen.encode_prompts(tokenizer, texts, args.chat, args.system_prompt)
     batch_size = args.batch_size or len(prompts)
     prompts = prompts * batch_size if len(prompts) == 1 else prompts
     common = dict(stop_ids=() if args.ignore_eos else tokenizer.stop_ids, sampling=Sampling(args.temperature, args.top_k))
@@ -138,33 +111,24 @@ def run(args: argparse.Namespace) -> None:
     if args.compile:
         print(f"compiling the decode step (the first run takes up to a minute; later runs reuse {compile_cache_dir()})", file=sys.stderr)
     if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
-        check_servable(args, spec, tensor_parallel)
-        return serve_prompts(model, tokenizer, prompts, args.max_new_tokens, batch_size, spec, **common)
+        textgen.check_servable(args, spec, tensor_parallel)
+        return textgen.serve_prompts(model, tokenizer, prompts, args.max_new_tokens, batch_size, spec, **common)
     prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
     chunk_step = torch.compile(prefill_chunk_step, fullgraph=True) if args.compile_prefill else prefill_chunk_step
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
     cfg = model.config  # a full cache per sequence bounds every cache's buffers (sized by max_seq_length)
     check_fits("--batch_size", batch_size, 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize, device)
-    warm_up_seconds = warm_up(model, spec, prompts[:batch_size], max_seq_length, prefill_step, whole=args.compile_prefill)
-    totals, last = generate_batches(
+    warm_up_seconds = textgen.warm_up(model, spec, prompts[:batch_size], max_seq_length, prefill_step, whole=args.compile_prefill)
+    totals, last = textgen.generate_batches(
         model, tokenizer, prompts, batch_size, args.max_new_tokens, spec, **common, prefill_step=prefill_step, max_seq_length=max_seq_length,
         attention_loss=args.attention_loss, chunk_step=chunk_step,
     )  # fmt: skip
-    report = timing_report(totals, last, warm_up_seconds, batch_size, args.cache_config or spec.strategies, device, (args.compile_prefill, args.compile))
+    report = textgen.timing_report(
+        totals, last, warm_up_seconds, batch_size, args.cache_config or spec.strategies, device, (args.compile_prefill, args.compile)
+    )
     if tensor_parallel:
         report += f"\n(KV cache and memory: rank 0's, which holds {model.layers[0].attention.n_local_heads} of {cfg.n_local_heads} KV heads)"
     print(report, file=sys.stderr)
-
-
-def check_servable(args: argparse.Namespace, spec: CacheSpec, tensor_parallel: bool) -> None:
-    """Several prompts with kvcompress go to continuous batching, which takes one process and none of these flags."""
-    if tensor_parallel:
-        raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
-    if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss or spec.prefill_chunk:
-        raise ValueError(
-            "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token, "
-            "--attention_loss or --prefill_chunk"
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

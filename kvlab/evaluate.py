@@ -36,7 +36,7 @@ from kvlab.recording import RecordedPrefill
 from kvlab.results import append_record, locked_out_dir, rank_file, read_config_records, read_runs, rewrite_complete_lines, write_runs
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
-from kvlab.tasks.ruler import ContextTooShortError, minimum_context_length
+from kvlab.tasks.sizing import ContextTooShortError, minimum_context_length
 
 SWEEP_TIMEOUT = timedelta(hours=48)  # ranks that finish early wait this long for the slowest
 

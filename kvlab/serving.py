@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -51,6 +51,154 @@ class ServeResult:
         return self.prefill_seconds + self.decode_seconds
 
 
+@dataclass
+class Rows:
+    """The state of one serve() call: the request each batch row decodes, what each request generated,
+    and the pool that holds their KV."""
+
+    model: Transformer
+    prompts: Sequence[Sequence[int]]
+    max_new_tokens: int
+    max_batch: int
+    paged: PagedKV
+    cache_length: float
+    sampling: Sampling
+    stop: set[int]
+    on_finish: Callable[[int, list[int]], None] | None
+    queue: deque[int] = field(init=False)
+    row_of: list[int] = field(init=False)  # request in each row, -1 where the row is free
+    out: list[list[int]] = field(init=False)
+    finished: list[bool] = field(init=False)
+    rows_in_flight: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    peak: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.queue = deque(range(len(self.prompts)))
+        self.row_of = [-1] * self.max_batch
+        self.out = [[] for _ in self.prompts]
+        self.finished = [False] * len(self.prompts)
+        cfg = self.model.config
+        self.heads, self.device = cfg.n_layer * cfg.n_local_heads, self.model.tok_embeddings.weight.device
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(i >= 0 for i in self.row_of)
+
+    def reservation(self, i: int) -> int:
+        """Blocks request i holds once compressed plus a growing block per head, or its whole length."""
+        own, bs = len(self.prompts[i]) + self.max_new_tokens, self.paged.block_size
+        return min(cache_slots(self.cache_length, own) * self.heads // bs + self.heads, self.heads * -(-own // bs))
+
+    def fits(self, i: int) -> bool:
+        """Whether request i can start now: its whole prompt (until its prefill compresses it) and the next
+        token are free, and every running request's reservation fits the pool with its own."""
+        running = [j for j in self.row_of if j >= 0]
+        prompt_blocks = self.heads * -(-(len(self.prompts[i]) + 1) // self.paged.block_size)
+        pool = self.paged.pool
+        if pool.free_blocks() >= prompt_blocks and sum(map(self.reservation, running)) + self.reservation(i) <= pool.n_blocks:
+            return True
+        if not running:
+            raise ValueError(
+                f"request {i} ({len(self.prompts[i])} prompt tokens) needs {max(prompt_blocks, self.reservation(i))} blocks; the pool has "
+                f"{pool.n_blocks} (raise kvc_pool_blocks or compress more)"
+            )
+        return False
+
+    def admit(self) -> None:
+        """Start queued requests in free rows while the pool can hold them."""
+        while self.queue and -1 in self.row_of and self.fits(self.queue[0]):
+            self.prefill(self.queue.popleft(), self.row_of.index(-1))
+
+    def prefill(self, i: int, row: int) -> None:
+        """Prefill request i into `row` (the cache compresses it to the request's budget) and sample its first token."""
+        t0, n, device = time.perf_counter(), len(self.prompts[i]), self.device
+        self.row_of[row], self.out[i] = i, []
+        self.paged.budget[row] = cache_slots(self.cache_length, n + self.max_new_tokens)
+        self.paged.prefill_rows = torch.tensor([row], device=device)
+        tokens, positions = torch.tensor([self.prompts[i]], device=device), torch.arange(n, device=device)[None]
+        logits = self.model(tokens, positions, prefill=True, logits_at=torch.tensor([[n - 1]], device=device))
+        self.paged.prefill_rows = None
+        first = int(sample(logits[:, -1], self.sampling.temperature, self.sampling.top_k))
+        self.prefill_seconds += time.perf_counter() - t0
+        self.take(row, first)
+
+    def decode(self, decode_step: Callable[..., Tensor]) -> None:
+        """One decode step for every busy row: the first rows up to the highest busy one run (a power of 2: few shapes)."""
+        active = [row for row, i in enumerate(self.row_of) if i >= 0]
+        if not active:
+            return
+        rows = min(len(self.row_of), 1 << max(active).bit_length())
+        token = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        input_pos = torch.full((rows, 1), -1, dtype=torch.long, device=self.device)
+        for row in active:
+            i = self.row_of[row]
+            token[row, 0], input_pos[row, 0] = self.out[i][-1], len(self.prompts[i]) + len(self.out[i]) - 1
+        t0 = time.perf_counter()
+        next_token = decode_step(self.model, token, input_pos, self.sampling.temperature, self.sampling.top_k)
+        try:
+            self.paged.maintain()
+        except PoolExhausted:
+            self.preempt(active)
+        sync(self.device)
+        self.decode_seconds += time.perf_counter() - t0
+        self.rows_in_flight.append(len(active))
+        self.peak = max(self.peak, self.paged.blocks_in_use())
+        for row, t in zip(active, next_token[active].tolist(), strict=True):
+            self.take(row, t)
+
+    def preempt(self, active: list[int]) -> None:
+        """Free the newest sequences until the others fit the pool; they go back to the queue's front and
+        start again later (greedy decoding regenerates the same tokens)."""
+        while True:
+            newest = max(active, key=lambda row: self.row_of[row])
+            self.queue.appendleft(self.row_of[newest])
+            self.paged.release_row(newest)
+            self.row_of[newest] = -1
+            active.remove(newest)
+            self.preemptions += 1
+            try:
+                self.paged.make_room()
+                return
+            except PoolExhausted:
+                continue
+
+    def take(self, row: int, token: int) -> None:
+        """Append a generated token to the row's request, or finish it on a stop token or at max_new_tokens."""
+        i = self.row_of[row]
+        if token in self.stop:
+            self.finish(row, True)
+            return
+        self.out[i].append(token)
+        if len(self.out[i]) == self.max_new_tokens:
+            self.finish(row, False)
+
+    def finish(self, row: int, stopped: bool) -> None:
+        i = self.row_of[row]
+        self.finished[i] = stopped
+        self.paged.release_row(row)
+        self.row_of[row] = -1
+        if self.on_finish is not None:
+            self.on_finish(i, self.out[i])
+
+    def result(self) -> ServeResult:
+        pool = self.paged.pool
+        steps = len(self.rows_in_flight)
+        return ServeResult(
+            self.out,
+            self.finished,
+            self.prefill_seconds,
+            self.decode_seconds,
+            steps,
+            self.rows_in_flight,
+            self.preemptions,
+            self.peak,
+            pool.n_blocks,
+            pool.block_bytes(),
+        )
+
+
 @torch.no_grad()
 def serve(
     model: Transformer,
@@ -70,14 +218,11 @@ def serve(
     prompt + max_new_tokens. `on_finish(index, tokens)` is called as each request completes."""
     if not all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies) or len(set(spec.lengths)) != 1:
         raise ValueError(f"serving needs a paged cache (kvcompress) with one cache length on every layer; got {', '.join(dict.fromkeys(spec.strategies))}")
-    cache_length = spec.lengths[0]
-    temperature, top_k = sampling.temperature, sampling.top_k
     if max_new_tokens < 1 or max_batch < 1 or not prompts or any(len(p) < 1 for p in prompts):
         raise ValueError(
             f"serve needs prompts of >= 1 token, max_new_tokens >= 1 and max_batch >= 1; got max_new_tokens={max_new_tokens}, max_batch={max_batch}"
         )
-    cfg, device = model.config, model.tok_embeddings.weight.device
-    longest = max(map(len, prompts)) + max_new_tokens
+    longest, cfg = max(map(len, prompts)) + max_new_tokens, model.config
     max_seq_length = max_seq_length or longest
     if not longest <= max_seq_length <= cfg.block_size:
         raise ValueError(
@@ -88,95 +233,8 @@ def serve(
     if paged.auto_pool:  # no kvc_pool_blocks: room for every row's sequence uncompressed
         paged.release_all()
         paged.pool.resize(paged.full_pool)
-    heads, bs = cfg.n_layer * cfg.n_local_heads, paged.block_size
-
-    def reservation(i: int) -> int:  # blocks a sequence holds once compressed plus a growing block per head, or its whole length
-        own = len(prompts[i]) + max_new_tokens
-        return min(cache_slots(cache_length, own) * heads // bs + heads, heads * -(-own // bs))
-
-    queue, row_of = deque(range(len(prompts))), [-1] * max_batch  # request in each row
-    out: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
-    stop = set(stop_ids)
-    rows_in_flight, preemptions, peak = [], 0, 0
-    prefill_seconds = decode_seconds = 0.0
-
-    def finish(row: int, stopped: bool) -> None:
-        i = row_of[row]
-        finished[i] = stopped
-        paged.release_row(row)
-        row_of[row] = -1
-        if on_finish is not None:
-            on_finish(i, out[i])
-
-    while queue or any(i >= 0 for i in row_of):
-        while queue and -1 in row_of:  # admit
-            i, running = queue[0], [j for j in row_of if j >= 0]
-            prompt_blocks = heads * -(-(len(prompts[i]) + 1) // bs)  # the whole prompt until its prefill compresses it, and the next token
-            if paged.pool.free_blocks() < prompt_blocks or sum(map(reservation, running)) + reservation(i) > paged.pool.n_blocks:
-                if not running:
-                    raise ValueError(
-                        f"request {i} ({len(prompts[i])} prompt tokens) needs {max(prompt_blocks, reservation(i))} blocks; the pool has "
-                        f"{paged.pool.n_blocks} (raise kvc_pool_blocks or compress more)"
-                    )
-                break
-            queue.popleft()
-            row = row_of.index(-1)
-            row_of[row], out[i] = i, []
-            t0 = time.perf_counter()
-            paged.budget[row] = cache_slots(cache_length, len(prompts[i]) + max_new_tokens)
-            paged.prefill_rows = torch.tensor([row], device=device)
-            n = len(prompts[i])
-            logits = model(
-                torch.tensor([prompts[i]], device=device), torch.arange(n, device=device)[None], prefill=True, logits_at=torch.tensor([[n - 1]], device=device)
-            )
-            paged.prefill_rows = None
-            first = int(sample(logits[:, -1], temperature, top_k))
-            prefill_seconds += time.perf_counter() - t0
-            if first in stop:
-                finish(row, True)
-            else:
-                out[i].append(first)
-                if max_new_tokens == 1:
-                    finish(row, False)
-        active = [row for row in range(max_batch) if row_of[row] >= 0]
-        if not active:
-            continue
-        rows = min(max_batch, 1 << max(active).bit_length())  # run the first rows up to the highest busy one (a power of 2: few shapes)
-        token = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        input_pos = torch.full((rows, 1), -1, dtype=torch.long, device=device)
-        for row in active:
-            i = row_of[row]
-            token[row, 0], input_pos[row, 0] = out[i][-1], len(prompts[i]) + len(out[i]) - 1
-        t0 = time.perf_counter()
-        next_token = decode_step(model, token, input_pos, temperature, top_k)
-        try:
-            paged.maintain()
-        except PoolExhausted:
-            while True:  # preempt the newest sequences until the others fit; they start again later
-                newest = max(active, key=lambda row: row_of[row])
-                queue.appendleft(row_of[newest])
-                paged.release_row(newest)
-                row_of[newest] = -1
-                active.remove(newest)
-                preemptions += 1
-                try:
-                    paged.make_room()
-                    break
-                except PoolExhausted:
-                    continue
-        sync(device)
-        decode_seconds += time.perf_counter() - t0
-        rows_in_flight.append(len(active))
-        peak = max(peak, paged.blocks_in_use())
-        for row, t in zip(active, next_token[active].tolist(), strict=True):
-            i = row_of[row]
-            if t in stop:
-                finish(row, True)
-                continue
-            out[i].append(t)
-            if len(out[i]) == max_new_tokens:
-                finish(row, False)
-    return ServeResult(
-        out, finished, prefill_seconds, decode_seconds, len(rows_in_flight), rows_in_flight, preemptions, peak, paged.pool.n_blocks, paged.pool.block_bytes()
-    )
+    rows = Rows(model, prompts, max_new_tokens, max_batch, paged, spec.lengths[0], sampling, set(stop_ids), on_finish)
+    while rows.busy():
+        rows.admit()
+        rows.decode(decode_step)
+    return rows.result()

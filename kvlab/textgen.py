@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -13,12 +15,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvlab import parallel
 from kvlab.build import layer_slots, quiet_notices
 from kvlab.cli import peak_memory_bytes
 from kvlab.config import CacheSpec
 from kvlab.engine import generate
 from kvlab.generation import Generation
 from kvlab.model import Transformer
+from kvlab.quantize import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
 from kvlab.tokenizer import Tokenizer
@@ -87,6 +91,46 @@ def encode_prompts(tokenizer: Tokenizer, texts: list[str], chat: bool, system_pr
     if not all(prompts):
         raise ValueError("the prompt is empty (0 tokens); give some text with --prompt (or a file holding it), or use --chat")
     return prompts
+
+
+MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: sampling would be greedy, or nan
+
+
+def check_generate_args(args: argparse.Namespace, settings: dict, tensor_parallel: bool) -> None:
+    """generate.py's flags that cannot be right together: one error each, never silently ignored."""
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {args.temperature}")
+    if args.top_k is not None and args.temperature == 0:
+        raise ValueError(f"--top_k {args.top_k} applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)")
+    if args.system_prompt is not None and not args.chat:
+        raise ValueError("--system_prompt applies to --chat; add --chat, or drop --system_prompt")
+    if args.compile and settings.get("slow_tier") == "host":
+        raise ValueError("--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs eagerly; drop --compile")
+    if args.attention_loss and (args.compile or args.compile_prefill):
+        raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
+    if tensor_parallel and args.attention_loss:
+        raise ValueError("--attention_loss measures every head of one process; run it without torchrun")
+
+
+def check_servable(args: argparse.Namespace, spec: CacheSpec, tensor_parallel: bool) -> None:
+    """Several prompts with kvcompress go to continuous batching, which takes one process and none of these flags."""
+    if tensor_parallel:
+        raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
+    if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss or spec.prefill_chunk:
+        raise ValueError(
+            "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token, "
+            "--attention_loss or --prefill_chunk"
+        )
+
+
+def loaded_model_line(config: dict, model: Transformer, dtype: torch.dtype, device: torch.device, tensor_parallel: bool, seconds: float) -> str:
+    """One line on what was loaded: the model, its size (quantized: its weights' bytes), ranks, dtype, device."""
+    if "quantization" in config:  # its matrices are integer buffers, not parameters
+        size = f"{config['quantization']['mode']} weights, {weight_bytes(model) / 1e6:.0f} MB"
+    else:
+        size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params"
+    ranks = f", tensor parallel over {parallel.world_size()} ranks (rank 0's share)" if tensor_parallel else ""
+    return f"Loaded {config['name']} ({size}{ranks}, {dtype}, {device}) in {seconds:.1f} s"
 
 
 def serve_prompts(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, spec: CacheSpec, **kw) -> None:

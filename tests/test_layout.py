@@ -1,4 +1,5 @@
-"""The package's shape: imports inside kvlab go one way (no cycle, function-level imports included)."""
+"""The package's shape: imports inside kvlab go one way (no cycle, function-level imports included), units a
+reader can hold in their head (functions <= 60 lines, kvlab files <= 400, the CLIs <= 150), compact records."""
 
 from __future__ import annotations
 
@@ -71,6 +72,29 @@ def test_imports_inside_kvlab_go_one_way():
     assert "kvlab.checkpoint" in graph["kvlab.convert"]  # the graph sees imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def long_functions(path: Path, most: int) -> list[str]:
+    """'file:function (n lines)' for every function or method in the file longer than `most` lines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [f"{path.name}:{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in functions if f.end_lineno - f.lineno + 1 > most]
+
+
+def test_long_functions_finds_the_one_over_the_limit(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def short():\n    return 1\n\n\nclass A:\n    def long(self):\n" + "        x = 1\n" * 60)
+    assert long_functions(path, 60) == ["m.py:long (61 lines)"]
+
+
+def test_functions_fit_a_screen_and_files_stay_short():
+    sources = [*(ROOT / "kvlab").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), ROOT / "generate.py", ROOT / "eval.py"]
+    assert len(sources) > 60
+    too_long = [entry for path in sources for entry in long_functions(path, 60)]
+    assert not too_long, too_long
+    lines = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in sources}
+    long_files = [f"{p.relative_to(ROOT)} ({n} lines)" for p, n in lines.items() if n > (150 if p.parent == ROOT else 400)]
+    assert not long_files, long_files
 
 
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|root|Users|tmp|mnt|srv|opt)/\w")

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import spec_for
+from kvlab.block_tables import VIEW_ROUND
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import grouped_attention
-from kvlab.paged import VIEW_ROUND, PagedKV
+from kvlab.paged import PagedKV
 from kvlab.pool import PoolExhausted
 from kvlab.report import cache_report
 from kvlab.serving import serve

@@ -32,10 +32,9 @@ import random
 import re
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from kvlab.tasks.base import Example, GenerationTask, render_prompt
+from kvlab.tasks.base import Example, GenerationTask
 from kvlab.tasks.haystack import (
     distinct,
     essay_words,
@@ -48,6 +47,7 @@ from kvlab.tasks.haystack import (
     token_position,
     word_list,
 )
+from kvlab.tasks.sizing import Budget, ContextTooShortError, fit
 from kvlab.tokenizer import Tokenizer
 
 # templates: RULER, Apache-2.0 (data/synthetic/constants.py; "assgined" sic)
@@ -84,10 +84,6 @@ DEPTHS = [round(100 * i / 39) for i in range(40)]  # percent; RULER: np.round(np
 VT_ICL_TOKENS = 470  # RULER builds its one-shot vt example for a 500-token context, 30 of them for the answer
 
 
-class ContextTooShortError(ValueError):
-    """The context length cannot hold the task's prompt even with an empty haystack."""
-
-
 def string_match_all(prediction: str, references: list[str]) -> float:
     """RULER's metric for niah, vt, cwe and fwe: the share of references found in the prediction, ignoring case."""
     return sum(r.lower() in prediction.lower() for r in references) / len(references)
@@ -116,63 +112,6 @@ def needle_digits(prediction: str, references: list[str]) -> float:
 
 
 METRICS: dict[str, Callable[[str, list[str]], float]] = {"string_match_all": string_match_all, "string_match_part": string_match_part}
-
-
-def fit(length: Callable[[int], int], budget: int, hi: int, lo: int = 0) -> int:
-    """The largest n in [lo, hi] with length(n) <= budget. Prompt length grows with the haystack size n, so
-    bisection costs O(log hi) encodes per example instead of one per haystack unit."""
-    shortest = length(lo)
-    if shortest > budget:
-        raise ContextTooShortError(f"the shortest prompt takes {shortest} tokens, over the {budget} available")
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if length(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def minimum_context_length(task: GenerationTask, tokenizer: Tokenizer, num_samples: int, seed: int, chat: bool, too_short: int, limit: int) -> int | None:
-    """The smallest context length in (too_short, limit] at which `task` builds its first `num_samples`
-    examples, or None when even `limit` is too short. Examples are drawn per context length, so fitting
-    need not grow monotonically with it: doubling, then bisection, finds a length that fits and whose
-    predecessor does not."""
-
-    def fits(context_length: int) -> bool:
-        try:
-            task.examples(tokenizer, num_samples, seed, context_length, chat)
-        except ContextTooShortError:
-            return False
-        return True
-
-    lo, hi = too_short, min(2 * too_short, limit)
-    while not fits(hi):
-        if hi == limit:
-            return None
-        lo, hi = hi, min(2 * hi, limit)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
-
-
-@dataclass
-class Budget:
-    """What one example is built for: its tokenizer and prompt style, and the tokens its prompt may take."""
-
-    tokenizer: Tokenizer
-    chat: bool
-    context_length: int
-    tokens: int
-
-    def render(self, text: str, answer_prefix: str) -> list[int]:
-        return render_prompt(self.tokenizer, text, answer_prefix, self.chat)
-
-    def fill(self, text: Callable[[int], str], answer_prefix: str, hi: int, lo: int = 0) -> tuple[int, list[int]]:
-        """The largest haystack size n in [lo, hi] whose prompt fits, and that prompt's token ids."""
-        n = fit(lambda n: len(self.render(text(n), answer_prefix)), self.tokens, hi, lo)
-        return n, self.render(text(n), answer_prefix)
 
 
 def question_of(template: str) -> str:
