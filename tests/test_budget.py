@@ -109,6 +109,7 @@ def test_squeeze_measures_attention_that_changes_the_hidden_state(tiny_model):
             model.layers[silenced].attention.wo.weight.copy_(original)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planner", ["pyramid", "squeeze"])
 def test_generate_keeps_the_total_and_sizes_each_layer_by_its_plan(smollm, planner):
     model, tokenizer, _ = smollm
@@ -124,6 +125,7 @@ def test_generate_keeps_the_total_and_sizes_each_layer_by_its_plan(smollm, plann
     assert len(set(result.layer_budgets[0])) > 1
 
 
+@pytest.mark.slow
 def test_uniform_planner_equals_no_planner(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode(paul_graham_text()[:2000])[:300]
@@ -133,6 +135,7 @@ def test_uniform_planner_equals_no_planner(smollm):
     assert planned.layer_budgets[0] == [cache_slots(0.3, 312)] * 30 and planned.tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_one_compiled_decode_step_serves_every_plan(tiny_model):
     """Planned capacities differ per prompt, yet the decode step compiles once (slot axis dynamic) and
     agrees with eager decoding."""

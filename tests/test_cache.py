@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import spec_for
+from conftest import fast_few, spec_for
 from kvlab.build import make_caches
 from kvlab.cache import FullCache
 from kvlab.engine import compile_decode_step, generate
@@ -146,7 +146,7 @@ def test_window_strategies_equal_an_explicit_mask_reference(smollm, strategy, si
     torch.testing.assert_close(logits[strategy], logits["reference"], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", EVICTING)
+@pytest.mark.parametrize("strategy", fast_few(EVICTING, ["heavy_hitter"]))
 def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
     """The same tokens, eager and compiled. l2 runs on layer 1 only (layer 0 keeps every token): in layer 0 a
     key depends on its token alone and RoPE keeps its norm, so a repeated token ties l2's score exactly, and
@@ -170,7 +170,7 @@ def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
         assert compiled == eager
 
 
-@pytest.mark.parametrize("strategy", [s for s in EVICTING if s != "random"])
+@pytest.mark.parametrize("strategy", fast_few([s for s in EVICTING if s != "random"], ["heavy_hitter"]))
 def test_batch_equals_one_by_one_for_every_strategy(smollm, strategy):
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode("The quick brown fox jumps over the lazy dog because"), tokenizer.encode("Photosynthesis is the process")]
@@ -211,20 +211,23 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [
-        ("heavy_hitter", dict(cache_bits=4)),
-        ("l2", dict(cache_bits=8, key_quant_axis="channel")),
-        ("keydiff", dict(cache_bits=8, key_quant_axis="channel")),
-        ("heavy_hitter", dict(history_window=5, count_threshold=1.0)),
-        ("heavy_hitter", dict(prompt_compression_strategy="snapkv", snapkv_gqa="query", snapkv_window=4)),
-        ("heavy_hitter", dict(prompt_compression_strategy="snapkv", chunk_size=3, value_weight="norm")),  # ChunkKV, CriticalKV
-        ("heavy_hitter", dict(prompt_compression_strategy="expected_attention", ea_window=4, ea_future=8)),
-        ("expected_attention", dict(head_budget="adakv", value_epsilon=0.01)),
-        ("lagkv", dict(prompt_compression_strategy="lagkv", lagkv_size=2)),
-        ("rkv", dict(prompt_compression_strategy="rkv", rkv_window=4, rkv_lambda=0.5)),
-        ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),  # ThinK + SnapKV
-        ("l2", dict(key_channel_pruning=0.5, cache_bits=4)),  # ThinK + KIVI-style channel quantization
-    ],
+    fast_few(
+        [
+            ("heavy_hitter", dict(cache_bits=4)),
+            ("l2", dict(cache_bits=8, key_quant_axis="channel")),
+            ("keydiff", dict(cache_bits=8, key_quant_axis="channel")),
+            ("heavy_hitter", dict(history_window=5, count_threshold=1.0)),
+            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", snapkv_gqa="query", snapkv_window=4)),
+            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", chunk_size=3, value_weight="norm")),  # ChunkKV, CriticalKV
+            ("heavy_hitter", dict(prompt_compression_strategy="expected_attention", ea_window=4, ea_future=8)),
+            ("expected_attention", dict(head_budget="adakv", value_epsilon=0.01)),
+            ("lagkv", dict(prompt_compression_strategy="lagkv", lagkv_size=2)),
+            ("rkv", dict(prompt_compression_strategy="rkv", rkv_window=4, rkv_lambda=0.5)),
+            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),  # ThinK + SnapKV
+            ("l2", dict(key_channel_pruning=0.5, cache_bits=4)),  # ThinK + KIVI-style channel quantization
+        ],
+        [("heavy_hitter", dict(cache_bits=4))],
+    ),
 )
 def test_compiled_decode_equals_eager_with_options(tiny_model, strategy, options):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
@@ -234,6 +237,7 @@ def test_compiled_decode_equals_eager_with_options(tiny_model, strategy, options
     assert generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu"))).tokens == eager
 
 
+@pytest.mark.slow
 def test_cache_fractions_apply_to_each_sequence_length(smollm):
     """A batch row gets the fraction of its own prompt + max_new_tokens, exactly as when run alone."""
     model, tokenizer, _ = smollm

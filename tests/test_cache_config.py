@@ -8,7 +8,6 @@ import pytest
 
 from conftest import ROOT
 from kvlab.config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
-from test_generate import run_cli
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 
@@ -61,9 +60,9 @@ def test_unknown_config_name_lists_the_shipped_ones():
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_every_shipped_config_runs(name):
+def test_every_shipped_config_runs(name, generate_cli):
     prompt = " ".join(["The history of the printing press begins in the fifteenth century, in Mainz."] * 10)  # 160 tokens: 10% = 17 slots
-    proc = run_cli("--cache_config", name, "--max_new_tokens", "8", "--prompt", prompt)
+    proc = generate_cli("--cache_config", name, "--max_new_tokens", "8", "--prompt", prompt)
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
     assert report.startswith(f"KV cache ({name}): ")
@@ -74,8 +73,8 @@ def test_every_shipped_config_runs(name):
     assert split == (name.startswith(("ada_", "critical_ada_")) or name == "kvzip")
 
 
-def test_flags_override_a_shipped_config():
-    proc = run_cli("--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8")
+def test_flags_override_a_shipped_config(generate_cli):
+    proc = generate_cli("--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert "KV cache (heavy_hitter): 14 of 14 tokens held per layer and KV head on average (1.00x compression)" in proc.stderr
     assert (ROOT / "configs" / "heavy_hitter.yaml").exists()
@@ -89,11 +88,11 @@ def test_per_layer_list_of_the_wrong_length_names_the_key():
         cache_spec(settings, 30)
 
 
-def test_per_layer_list_of_the_wrong_length_names_the_file(tmp_path: Path):
+def test_per_layer_list_of_the_wrong_length_names_the_file(tmp_path: Path, generate_cli):
     """Only YAML gives lists, so the command line's error names the file as well as the key."""
     path = tmp_path / "three.yaml"
     path.write_text("cache_strategy: l2\nmax_cache_length: [0.5, 0.25, 0.1]\n")
-    proc = run_cli("--cache_config", str(path), "--max_new_tokens", "2")
+    proc = generate_cli("--cache_config", str(path), "--max_new_tokens", "2")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {path}: max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern: tile, repeat (or exactly 30 values)"

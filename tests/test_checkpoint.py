@@ -143,6 +143,7 @@ def write_tiny_gguf(path, arch: str) -> None:
     w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_conversion_matches_transformers_on_the_same_file(arch, tmp_path):
     """A tiny GGUF of each supported architecture converts to a checkpoint whose logits equal HF

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, miniature_smollm, paul_graham_text
+from conftest import ROOT, fast_few, miniature_smollm, paul_graham_text
 from kvlab.chunked import prefill_chunk_step
 from kvlab.config import cache_spec, parse_flag
 from kvlab.engine import generate
@@ -110,13 +110,16 @@ def essay(smollm):
 
 @pytest.mark.parametrize(
     "settings, chunk",
-    [
-        ({"cache_strategy": "full"}, 64),  # exact attention in chunks
-        ({"cache_strategy": "keydiff", "max_cache_length": 400}, 64),  # a budget the prompt fits: nothing evicted
-        ({"cache_strategy": "keydiff", "max_cache_length": 100}, 300),  # a chunk as long as the prompt: one prefill
-        ({"cache_strategy": "tova", "max_cache_length": 100}, 1000),
-        ({"cache_strategy": "kvcompress", "max_cache_length": 400}, 64),  # the paged pool
-    ],
+    fast_few(
+        [
+            ({"cache_strategy": "full"}, 64),  # exact attention in chunks
+            ({"cache_strategy": "keydiff", "max_cache_length": 400}, 64),  # a budget the prompt fits: nothing evicted
+            ({"cache_strategy": "keydiff", "max_cache_length": 100}, 300),  # a chunk as long as the prompt: one prefill
+            ({"cache_strategy": "tova", "max_cache_length": 100}, 1000),
+            ({"cache_strategy": "kvcompress", "max_cache_length": 400}, 64),  # the paged pool
+        ],
+        [({"cache_strategy": "keydiff", "max_cache_length": 400}, 64)],
+    ),
 )
 def test_a_chunked_prefill_that_evicts_nothing_between_chunks_gives_the_one_shot_tokens(settings, chunk, smollm, essay):
     model, tokenizer, _ = smollm
@@ -126,7 +129,7 @@ def test_a_chunked_prefill_that_evicts_nothing_between_chunks_gives_the_one_shot
     assert chunked.tokens == one_shot.tokens and chunked.tokens_held == one_shot.tokens_held
 
 
-@pytest.mark.parametrize("strategy", ["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv", "kvzip", "kvcompress"])
+@pytest.mark.parametrize("strategy", fast_few(["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv", "kvzip", "kvcompress"], ["keydiff"]))
 def test_each_row_of_a_batch_of_mixed_lengths_is_compressed_as_alone(strategy, smollm, essay):
     """The short row's prompt ends chunks before the long one's: chunks of padding leave its cache unchanged."""
     model, tokenizer, _ = smollm
@@ -137,6 +140,7 @@ def test_each_row_of_a_batch_of_mixed_lengths_is_compressed_as_alone(strategy, s
     assert together.tokens == alone
 
 
+@pytest.mark.slow
 def test_every_strategy_runs_chunked_and_says_which_compress_only_at_the_end(smollm, capsys, monkeypatch):
     """The miniature of SmolLM2 (its shipped DuoAttention gates fit it): 600 prompt tokens in chunks of 128."""
     monkeypatch.setattr("kvlab.build._SAID", set())

@@ -108,22 +108,14 @@ STRATEGIES_AND_CONFIGS = [["--cache_strategy", s] for s in CACHE_STRATEGIES] + [
 ]
 
 
-@pytest.fixture
-def generate_cli(monkeypatch, smollm, smollm_dir):
-    """generate.main on the session's loaded model (the command line, sizing and warm-up as a user runs them)."""
-    monkeypatch.setattr(generate, "load_checkpoint", lambda *args, **kwargs: smollm)
-    monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
-    monkeypatch.setattr("kvlab.build._SAID", set())  # each command is a new process: its notices are new
-    return generate.main
-
-
 @pytest.mark.parametrize("case", STRATEGIES_AND_CONFIGS, ids=lambda case: case[1])
-def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli, capsys):
+def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli):
     """Defaults that fit any prompt: a fraction below what the strategy protects is raised to it, which one line
     says; on a prompt this short, a strategy protecting 4 sinks and 10 recent tokens then evicts nothing, and one
     protecting only the newest token (as kvpress's presses) keeps its half of the 9 tokens, with no note."""
-    generate_cli([*case, "--prompt", "Hello", "--max_new_tokens", "8", "--ignore_eos"])
-    err = capsys.readouterr().err
+    run = generate_cli(*case, "--prompt", "Hello", "--max_new_tokens", "8", "--ignore_eos")
+    err = run.stderr
+    assert run.returncode == 0, err
     assert "prefill: 1 tokens" in err and "decode: 6 tokens" in err, err  # the first step is timed apart
     report = next(line for line in err.splitlines() if line.startswith("KV cache ("))
     held = int(re.search(r": (\d+) of 8 tokens held", report).group(1))
@@ -164,11 +156,12 @@ WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {
         ),
     ],
 )
-def test_a_fraction_below_the_protected_tokens_is_raised_to_them(flags, note, generate_cli, capsys):
+def test_a_fraction_below_the_protected_tokens_is_raised_to_them(flags, note, generate_cli):
     """The design card's command on a short prompt: 6 prompt + 12 new tokens (a cache of 17 tokens:
     the last one generated is never stored)."""
-    generate_cli(["--cache_strategy", "heavy_hitter", *flags, "--prompt", "The history of the printing press", "--max_new_tokens", "12", "--ignore_eos"])
-    err = capsys.readouterr().err
+    run = generate_cli("--cache_strategy", "heavy_hitter", *flags, "--prompt", "The history of the printing press", "--max_new_tokens", "12", "--ignore_eos")
+    err = run.stderr
+    assert run.returncode == 0, err
     held = 15 if flags[0] == "--max_cache_length" else 17
     assert f"KV cache (heavy_hitter): {held} of 17 tokens held" in err, err
     assert [line for line in err.splitlines() if line.startswith("note:")] == [note], err
@@ -305,11 +298,12 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(capsys):
 
 
 @pytest.mark.parametrize("bits", [[], ["--cache_bits", "4"]])
-def test_duo_attention_finds_the_shipped_gates_of_the_default_model(bits, generate_cli, capsys):
+def test_duo_attention_finds_the_shipped_gates_of_the_default_model(bits, generate_cli):
     """No --duo_gates: the gates shipped for the default model; quantized storage works too, though some
     layers have no retrieval (or no streaming) heads."""
-    generate_cli(["--cache_strategy", "duo_attention", *bits, "--prompt", "Hello", "--max_new_tokens", "2"])
-    err = capsys.readouterr().err
+    run = generate_cli("--cache_strategy", "duo_attention", *bits, "--prompt", "Hello", "--max_new_tokens", "2")
+    err = run.stderr
+    assert run.returncode == 0, err
     assert "duo_attention: the gates calibrated for SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.json)" in err and "heads retrieval: 45" in err
 
 

@@ -132,6 +132,7 @@ def jobs_under(out_dir) -> list[tuple[str, str, str]]:
     return sorted((d.relative_to(out_dir).as_posix(), *key) for d in config_dirs(out_dir) for key in read_config_records(d))
 
 
+@pytest.mark.slow
 def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monkeypatch):
     args = ["--tasks", "book_shakespeare", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "3"]
     run_eval(tmp_path, *args)
@@ -181,6 +182,7 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     assert calls == [2, 2, 2, 2] and task_metrics(config_dir, "0.9", "echo@64")["value"] == metrics["value"]
 
 
+@pytest.mark.slow
 def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, monkeypatch):
     """Prefill once per batch for all configs and sizes, prompt scores once per compressor: the same
     predictions as separate runs, with one prefill and one H2O scoring per batch."""
@@ -224,6 +226,7 @@ def two_rank_sweep(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_share_a_sweep_out_and_equal_one_process(two_rank_sweep, tmp_path):
     """Each rank runs every other batch, with all configs, into its own files; together they hold the
     records, metrics and summary one process writes."""
@@ -249,6 +252,7 @@ def test_two_ranks_share_a_sweep_out_and_equal_one_process(two_rank_sweep, tmp_p
     assert (two_rank_sweep / "summary.csv").read_text() == (tmp_path / "summary.csv").read_text()
 
 
+@pytest.mark.slow
 def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, monkeypatch, capsys):
     """The ranks' files count as done for a rerun with another number of processes: nothing is recomputed
     but a missing example, which goes to the one process's own file."""
@@ -270,6 +274,7 @@ def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, m
     assert task_metrics(config_dir, "0.5", "qa_1@256")["n"] == 2
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_path):
     """--tensor_parallel: the ranks shard one model and run every job together; rank 0 alone writes the
     plain files, with the predictions of one process (here: those the 2-rank sweep made) and perplexities
@@ -289,6 +294,7 @@ def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_
                 assert record["perplexity"] == pytest.approx(alone[id]["perplexity"], rel=1e-4) and record["tokens"] == alone[id]["tokens"]
 
 
+@pytest.mark.slow
 def test_an_error_on_rank_0_stops_every_rank_at_once(tmp_path):
     (tmp_path / "file").write_text("")
     proc = torchrun_eval(tmp_path / "file", *KJV)  # a hang would wait out the timeout
@@ -326,6 +332,7 @@ def test_layer_budget_planners_need_a_perplexity_prompt(tmp_path):
     assert [(r["task"], r["context_length"]) for r in rows] == [("book_kjv+prompt48", "96")]
 
 
+@pytest.mark.slow
 def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
     """With a 40-token prompt and a full cache, the prompt's predictions (from the prefill) and the rest
     (decoded through the cache) together equal one causal forward; a compressed cache differs only after the prompt."""

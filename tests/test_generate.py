@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+import generate as cli
+from conftest import ROOT, run_main
 from kvlab.engine import Sampling, compile_decode_step, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.model import ModelArgs
@@ -99,7 +100,6 @@ def test_prompt_that_names_an_existing_path_is_read_or_refused(tmp_path):
 
 
 def test_ctrl_c_says_interrupted_and_exits_130(monkeypatch, capsys):
-    import generate as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -122,9 +122,9 @@ def test_cli_generates_and_reports_stats():
 
 
 @pytest.mark.parametrize("strategy", ["window", "recent_global", "random", "l2", "heavy_hitter", "tova"])
-def test_cli_runs_every_strategy_and_reports_compression(strategy):
+def test_cli_runs_every_strategy_and_reports_compression(strategy, generate_cli):
     prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg"
-    proc = run_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
+    proc = generate_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
     assert proc.returncode == 0, proc.stderr
     kept = [line for line in proc.stderr.splitlines() if line.startswith(f"KV cache ({strategy}): ")]
     assert (
@@ -132,21 +132,21 @@ def test_cli_runs_every_strategy_and_reports_compression(strategy):
     )  # 15 prompt + 16 new = 31: 16 slots for the 30 tokens
 
 
-def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats():
+def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats(generate_cli):
     prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith, built a press; soon, presses spread."
-    proc = run_cli("--cache_strategy", "hybrid", "--max_new_tokens", "16", "--prompt", prompt, "--chat")
+    proc = generate_cli("--cache_strategy", "hybrid", "--max_new_tokens", "16", "--prompt", prompt, "--chat")
     assert proc.returncode == 0, proc.stderr
     policies = {line.split(": ")[0]: int(line.split(": ")[1]) for line in proc.stderr.splitlines() if line.startswith("heads ")}
     assert list(policies) == [f"heads {p}" for p in HybridCache.policies] and sum(policies.values()) == 30 * 3  # layers x KV heads
-    proc = run_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
+    proc = generate_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache (full): "))
     allocated_over_full = float(report.split("), ", 1)[1].split("x the ")[0])
     assert 1 / allocated_over_full > 4  # packed 4-bit codes + scales vs float32
 
 
-def test_cli_reports_attention_loss_per_layer_and_over_time():
-    proc = run_cli("--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "12", "--attention_loss")
+def test_cli_reports_attention_loss_per_layer_and_over_time(generate_cli):
+    proc = generate_cli("--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "12", "--attention_loss")
     assert proc.returncode == 0, proc.stderr
     by_step = next(line for line in proc.stderr.splitlines() if line.startswith("attention loss: mean"))
     assert "over 11 decode steps; by step 1: " in by_step
@@ -202,11 +202,11 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_one_error_line(case):
+def test_bad_input_is_one_error_line(case, capsys):
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("a GPU is present")
     args, message = BAD_INPUTS[case]
-    proc = run_cli(*args)
+    proc = run_main(cli.main, capsys, *args)  # in this process: an exception other than the one-line exit fails the test
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(message)
@@ -229,7 +229,6 @@ def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys)
     """Under --compile_prefill the warm-up prefills the real first batch, so a prompt longer than its cache
     compiles the compressing branch before the timed prefill (8-token warm-up prompts never reached it, and
     the timed prefill recompiled); without it, the warm-up stays 8 tokens."""
-    import generate as cli
     from kvlab import textgen
 
     calls = []

@@ -40,6 +40,7 @@ def essay_ids(smollm):
     return tokenizer.encode(paul_graham_text()[:20000])
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_on_the_same_gguf(smollm, essay_ids):
     """HF transformers dequantizes the GGUF with its own code and runs its own Llama: <= 1e-3 max abs.
     The last 16 tokens go through the decode path (cache.update + position mask) one at a time."""

@@ -75,6 +75,7 @@ def check_against_one_process(ranks: list[dict], names: list[str], smollm) -> No
             assert sharded == alone, name
 
 
+@pytest.mark.slow
 def test_sharded_generation_equals_one_process(tmp_path, smollm):
     ranks = torchrun(tmp_path, "smollm", *CORE)
     check_against_one_process(ranks, CORE, smollm)
@@ -100,6 +101,7 @@ def test_the_core_set_runs_sharded_on_a_one_token_prompt(tmp_path, smollm):
         assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == alone, name
 
 
+@pytest.mark.slow
 def test_torchrun_generate_prints_the_text_of_one_process():
     """The issue's own check: `torchrun --nproc_per_node 2 generate.py --cache_strategy heavy_hitter`
     prints what one process prints (rank 0 alone talks)."""

@@ -141,6 +141,7 @@ def test_compress_first_token_decodes_the_last_prompt_token_through_the_cache(sm
     )  # full: exact either way
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", ["heavy_hitter", "heavy_hitter_mean"])
 def test_heavy_hitter_takes_the_prefills_log_sum_exp_and_keeps_the_same_tokens(smollm, monkeypatch, compressor):
     """On CPU the prefill hands its attention's log-sum-exp to H2O's prompt scoring (directly and through a

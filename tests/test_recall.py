@@ -122,6 +122,7 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
         assert_reordered_close(slow[0][:, :, :n].half().float(), full[0][:, :, :n], terms=a.dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))
 def test_recallable_compiled_equals_eager_and_batch_equals_alone(tiny_model, strategy):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]

@@ -82,6 +82,7 @@ def truncating_encode(storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.
     return (codes.view(*codes.shape[:-1], -1, 8 // storage.bits) << storage.shifts).sum(dim=-1, dtype=torch.uint8)
 
 
+@pytest.mark.slow
 def test_quantized_caches_stay_close_to_full_precision(smollm, monkeypatch):
     """8 bits: within logit_errors_within_8bit_bounds, which codes rounded down instead of to nearest
     (measured mean 0.091, 99.9th percentile 0.40) fail; 4 bits: loss within 0.2 of full either way; 2 bits:
