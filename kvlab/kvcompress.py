@@ -28,7 +28,7 @@ class KVCompressCache(KVCache):
             None,
             "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory",
             default_help="sized at each prefill for the batch's budgets and prompts (serving: every sequence uncompressed)",
-            maximum=2**31 - 1,  # the memory, not this bound, limits it: a refused allocation names the flag
+            maximum=2**31 - 1,  # the memory, not this bound, limits it: a pool over the free memory is refused before allocating
             param="pool_blocks",
         ),
         integer("kvc_window", 8, "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt", param="window"),

@@ -230,6 +230,7 @@ def test_a_strategy_takes_its_own_prompt_options(strategy, option, value, attrib
         (["--cache_strategy", "clusterkv", "--kmeans_iterations", "100000"], "kmeans_iterations must be an integer from 1 to 1000, got 100000"),
         (["--cache_strategy", "lagkv", "--lagkv_size", str(2**40)], "lagkv_size must be an integer from 1 to 131072"),
         (["--batch_size", "100000000"], "--batch_size 100000000 needs about"),
+        (["--cache_strategy", "kvcompress", "--kvc_pool_blocks", "100000000"], "kvc_pool_blocks 100000000 needs about"),
         (["--cache_strategy", "window", "--head_budget", "adakv"], "WindowCache: --head_budget adakv shares a layer's slots by how each head scores"),
         (["--cache_config", "kvcompress", "--prompts_file", "{tmp}/two.txt", "--prefill_chunk", "64"], "--attention_loss or --prefill_chunk"),
     ],
