@@ -90,5 +90,3 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
-
-
