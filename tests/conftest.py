@@ -28,8 +28,11 @@ kernels.load(quiet=True)  # every test runs the kernels the product runs here: n
 def fast_few(values: list, fast: list) -> list:
     """A test family's parameters: those in `fast` run in the fast loop (`pytest -m "not slow"`), the others are
     marked slow and run in the full suite. A tuple is one test's values for several names."""
-    slow = [pytest.param(*v, marks=pytest.mark.slow) if isinstance(v, tuple) else pytest.param(v, marks=pytest.mark.slow) for v in values]
-    return [v if v in fast else marked for v, marked in zip(values, slow, strict=True)]
+
+    def slow(v):
+        return pytest.param(*v, marks=pytest.mark.slow) if isinstance(v, tuple) else pytest.param(v, marks=pytest.mark.slow)
+
+    return [v if v in fast else slow(v) for v in values]
 
 
 def paul_graham_text() -> str:
@@ -120,7 +123,7 @@ def run_main(main, capsys, *args: str) -> CliRun:
         main(list(args))
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # sys.exit(message) exits 1
     out = capsys.readouterr()
     return CliRun(code, out.out, out.err)
 
