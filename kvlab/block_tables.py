@@ -56,8 +56,8 @@ class BlockTables(nn.Module):
         self.max_blocks = math.ceil(history / block_size)  # per head: a head never holds more than the sequence
         self.full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks  # every sequence uncompressed
         self.auto_pool = pool_blocks is None
-        if pool_blocks is not None:  # keys, values, positions and metrics of every block
-            check_fits("kvc_pool_blocks", pool_blocks, block_size * (2 * head_dim * dtype.itemsize + 8 + 4), torch.device(device or "cpu"))
+        if pool_blocks is not None:
+            check_fits("kvc_pool_blocks", pool_blocks, BlockPool.block_footprint(block_size, head_dim, dtype), torch.device(device or "cpu"))
         self.pool = BlockPool(0 if pool_blocks is None else pool_blocks, block_size, head_dim, dtype, device)
         L, B, H = n_layer, batch_size, n_kv_heads
         self.register_buffer("table", torch.full((L, B, H, self.max_blocks), -1, dtype=torch.long, device=device), persistent=False)

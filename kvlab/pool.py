@@ -22,6 +22,11 @@ class BlockPool(nn.Module):
         super().__init__()
         self._allocate(n_blocks, block_size, head_dim, dtype, device)
 
+    @staticmethod
+    def block_footprint(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes in memory: its keys and values, and its slots' positions (int64) and metrics (float32)."""
+        return block_size * (2 * head_dim * dtype.itemsize + 8 + 4) + 1  # + its in-use flag
+
     def _allocate(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None) -> None:
         shape = (n_blocks + 1, block_size)
         self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
