@@ -6,14 +6,15 @@
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
 and the shipped Q4_1 itself), cached in ~/.cache/kvlab/gguf. kvlab runs its float32 checkpoint and that
-checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32).
+checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32), and the
+int4 one once more with x rounded to int8 per block of 32 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics).
 
 Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp in its
 default batches of 512; kvlab eager, as generate.py runs it). Decode: tok/s over the steps after the
 first, kvlab's compiled (generate.py --compile). Without llama-cpp-python the bench says so and measures
 kvlab alone.
 
-Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4>_<n>" and
+Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x8>_<n>" and
 "prefill_fp32_<n>": {"kvlab": tok/s, "llamacpp": tok/s (null without it), "ratio"}, "cpu", "threads",
 "load", "isa", "llamacpp_int4": the GGUF of the int4 row, "same_greedy_tokens_fp32": how many leading
 greedy tokens kvlab float32 and llama.cpp F32 share}.
@@ -37,7 +38,7 @@ from kvlab import kernels
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import lay_out_for_matvec
-from kvlab.quantize import quantize_model
+from kvlab.quantize import Int4Linear, quantize_model
 
 GGUF_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
 LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"]}  # kvlab weights -> the GGUFs it is measured against
@@ -132,6 +133,7 @@ def measure(args) -> tuple[dict, dict, dict, str | None]:
     ours = {"fp32": kvlab_rates(bench.model, prompts, args.new_tokens, args.repeats)}
     for kind in ("int8", "int4"):
         ours[kind] = kvlab_rates(quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[kind]), prompts, args.new_tokens, args.repeats)
+    ours["int4_x8"] = kvlab_rates(with_int8_x(quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int4"])), prompts, args.new_tokens, args.repeats)
     theirs, int4_gguf = {}, None
     if llamacpp_available():
         by_gguf = {g: llamacpp_rates(g, prompts, args.new_tokens, args.repeats, threads) for gs in LLAMA_WEIGHTS.values() for g in gs}
@@ -139,9 +141,18 @@ def measure(args) -> tuple[dict, dict, dict, str | None]:
             best = max(ggufs, key=lambda g: sum(by_gguf[g][n][1] for n in prompts))
             theirs[kind] = by_gguf[best]
         int4_gguf = max(LLAMA_WEIGHTS["int4"], key=lambda g: sum(by_gguf[g][n][1] for n in prompts))
+        theirs["int4_x8"] = theirs["int4"]
         theirs["by_gguf"] = by_gguf
         theirs["same_greedy_tokens"] = same_greedy_tokens(bench.model, prompts[min(prompts)], args.new_tokens)
     return bench, ours, theirs, int4_gguf
+
+
+def with_int8_x(model: torch.nn.Module) -> torch.nn.Module:
+    """The int4 model with its products rounding x to int8 per block of 32 (what KVLAB_INT4_X=int8 builds)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.quantize_x = True
+    return model
 
 
 def cell(kvlab: float, llamacpp: float | None) -> dict:
@@ -151,7 +162,7 @@ def cell(kvlab: float, llamacpp: float | None) -> dict:
 def results_of(args, ours: dict, theirs: dict, int4_gguf: str | None) -> dict:
     """The JSON record: the issue's keys, then the machine and llama.cpp's details."""
     results = {}
-    for kind in ("fp32", "int8", "int4"):
+    for kind in ("fp32", "int8", "int4", "int4_x8"):
         for n in args.prompt_lengths:
             results[f"decode_{kind}_{n}"] = cell(ours[kind][n][1], theirs[kind][n][1] if theirs else None)
     for n in args.prompt_lengths:
@@ -166,8 +177,9 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def report_lines(args, bench, results: dict, theirs: dict, int4_gguf: str | None) -> list[str]:
-    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4_gguf or "Q4_0/Q4_1"}
-    cells = [(key.split("_"), v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
+    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4_gguf or "Q4_0/Q4_1", "int4_x8": int4_gguf or "Q4_0/Q4_1"}
+    weights_of = {"int4_x8": "int4, x int8"}
+    cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
         "",
@@ -176,7 +188,7 @@ def report_lines(args, bench, results: dict, theirs: dict, int4_gguf: str | None
         "",
         *table(
             "measure | prompt tokens | kvlab weights | llama.cpp GGUF | kvlab tok/s | llama.cpp tok/s | kvlab / llama.cpp",
-            (row(m, n, kind, gguf_of[kind], fmt(v["kvlab"]), fmt(v["llamacpp"]), fmt(v["ratio"], ".2f")) for (m, kind, n), v in cells),
+            (row(m, n, weights_of.get(kind, kind), gguf_of[kind], fmt(v["kvlab"]), fmt(v["llamacpp"]), fmt(v["ratio"], ".2f")) for m, kind, n, v in cells),
             align="---:",
         ),
     ]

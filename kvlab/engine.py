@@ -73,16 +73,17 @@ def compile_cache_dir() -> Path:
 def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> Callable[..., Tensor]:
     """`step` compiled whole (fullgraph; CUDA graphs on a GPU). Dynamo treats every module buffer as
     static-shape unless force_parameter_static_shapes is off; planned caches mark their slot axis
-    dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. The setting is applied to
-    this step's calls only, not to the importing program. `inductor` passes Inductor settings
-    (bench/bench_decode_profile.py measures which ones pay on a machine). Compiled graphs persist in
-    `compile_cache_dir()`."""
+    dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. Guards skip the module trees
+    whose attribute dicts are unchanged since the last call (recursive dict tags: a CPU decode step's
+    guard check goes from 1.06 to 0.38 ms). Both settings apply to this step's calls only, not to the
+    importing program. `inductor` passes Inductor settings (bench/bench_decode_profile.py measures which
+    ones pay on a machine). Compiled graphs persist in `compile_cache_dir()`."""
     mode = None if inductor else "reduce-overhead" if device.type == "cuda" else "default"
     compiled = torch.compile(step, mode=mode, options=inductor, fullgraph=True)
 
     @functools.wraps(step)
     def run(*args: Any) -> Tensor:
-        with torch._dynamo.config.patch(force_parameter_static_shapes=False):
+        with torch._dynamo.config.patch(force_parameter_static_shapes=False, use_recursive_dict_tags_for_guards=True):
             return compiled(*args)
 
     return run

@@ -181,7 +181,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + bias, W in 4-bit codes with a (scale, zero) per group of `groupsize` inputs."""
+    """y = x W^T + bias, W in 4-bit codes with a (scale, zero) per group of `groupsize` inputs.
+
+    `quantize_x` (KVLAB_INT4_X=int8, read at construction): the native kernel rounds x to int8 per block of
+    32 inputs and multiplies bytes, as llama.cpp's Q4 x Q8_0 products do (each input off by at most half
+    its block's step); by default x stays float32, so only float32 summation rounds."""
 
     mode = "int4"
 
@@ -197,6 +201,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.register_buffer("offsets", None, persistent=False)  # zeros - 8 scales: kvlab's native kernel's
         self.kernel: Kernel | None = None
+        self.quantize_x = kernels.int4_quantizes_x()
 
     def prepare(self, kernel: Kernel | None) -> None:
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
@@ -223,7 +228,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
-            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias)
+            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.quantize_x)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
@@ -244,7 +249,7 @@ class Int4Linear(nn.Module):
             and self.groupsize == up.groupsize
             and kernels.takes_weight(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets)
         ):
-            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize)
+            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize, self.quantize_x)
         return F.silu(self(x)) * up(x)
 
 

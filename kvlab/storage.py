@@ -39,6 +39,12 @@ KEY_PRUNING_OPTIONS = (  # taken by the caches whose prefill shows the storage i
 )
 
 
+def rows_and_heads(slots: Tensor) -> tuple[Tensor, Tensor]:
+    """The batch and head indices [B, 1, 1] and [1, H, 1] that go with slots [B, H, N] in an index_put_."""
+    batch, heads = slots.shape[:2]
+    return torch.arange(batch, device=slots.device)[:, None, None], torch.arange(heads, device=slots.device)[None, :, None]
+
+
 class KVStorage(nn.Module):
     """Keys and values in the model's dtype, [B, H_kv, C, D] each (keys [B, H_kv, C, key_dim] when given)."""
 
@@ -52,9 +58,12 @@ class KVStorage(nn.Module):
         the caches that take KEY_PRUNING_OPTIONS: storage that decides from them (ThinK's channels) does it here."""
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
-        """Store k, v [B, H_kv, N, D] into slots [B, H_kv, N]; `prompt` marks the prefill's write."""
-        self.k.scatter_(2, slots[..., None].expand_as(k), k)
-        self.v.scatter_(2, slots[..., None].expand_as(v), v)
+        """Store k, v [B, H_kv, N, D] into slots [B, H_kv, N]; `prompt` marks the prefill's write. Written as
+        an index_put_ (not scatter_), which torch.compile writes in place: a scatter_ on a buffer is compiled
+        as a copy of the whole buffer, twice, every step."""
+        index = rows_and_heads(slots) + (slots,)
+        self.k.index_put_(index, k)
+        self.v.index_put_(index, v)
 
     def read(self) -> tuple[Tensor, Tensor]:
         """Every slot's keys and values, [B, H_kv, C, D] in the model's dtype."""

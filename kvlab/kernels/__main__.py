@@ -31,6 +31,17 @@ def int4_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor) -> t
     return F.linear(x, w), sum((x.abs() @ part.flatten(1).abs().T).max().item() for part in parts)
 
 
+def int4_rounding_bound(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """How far the int4 product with x quantized (the ops' default) may be from the float one, per output:
+    each input is rounded to its block's int8 step (max |x| / 127 over 32 inputs), so off by at most half
+    that step (and a few ulps), times the codes' part of each weight, |scale x code|; the offsets' part
+    takes x's exact sums."""
+    x = F.pad(x, (0, 2 * codes.shape[1] - x.shape[-1]))
+    half_steps = (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 254 * (1 + 2.0**-20)).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    weights = int4_codes(codes).float().unflatten(-1, (scales.shape[1], -1)) * scales[..., None]
+    return half_steps @ weights.flatten(1).abs().T
+
+
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, float]:
     """torch's decode attention, and the bound on a different order's rounding: each score (a sum of D
     products) off by d moves every softmax weight p by at most 2 d p, so the output by 2 d max|v|; the
@@ -59,14 +70,32 @@ def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
     want = F.silu(F.linear(x, q.float()) * scales) * (F.linear(x, q_up.float()) * s_up)
     failures += mismatch("gated_int8", torch.ops.kvlab.gated_int8(x, q, scales, q_up, s_up), want, k, gated_magnitude)
     for groupsize in GROUPSIZES:
-        codes, scales4, zeros = quantize_int4(w, groupsize)
-        want, magnitude4 = int4_reference(x, codes, scales4, zeros)
-        got = torch.ops.kvlab.linear_int4(x, codes, scales4, zeros - 8 * scales4, groupsize, b)
-        failures += mismatch(f"linear_int4 g{groupsize}", got, want + b, codes.shape[1] * 2, magnitude4)
-        c_up, sc_up, z_up = quantize_int4(up, groupsize)
-        want_up, magnitude_up = int4_reference(x, c_up, sc_up, z_up)
-        got = torch.ops.kvlab.gated_int4(x, codes, scales4, zeros - 8 * scales4, c_up, sc_up, z_up - 8 * sc_up, groupsize)
-        failures += mismatch(f"gated_int4 g{groupsize}", got, F.silu(want) * want_up, codes.shape[1] * 2, 2.1 * max(magnitude4, magnitude_up) ** 2)
+        failures += check_int4(x, w, up, b, groupsize)
+    return failures
+
+
+def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> list[str]:
+    """The int4 product and gated projection, x in float32 (to summation order) and quantized (within
+    `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
+    (codes, scales, zeros), (c_up, s_up, z_up) = quantize_int4(w, groupsize), quantize_int4(up, groupsize)
+    (want, magnitude), (want_up, magnitude_up) = int4_reference(x, codes, scales, zeros), int4_reference(x, c_up, s_up, z_up)
+    weights, gated = (codes, scales, zeros - 8 * scales), (codes, scales, zeros - 8 * scales, c_up, s_up, z_up - 8 * s_up)
+    terms, gated_magnitude = codes.shape[1] * 2, 2.1 * max(magnitude, magnitude_up) ** 2
+    failures = mismatch(f"linear_int4 g{groupsize}", torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, False), want + b, terms, magnitude)
+    gated_want = F.silu(want) * want_up
+    failures += mismatch(f"gated_int4 g{groupsize}", torch.ops.kvlab.gated_int4(x, *gated, groupsize, False), gated_want, terms, gated_magnitude)
+    da, db = int4_rounding_bound(x, codes, scales), int4_rounding_bound(x, c_up, s_up)
+    bounds = {
+        "linear_int4": (torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, True), want + b, da + kernels.reordering_atol(terms, magnitude)),
+        "gated_int4": (
+            torch.ops.kvlab.gated_int4(x, *gated, groupsize, True),
+            gated_want,
+            1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + kernels.reordering_atol(terms, gated_magnitude),
+        ),
+    }
+    for op, (got, expected, bound) in bounds.items():
+        if ((got - expected).abs() > bound).any():
+            failures.append(f"{op} g{groupsize} x quantized {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound")
     return failures
 
 

@@ -4,11 +4,16 @@
 //     y[m, n] = sum_g scales[n, g] * (sum_{k in g} x[m, k] codes[n, k]) + offsets[n, g] * (sum_{k in g} x[m, k])
 //
 // Codes are stored as kvlab.quantize writes them, two per byte along a row (the even column in the high
-// nibble), rows padded to Kp, a multiple of the group size (32, 64 or 128). The SIMD paths split each 16
-// bytes into their high and low nibbles, so x is reordered once per call to match: in every run of 32
-// inputs, the 16 even ones, then the 16 odd ones. The codes are widened exactly to float32 and multiplied
-// with x in float32 (x is not quantized, unlike llama.cpp's Q4 dot products); the group sums of x are
-// computed once per call, so the offsets cost one multiply-add per group.
+// nibble), rows padded to Kp, a multiple of the group size (32, 64 or 128). Two ways to take x:
+//
+// - quantized (llama.cpp's Q4 x Q8_0 products; kvlab's with KVLAB_INT4_X=int8): each run of 32 inputs (a block) rounded to
+//   int8 with one scale (max |x| / 127), once per call, and each block's 32 code-times-input products
+//   summed exactly in int32 by byte dot products (AVX2 maddubs + madd, or AVX512-VNNI's vpdpbusd). A block
+//   costs about ten instructions for 32 weights; each input is off by at most half its block's step.
+// - float32 (the default): the codes widened exactly to float32 and multiplied with x in float32, x reordered once per
+//   call to match the nibble split, so the only rounding is float32 summation's.
+//
+// Both take the offsets' part from the exact float32 sums of x per group (one multiply-add per group).
 #include <torch/library.h>
 
 #include "matvec.h"
@@ -146,6 +151,126 @@ __attribute__((target("avx512f"))) static void gemv_int4_rows_avx512(const float
   }
 }
 
+// x [M, K] rounded for the byte dot products: per block of 32 inputs, int8 codes q = round(x / step) with
+// step = max |x| / 127 (0 for a block of zeros), stored odd inputs first, then even ones (the order a
+// block's 16 bytes of weight codes unpack in: low nibbles, then high); and x's exact sums per weight group.
+struct Int4QuantizedInput {
+  std::vector<int8_t> codes;      // [M, Kp]
+  std::vector<float> steps;       // [M, Kp / 32]
+  std::vector<float> group_sums;  // [M, G]
+};
+
+static Int4QuantizedInput quantize_input(const at::Tensor& x, int64_t Kp, int64_t groupsize) {
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t K = x.size(-1), M = xc.numel() / K, blocks = Kp / 32, G = Kp / groupsize;
+  Int4QuantizedInput in{std::vector<int8_t>(M * Kp), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[32], amax = 0.f;
+      for (int64_t i = 0; i < 32; ++i) {
+        v[i] = b * 32 + i < K ? xp[m * K + b * 32 + i] : 0.f;
+        amax = std::max(amax, std::fabs(v[i]));
+        in.group_sums[m * G + (b * 32 + i) / groupsize] += v[i];
+      }
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      in.steps[m * blocks + b] = amax / 127.f;
+      for (int64_t i = 0; i < 32; ++i) in.codes[m * Kp + b * 32 + (i % 2 == 1 ? i / 2 : 16 + i / 2)] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+    }
+  return in;
+}
+
+// The reference: each block's products summed in int32, scaled by the weight's scale and the block's step.
+static void gemv_int4_x8_rows_scalar(const Int4QuantizedInput& in, const Int4Weight& w, float* y, int64_t M, int64_t n0, int64_t n1) {
+  const int64_t blocks = w.Kp / 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* bytes = w.codes + n * (w.Kp / 2) + 16 * b;
+        const int8_t* q = in.codes.data() + m * w.Kp + 32 * b;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < 16; ++i) dot += (bytes[i] & 15) * q[i] + (bytes[i] >> 4) * q[16 + i];
+        acc += w.scales[n * w.G + 32 * b / w.groupsize] * in.steps[m * blocks + b] * static_cast<float>(dot);
+      }
+      y[m * w.N + n] = acc + offset_term(w, in.group_sums.data(), n, m);
+    }
+}
+
+// A block's 16 bytes of codes as 32 bytes: the low nibbles (odd columns), then the high ones (even).
+__attribute__((target("avx2,fma"))) static inline __m256i unpack_block(const uint8_t* bytes) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(15));
+}
+
+// sum_g offsets[g] * sums[g] over G groups, 8 at a time.
+__attribute__((target("avx2,fma"))) static float offset_dot(const float* offsets, const float* sums, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(sums + g), acc);
+  float total = hsum256(acc);
+  for (; g < G; ++g) total += offsets[g] * sums[g];
+  return total;
+}
+
+// NR weight rows from n against MB rows of x from m: per block, each row's codes unpacked once, their byte
+// products with each row of x summed in int32 lanes (DOT: maddubs + madd, or vpdpbusd), converted and
+// scaled into one float32 accumulator per (weight row, x row). Two twins below, one per DOT.
+#define KVLAB_INT4_X8_ROWS(DOT)                                                                                                     \
+  const int64_t blocks = w.Kp / 32;                                                                                                 \
+  __m256 acc[NR][MB];                                                                                                               \
+  for (int r = 0; r < NR; ++r)                                                                                                      \
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();                                                                   \
+  for (int64_t b = 0; b < blocks; ++b)                                                                                              \
+    for (int r = 0; r < NR; ++r) {                                                                                                  \
+      const __m256i c = unpack_block(w.codes + (n + r) * (w.Kp / 2) + 16 * b);                                                      \
+      const float scale = w.scales[(n + r) * w.G + 32 * b / w.groupsize];                                                           \
+      for (int i = 0; i < MB; ++i) {                                                                                                \
+        const __m256i dot = DOT(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.codes.data() + (m + i) * w.Kp + 32 * b))); \
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * in.steps[(m + i) * blocks + b]), acc[r][i]);    \
+      }                                                                                                                             \
+    }                                                                                                                               \
+  for (int r = 0; r < NR; ++r)                                                                                                      \
+    for (int i = 0; i < MB; ++i)                                                                                                    \
+      y[(m + i) * w.N + n + r] = hsum256(acc[r][i]) + offset_dot(w.offsets + (n + r) * w.G, in.group_sums.data() + (m + i) * w.G, w.G);
+
+#define KVLAB_MADDUBS(c, q) _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), _mm256_set1_epi16(1))
+#define KVLAB_VPDPBUSD(c, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q)
+
+template <int MB, int NR>
+__attribute__((target("avx2,fma"))) static void dot_rows_int4_x8_avx2(const Int4QuantizedInput& in, const Int4Weight& w, float* y, int64_t n, int64_t m) {
+  KVLAB_INT4_X8_ROWS(KVLAB_MADDUBS)
+}
+
+template <int MB, int NR>
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"))) static void dot_rows_int4_x8_vnni(const Int4QuantizedInput& in, const Int4Weight& w,
+                                                                                                          float* y, int64_t n, int64_t m) {
+  KVLAB_INT4_X8_ROWS(KVLAB_VPDPBUSD)
+}
+
+template <int MB, int NR>
+static void dot_rows_int4_x8(bool vnni, const Int4QuantizedInput& in, const Int4Weight& w, float* y, int64_t n, int64_t m) {
+  if (vnni)
+    dot_rows_int4_x8_vnni<MB, NR>(in, w, y, n, m);
+  else
+    dot_rows_int4_x8_avx2<MB, NR>(in, w, y, n, m);
+}
+
+// Rows [n0, n1) for every row of x: batch 1 takes four weight rows at a time (four independent sums),
+// larger batches one weight row against up to four rows of x.
+static void gemv_int4_x8_rows_simd(bool vnni, const Int4QuantizedInput& in, const Int4Weight& w, float* y, int64_t M, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1)
+    for (; n + 4 <= n1; n += 4) dot_rows_int4_x8<1, 4>(vnni, in, w, y, n, 0);
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dot_rows_int4_x8<4, 1>(vnni, in, w, y, n, m);
+    if (M - m == 3) dot_rows_int4_x8<3, 1>(vnni, in, w, y, n, m);
+    if (M - m == 2) dot_rows_int4_x8<2, 1>(vnni, in, w, y, n, m);
+    if (M - m == 1) dot_rows_int4_x8<1, 1>(vnni, in, w, y, n, m);
+  }
+}
+
 static Int4Weight int4_weight(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t groupsize) {
   TORCH_CHECK(groupsize == 32 || groupsize == 64 || groupsize == 128, op, ": group size must be 32, 64 or 128, got ", groupsize);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(), op, " takes contiguous uint8 [N, Kp / 2] codes");
@@ -179,33 +304,55 @@ static at::Tensor int4_output(const at::Tensor& x, const at::Tensor& flat, int64
   return flat.view(shape);
 }
 
-// y [..., N] = x [..., K] @ w^T + bias, w [N, Kp >= K] in 4-bit codes, a scale and an offset per group.
+// The rows of x w^T with x quantized by quantize_input, on the chosen path.
+static auto int4_x8_rows(const Int4Weight& w, const Int4QuantizedInput& in) {
+  return [w, &in](Isa isa, const float*, float* yp, int64_t M, int64_t n0, int64_t n1) {
+    if (isa == Isa::scalar)
+      gemv_int4_x8_rows_scalar(in, w, yp, M, n0, n1);
+    else
+      gemv_int4_x8_rows_simd(isa == Isa::avx512 && has_avx512_vnni(), in, w, yp, M, n0, n1);
+  };
+}
+
+// y [..., N] = x [..., K] @ w^T + bias, w [N, Kp >= K] in 4-bit codes, a scale and an offset per group;
+// x quantized per block of 32 (quantize_x) or kept in float32.
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t groupsize,
-                       const c10::optional<at::Tensor>& bias) {
-  const Int4Weight w = int4_weight("kvlab::linear_int4", codes, scales, offsets, groupsize);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= w.Kp, "kvlab::linear_int4: x must be float32 with at most ", w.Kp, " features");
-  const Int4Input in = int4_input(x, w.Kp, groupsize);
-  at::Tensor y = int4_output(x, matvec("kvlab::linear_int4", natural_rows(in, x, w.Kp), w.N, w.Kp, int4_rows(w, in)), w.N);
+                       const c10::optional<at::Tensor>& bias, bool quantize_x) {
+  const char* op = "kvlab::linear_int4";
+  const Int4Weight w = int4_weight(op, codes, scales, offsets, groupsize);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= w.Kp, op, ": x must be float32 with at most ", w.Kp, " features");
+  at::Tensor y;
+  if (quantize_x) {
+    const Int4QuantizedInput in = quantize_input(x, w.Kp, groupsize);
+    y = matvec(op, x, w.N, x.size(-1), int4_x8_rows(w, in));
+  } else {
+    const Int4Input in = int4_input(x, w.Kp, groupsize);
+    y = int4_output(x, matvec(op, natural_rows(in, x, w.Kp), w.N, w.Kp, int4_rows(w, in)), w.N);
+  }
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
 // silu(x gate^T) * (x up^T) with both weights in 4-bit groups of the same size.
 at::Tensor gated_int4(const at::Tensor& x, const at::Tensor& c_gate, const at::Tensor& s_gate, const at::Tensor& o_gate, const at::Tensor& c_up,
-                      const at::Tensor& s_up, const at::Tensor& o_up, int64_t groupsize) {
-  const Int4Weight gate = int4_weight("kvlab::gated_int4", c_gate, s_gate, o_gate, groupsize);
-  const Int4Weight up = int4_weight("kvlab::gated_int4", c_up, s_up, o_up, groupsize);
-  TORCH_CHECK(c_gate.sizes() == c_up.sizes(), "kvlab::gated_int4: gate ", c_gate.sizes(), " and up ", c_up.sizes(), " differ");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= gate.Kp, "kvlab::gated_int4: x must be float32 with at most ", gate.Kp, " features");
+                      const at::Tensor& s_up, const at::Tensor& o_up, int64_t groupsize, bool quantize_x) {
+  const char* op = "kvlab::gated_int4";
+  const Int4Weight gate = int4_weight(op, c_gate, s_gate, o_gate, groupsize), up = int4_weight(op, c_up, s_up, o_up, groupsize);
+  TORCH_CHECK(c_gate.sizes() == c_up.sizes(), op, ": gate ", c_gate.sizes(), " and up ", c_up.sizes(), " differ");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= gate.Kp, op, ": x must be float32 with at most ", gate.Kp, " features");
+  if (quantize_x) {
+    const Int4QuantizedInput in = quantize_input(x, gate.Kp, groupsize);
+    return gated_matvec(op, x, gate.N, x.size(-1), int4_x8_rows(gate, in), int4_x8_rows(up, in));
+  }
   const Int4Input in = int4_input(x, gate.Kp, groupsize);
-  return int4_output(x, gated_matvec("kvlab::gated_int4", natural_rows(in, x, gate.Kp), gate.N, gate.Kp, int4_rows(gate, in), int4_rows(up, in)), gate.N);
+  return int4_output(x, gated_matvec(op, natural_rows(in, x, gate.Kp), gate.N, gate.Kp, int4_rows(gate, in), int4_rows(up, in)), gate.N);
 }
 
 }  // namespace kvlab
 
 TORCH_LIBRARY_FRAGMENT(kvlab, m) {
-  m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int groupsize, Tensor? bias) -> Tensor");
-  m.def("gated_int4(Tensor x, Tensor c_gate, Tensor s_gate, Tensor o_gate, Tensor c_up, Tensor s_up, Tensor o_up, int groupsize) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int groupsize, Tensor? bias, bool quantize_x=False) -> Tensor");
+  m.def("gated_int4(Tensor x, Tensor c_gate, Tensor s_gate, Tensor o_gate, Tensor c_up, Tensor s_up, Tensor o_up, int groupsize, bool quantize_x=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvlab, CPU, m) {

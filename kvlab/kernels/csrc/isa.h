@@ -36,6 +36,15 @@ inline Isa kernel_isa() {
   return chosen;
 }
 
+// Whether the AVX-512 path may also take AVX512-VNNI's byte dot products (vpdpbusd on 256-bit vectors).
+inline bool has_avx512_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has;
+}
+
 inline const char* isa_name(Isa isa) {
   return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
 }
