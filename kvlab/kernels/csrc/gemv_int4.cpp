@@ -6,12 +6,13 @@
 // Codes are stored as kvlab.quantize writes them, two per byte along a row (the even column in the high
 // nibble), rows padded to Kp, a multiple of the group size (32, 64 or 128). Two ways to take x:
 //
-// - quantized (llama.cpp's Q4 x Q8_0 products; kvlab's with KVLAB_INT4_X=int8): each run of 32 inputs (a block) rounded to
-//   int8 with one scale (max |x| / 127), once per call, and each block's 32 code-times-input products
-//   summed exactly in int32 by byte dot products (AVX2 maddubs + madd, or AVX512-VNNI's vpdpbusd). A block
-//   costs about ten instructions for 32 weights; each input is off by at most half its block's step.
-// - float32 (the default): the codes widened exactly to float32 and multiplied with x in float32, x reordered once per
-//   call to match the nibble split, so the only rounding is float32 summation's.
+// - float32 (the default): the codes widened exactly to float32 and multiplied with x in float32, x
+//   reordered once per call to match the nibble split, so the only rounding is float32 summation's.
+// - quantized (llama.cpp's Q4 x Q8_0 products; kvlab's with KVLAB_INT4_X=int8): each run of 32 inputs (a
+//   block) rounded to int8 with one scale (max |x| / 127), once per call, and each block's 32
+//   code-times-input products summed exactly in int32 by byte dot products (AVX2 maddubs + madd, or
+//   AVX512-VNNI's vpdpbusd): about ten instructions per 32 weights; each input is off by at most half its
+//   block's step.
 //
 // Both take the offsets' part from the exact float32 sums of x per group (one multiply-add per group).
 #include <torch/library.h>
@@ -247,6 +248,10 @@ __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"))) static 
                                                                                                           float* y, int64_t n, int64_t m) {
   KVLAB_INT4_X8_ROWS(KVLAB_VPDPBUSD)
 }
+
+#undef KVLAB_INT4_X8_ROWS
+#undef KVLAB_MADDUBS
+#undef KVLAB_VPDPBUSD
 
 template <int MB, int NR>
 static void dot_rows_int4_x8(bool vnni, const Int4QuantizedInput& in, const Int4Weight& w, float* y, int64_t n, int64_t m) {
