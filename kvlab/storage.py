@@ -112,21 +112,22 @@ class QuantizedKVStorage(KVStorage):
         self.register_buffer("shifts", torch.arange(0, 8, bits, dtype=torch.uint8, device=device), persistent=False)
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
+        index = rows_and_heads(slots) + (slots,)  # index_put_, written in place when compiled (KVStorage.write)
         if self.key_axis == "channel" and prompt:
             self.k_zero.copy_(k.amin(dim=2, keepdim=True))
             self.k_scale.copy_(self._step(k.amax(dim=2, keepdim=True) - self.k_zero.to(k.dtype)))
         if self.key_axis == "token":
             k_zero, k_scale = k.amin(dim=-1, keepdim=True).half(), self._step(k.amax(dim=-1, keepdim=True) - k.amin(dim=-1, keepdim=True))
-            self.k_zero.scatter_(2, slots[..., None], k_zero)
-            self.k_scale.scatter_(2, slots[..., None], k_scale)
+            self.k_zero.index_put_(index, k_zero)
+            self.k_scale.index_put_(index, k_scale)
             k_codes = self._encode(k, k_zero, k_scale)
         else:
             k_codes = self._encode(k, self.k_zero, self.k_scale)
         v_zero, v_scale = v.amin(dim=-1, keepdim=True).half(), self._step(v.amax(dim=-1, keepdim=True) - v.amin(dim=-1, keepdim=True))
-        self.v_zero.scatter_(2, slots[..., None], v_zero)
-        self.v_scale.scatter_(2, slots[..., None], v_scale)
-        for codes, new in ((self.k_codes, k_codes), (self.v_codes, self._encode(v, v_zero, v_scale))):
-            codes.scatter_(2, slots[..., None].expand_as(new), new)
+        self.v_zero.index_put_(index, v_zero)
+        self.v_scale.index_put_(index, v_scale)
+        self.k_codes.index_put_(index, k_codes)
+        self.v_codes.index_put_(index, self._encode(v, v_zero, v_scale))
 
     def read(self) -> tuple[Tensor, Tensor]:
         return self._decode(self.k_codes, self.k_zero, self.k_scale), self._decode(self.v_codes, self.v_zero, self.v_scale)
