@@ -81,6 +81,17 @@ static inline float offset_term(const Int4Weight& w, const float* sums, int64_t 
   return s;
 }
 
+// The same sum for the SIMD paths, 8 groups at a time.
+__attribute__((target("avx2,fma"))) static float offset_term_avx2(const Int4Weight& w, const float* sums, int64_t n, int64_t m) {
+  const float *offsets = w.offsets + n * w.G, *row_sums = sums + m * w.G;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= w.G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(row_sums + g), acc);
+  float total = hsum256(acc);
+  for (; g < w.G; ++g) total += offsets[g] * row_sums[g];
+  return total;
+}
+
 // One weight row against MB rows of x (reordered): each 16 bytes widened to four float vectors (even codes
 // 0-7 and 8-15, odd codes 0-7 and 8-15), one accumulator each per row of x; at a group's end their sum is
 // scaled into the row's total.
@@ -106,7 +117,7 @@ __attribute__((target("avx2,fma"))) static void dot_row_int4_avx2(const float* x
     for (int b = 0; b < MB; ++b)
       total[b] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(acc[b][0], acc[b][1]), _mm256_add_ps(acc[b][2], acc[b][3])), scale, total[b]);
   }
-  for (int b = 0; b < MB; ++b) y[(m + b) * w.N + n] = hsum256(total[b]) + offset_term(w, sums, n, m + b);
+  for (int b = 0; b < MB; ++b) y[(m + b) * w.N + n] = hsum256(total[b]) + offset_term_avx2(w, sums, n, m + b);
 }
 
 __attribute__((target("avx2,fma"))) static void gemv_int4_rows_avx2(const float* x, const float* sums, const Int4Weight& w, float* y, int64_t M, int64_t n0,
@@ -140,7 +151,7 @@ __attribute__((target("avx512f"))) static void dot_row_int4_avx512(const float* 
     const __m512 scale = _mm512_set1_ps(w.scales[n * w.G + g]);
     for (int b = 0; b < MB; ++b) total[b] = _mm512_fmadd_ps(_mm512_add_ps(acc[b][0], acc[b][1]), scale, total[b]);
   }
-  for (int b = 0; b < MB; ++b) y[(m + b) * w.N + n] = _mm512_reduce_add_ps(total[b]) + offset_term(w, sums, n, m + b);
+  for (int b = 0; b < MB; ++b) y[(m + b) * w.N + n] = _mm512_reduce_add_ps(total[b]) + offset_term_avx2(w, sums, n, m + b);
 }
 
 __attribute__((target("avx512f"))) static void gemv_int4_rows_avx512(const float* x, const float* sums, const Int4Weight& w, float* y, int64_t M, int64_t n0,
@@ -204,16 +215,6 @@ __attribute__((target("avx2,fma"))) static inline __m256i unpack_block(const uin
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(15));
 }
 
-// sum_g offsets[g] * sums[g] over G groups, 8 at a time.
-__attribute__((target("avx2,fma"))) static float offset_dot(const float* offsets, const float* sums, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(sums + g), acc);
-  float total = hsum256(acc);
-  for (; g < G; ++g) total += offsets[g] * sums[g];
-  return total;
-}
-
 // NR weight rows from n against MB rows of x from m: per block, each row's codes unpacked once, their byte
 // products with each row of x summed in int32 lanes (DOT: maddubs + madd, or vpdpbusd), converted and
 // scaled into one float32 accumulator per (weight row, x row). Two twins below, one per DOT.
@@ -233,7 +234,7 @@ __attribute__((target("avx2,fma"))) static float offset_dot(const float* offsets
     }                                                                                                                               \
   for (int r = 0; r < NR; ++r)                                                                                                      \
     for (int i = 0; i < MB; ++i)                                                                                                    \
-      y[(m + i) * w.N + n + r] = hsum256(acc[r][i]) + offset_dot(w.offsets + (n + r) * w.G, in.group_sums.data() + (m + i) * w.G, w.G);
+      y[(m + i) * w.N + n + r] = hsum256(acc[r][i]) + offset_term_avx2(w, in.group_sums.data(), n + r, m + i);
 
 #define KVLAB_MADDUBS(c, q) _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), _mm256_set1_epi16(1))
 #define KVLAB_VPDPBUSD(c, q) _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q)
