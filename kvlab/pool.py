@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvlab.memory import free_memory
+
 
 class PoolExhausted(ValueError):
     """The block pool cannot hold the next step's KVs even after compressing every sequence to its budget
@@ -45,16 +47,31 @@ class BlockPool(nn.Module):
         if n_blocks == self.n_blocks:
             self.reset()
             return
+        self._check_fits(n_blocks)
         k = self.k
         self._allocate(n_blocks, k.shape[1], k.shape[2], k.dtype, k.device)
 
     def grow(self, n_blocks: int) -> None:
         """Add free blocks up to `n_blocks`, keeping every block's contents and id (a chunked prefill's pool grows
         to the budgets + one chunk)."""
+        self._check_fits(n_blocks)
         extra = n_blocks - self.n_blocks
         for name, fill in (("k", 0), ("v", 0), ("pos", -1), ("metric", 0), ("in_use", False)):
             held = getattr(self, name)
             setattr(self, name, torch.cat([held, held.new_full((extra, *held.shape[1:]), fill)]))
+
+    def _check_fits(self, n_blocks: int) -> None:
+        """Refuse, before allocating, to grow to `n_blocks` where the new blocks need more memory than the device
+        has free (a pool sized for a batch: huge blocks, or many rows, would meet the allocator's own error or
+        the kernel's OOM killer)."""
+        k = self.k
+        extra = (n_blocks - self.n_blocks) * self.block_footprint(k.shape[1], k.shape[2], k.dtype)
+        free = free_memory(k.device)
+        if extra > free:
+            raise ValueError(
+                f"kvcompress: the pool needs {n_blocks} blocks of {k.shape[1]} slots (--kvc_block_size), about {extra / 2**30:.1f} GiB more "
+                f"than it holds, and {free / 2**30:.1f} GiB are free here; lower --kvc_block_size or --batch_size, or set --kvc_pool_blocks"
+            )
 
     def allocated_bytes(self) -> int:
         """Keys and values of every block the pool holds (the null block aside): the KV memory it allocated."""

@@ -392,3 +392,14 @@ def test_ctrl_c_while_torch_loads_is_one_line(command):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, "interrupted (Ctrl-C)\n")
+
+
+def test_a_rank_failing_under_kvlab_launch_ends_with_its_error_and_one_line():
+    """torchrun answers a rank's one-line error with its own traceback; kvlab.launch ends with the ranks' error and
+    one line naming the rank and its status, which it exits with."""
+    cmd = [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", "generate.py", "--max_new_tokens", "-3"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert set(lines[:-1]) == {"error: argument --max_new_tokens: must be >= 1, got -3 (see --help)"}
+    assert re.fullmatch(r"generate\.py: rank [01] failed with exit status 2", lines[-1]), lines[-1]

@@ -18,7 +18,7 @@ from kvlab.block_tables import VIEW_ROUND
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import grouped_attention
 from kvlab.paged import PagedKV
-from kvlab.pool import PoolExhausted
+from kvlab.pool import BlockPool, PoolExhausted
 from kvlab.report import cache_report
 from kvlab.serving import serve
 from test_generate import run_cli
@@ -385,3 +385,17 @@ def test_flex_attention_with_continual_compression_is_refused_naming_both_settin
         PagedKV(1, 1, 2, 4, torch.float32, None, history=64, attention="flex")
     with pytest.raises(ValueError, match="kvc_attention must be one of gather, flex; got 'paged'"):
         PagedKV(1, 1, 2, 4, torch.float32, None, history=64, attention="paged", compress_every=0)
+
+
+@pytest.mark.parametrize("how", ["resize", "grow"])
+def test_a_pool_sized_for_a_batch_is_refused_before_allocating_more_than_is_free(monkeypatch, how):
+    """No --kvc_pool_blocks: the pool grows to what the batch needs. Past the free memory that is one error naming
+    the flags to lower, and the pool keeps its blocks, rather than the allocator's error or the OOM killer."""
+    pool = BlockPool(4, 16, 8, torch.float32)
+    footprint = BlockPool.block_footprint(16, 8, torch.float32)
+    monkeypatch.setattr("kvlab.pool.free_memory", lambda device: 10 * footprint)
+    getattr(pool, how)(14)  # 10 more blocks: exactly what is free
+    assert pool.n_blocks == 14
+    with pytest.raises(ValueError, match=r"the pool needs 25 blocks of 16 slots \(--kvc_block_size\).*lower --kvc_block_size or --batch_size"):
+        getattr(pool, how)(25)
+    assert pool.n_blocks == 14

@@ -103,12 +103,12 @@ def test_the_core_set_runs_sharded_on_a_one_token_prompt(tmp_path, smollm):
 
 @pytest.mark.slow
 def test_torchrun_generate_prints_the_text_of_one_process():
-    """The issue's own check: `torchrun --nproc_per_node 2 generate.py --cache_strategy heavy_hitter`
-    prints what one process prints (rank 0 alone talks)."""
+    """The issue's own check: the README's `python -m kvlab.launch --nproc_per_node 2 generate.py --cache_strategy
+    heavy_hitter` (torchrun's launcher) prints what one process prints (rank 0 alone talks)."""
     flags = ["generate.py", "--cache_strategy", "heavy_hitter", "--max_new_tokens", "24"]
     alone = subprocess.run([sys.executable, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     sharded = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert alone.returncode == sharded.returncode == 0, sharded.stderr[-2000:]
     assert sharded.stdout == alone.stdout and len(alone.stdout) > 50
