@@ -1,7 +1,7 @@
 """kvlab against llama.cpp on this CPU, in one run: same prompts (the same token ids), same threads, same weights (issue 31).
 
     pip install -e ".[bench]"          # llama-cpp-python, built from source with this CPU's flags (~5 min)
-    python bench/bench_vs_llamacpp.py  # prompts of 512 and 2048 tokens, 64 new tokens, median of 3
+    python bench/bench_vs_llamacpp.py  # prompts of 512 and 2048 tokens, 64 new tokens, 5 interleaved rounds
 
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
@@ -9,15 +9,22 @@ and the shipped Q4_1 itself), cached in ~/.cache/kvlab/gguf. kvlab runs its floa
 checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32), and the
 int4 one once more with x rounded to int8 per block of 32 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics).
 
+The cache: llama.cpp's default is F16 keys and values; kvlab's rows use the same, a float16 cache
+(`--cache_bits 16`), which its native attention reads as it is. One more row runs kvlab's float32 weights
+over a float32 cache (`fp32_kv32`), kvlab's default.
+
 Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp in its
 default batches of 512; kvlab eager, as generate.py runs it). Decode: tok/s over the steps after the
 first, kvlab's compiled (generate.py --compile). Without llama-cpp-python the bench says so and measures
 kvlab alone.
 
-Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x8>_<n>" and
+Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x8|fp32_kv32>_<n>" and
 "prefill_fp32_<n>": {"kvlab": tok/s, "llamacpp": tok/s (null without it), "ratio"}, "cpu", "threads",
 "load", "isa", "llamacpp_int4": the GGUF of the int4 row, "same_greedy_tokens_fp32": how many leading
-greedy tokens kvlab float32 and llama.cpp F32 share}.
+greedy tokens kvlab float32 and llama.cpp F32 share, "rounds": every round's (prefill, decode) tok/s}.
+The runs of a row's weights (kvlab's variants and the GGUFs) are interleaved, round by round: this machine's
+memory bandwidth moves with other tenants' work by up to a third between runs, and a ratio is taken within
+a round, where both sides met the same machine.
 """
 
 from __future__ import annotations
@@ -28,19 +35,29 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, Bench, bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
 from kvlab import kernels
+from kvlab.config import cache_spec
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import lay_out_for_matvec
 from kvlab.quantize import Int4Linear, quantize_model
 
+HALF_CACHE = {"cache_strategy": "full", "cache_bits": 16}  # llama.cpp's default cache type, F16
+FLOAT_CACHE = {"cache_strategy": "full"}
 GGUF_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
+# kvlab's variants per group of weights: name -> (cache settings, x rounded to int8 in the int4 products)
+GROUPS = {
+    "fp32": {"fp32": (HALF_CACHE, False), "fp32_kv32": (FLOAT_CACHE, False)},
+    "int8": {"int8": (HALF_CACHE, False)},
+    "int4": {"int4": (HALF_CACHE, False), "int4_x8": (HALF_CACHE, True)},
+}
 LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"]}  # kvlab weights -> the GGUFs it is measured against
 
 
@@ -66,32 +83,50 @@ def greedy(llm) -> int:
     return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
 
 
-def llamacpp_rates(kind: str, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int) -> dict[int, tuple[float, float]]:
-    """Per prompt length: llama.cpp's (prefill tok/s, decode tok/s), medians of `repeats` runs after a warm-up."""
-    import llama_cpp
+def llamacpp_run(llm, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float]]:
+    """One llama.cpp run over `ids`: (prefill tok/s, decode tok/s after the first step)."""
 
-    llm = llama_cpp.Llama(str(gguf_file(kind)), n_ctx=max(prompts) + new_tokens + 8, n_threads=threads, n_threads_batch=threads, verbose=False)
-    rates = {}
-    for n, ids in prompts.items():
+    def run() -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        llm.eval([greedy(llm)])  # the first step, left out as kvlab's is
+        t2 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            llm.eval([greedy(llm)])
+        return len(ids) / (t1 - t0), (new_tokens - 1) / (time.perf_counter() - t2)
 
-        def run(ids: list[int] = ids, n: int = n) -> tuple[float, float]:
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(ids)
-            t1 = time.perf_counter()
-            llm.eval([greedy(llm)])  # the first step, left out as kvlab's is
-            t2 = time.perf_counter()
-            for _ in range(new_tokens - 1):
-                llm.eval([greedy(llm)])
-            return n / (t1 - t0), (new_tokens - 1) / (time.perf_counter() - t2)
+    return run
 
-        runs = after_warmup(run, repeats)
-        rates[n] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-    return rates
+
+def kvlab_run(model, step, cache: dict, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float]]:
+    """One kvlab run over `ids` with `cache`'s settings: (prefill tok/s, compiled decode tok/s after the first step)."""
+    spec = cache_spec(cache, model.config.n_layer)
+
+    def run() -> tuple[float, float]:
+        r = generate(model, [ids], new_tokens, spec, decode_step=step)
+        return len(ids) / r.prefill_seconds, (r.decode_steps - 1) / r.decode_seconds
+
+    return run
+
+
+def interleaved(runs: dict[str, Callable[[], tuple[float, float]]], repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """Each run once to warm up (and compile), then `repeats` rounds of every run in turn, the order reversed
+    every other round: the machine's memory bandwidth moves between rounds (other tenants), and each round's
+    runs see the same machine, so ratios are taken within a round."""
+    for run in runs.values():
+        run()
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for i in range(repeats):
+        for name in list(runs)[:: 1 if i % 2 == 0 else -1]:
+            results[name].append(runs[name]())
+    return results
 
 
 def same_greedy_tokens(model, prompt: list[int], new_tokens: int) -> int:
-    """How many of `new_tokens` greedy tokens kvlab's float32 model and llama.cpp's F32 GGUF agree on, from the start."""
+    """How many of `new_tokens` greedy tokens kvlab's float32 model and llama.cpp's F32 GGUF, each over a float16 cache,
+    agree on, from the start."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(gguf_file("F32")), n_ctx=len(prompt) + new_tokens + 8, n_threads=torch.get_num_threads(), verbose=False)
@@ -100,20 +135,8 @@ def same_greedy_tokens(model, prompt: list[int], new_tokens: int) -> int:
     for _ in range(new_tokens):
         theirs.append(greedy(llm))
         llm.eval(theirs[-1:])
-    ours = generate(model, [prompt], new_tokens).tokens[0]
+    ours = generate(model, [prompt], new_tokens, cache_spec(HALF_CACHE, model.config.n_layer)).tokens[0]
     return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
-
-
-def kvlab_rates(model, prompts: dict[int, list[int]], new_tokens: int, repeats: int) -> dict[int, tuple[float, float]]:
-    """Per prompt length: kvlab's (prefill tok/s, compiled decode tok/s), medians of `repeats` runs after a warm-up."""
-    lay_out_for_matvec(model)
-    torch._dynamo.reset()
-    step = compile_decode_step(torch.device("cpu"))
-    rates = {}
-    for n, ids in prompts.items():
-        runs = after_warmup(lambda ids=ids: generate(model, [ids], new_tokens, decode_step=step), repeats)
-        rates[n] = (statistics.median(n / r.prefill_seconds for r in runs), statistics.median((r.decode_steps - 1) / r.decode_seconds for r in runs))
-    return rates
 
 
 def llamacpp_available() -> bool:
@@ -125,26 +148,36 @@ def llamacpp_available() -> bool:
     return True
 
 
-def measure(args) -> tuple[dict, dict, dict, str | None]:
-    """kvlab's and llama.cpp's rates per weights kind and prompt length, and llama.cpp's int4 GGUF (the faster)."""
+def measure(args) -> tuple[Bench, dict]:
+    """Per group of weights (fp32, int8, int4) and prompt length, every kvlab variant's and GGUF's runs, interleaved."""
     bench = load_bench("cpu", "float32")
-    prompts = {n: bench.ids[:n] for n in args.prompt_lengths}
+    with_llamacpp = llamacpp_available()
     threads = torch.get_num_threads()
-    ours = {"fp32": kvlab_rates(bench.model, prompts, args.new_tokens, args.repeats)}
-    for kind in ("int8", "int4"):
-        ours[kind] = kvlab_rates(quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[kind]), prompts, args.new_tokens, args.repeats)
-    ours["int4_x8"] = kvlab_rates(with_int8_x(quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int4"])), prompts, args.new_tokens, args.repeats)
-    theirs, int4_gguf = {}, None
-    if llamacpp_available():
-        by_gguf = {g: llamacpp_rates(g, prompts, args.new_tokens, args.repeats, threads) for gs in LLAMA_WEIGHTS.values() for g in gs}
-        for kind, ggufs in LLAMA_WEIGHTS.items():
-            best = max(ggufs, key=lambda g: sum(by_gguf[g][n][1] for n in prompts))
-            theirs[kind] = by_gguf[best]
-        int4_gguf = max(LLAMA_WEIGHTS["int4"], key=lambda g: sum(by_gguf[g][n][1] for n in prompts))
-        theirs["int4_x8"] = theirs["int4"]
-        theirs["by_gguf"] = by_gguf
-        theirs["same_greedy_tokens"] = same_greedy_tokens(bench.model, prompts[min(prompts)], args.new_tokens)
-    return bench, ours, theirs, int4_gguf
+    models = {"fp32": lambda: bench.model, "int8": lambda: quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int8"])}
+    models["int4"] = lambda: quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int4"])
+    samples: dict = {}
+    for group, variants in GROUPS.items():
+        torch._dynamo.reset()
+        step = compile_decode_step(torch.device("cpu"))
+        model = models[group]()
+        lay_out_for_matvec(model)
+        variant_models = {name: with_int8_x(copy.deepcopy(model)) if x8 else model for name, (_, x8) in variants.items()}
+        llms = {}
+        if with_llamacpp:
+            import llama_cpp
+
+            n_ctx = max(args.prompt_lengths) + args.new_tokens + 8
+            llms = {g: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False) for g in LLAMA_WEIGHTS[group]}
+        for n in args.prompt_lengths:
+            ids = bench.ids[:n]
+            runs = {name: kvlab_run(variant_models[name], step, cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
+            runs |= {g: llamacpp_run(llm, ids, args.new_tokens) for g, llm in llms.items()}
+            print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
+            samples[group, n] = interleaved(runs, args.repeats)
+        del llms
+    if with_llamacpp:
+        samples["same_greedy_tokens"] = same_greedy_tokens(bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens)
+    return bench, samples
 
 
 def with_int8_x(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,20 +188,37 @@ def with_int8_x(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def cell(kvlab: float, llamacpp: float | None) -> dict:
-    return {"kvlab": kvlab, "llamacpp": llamacpp, "ratio": None if llamacpp is None else kvlab / llamacpp}
+def median_of(samples: list[tuple[float, float]], which: int) -> float:
+    return statistics.median(sample[which] for sample in samples)
 
 
-def results_of(args, ours: dict, theirs: dict, int4_gguf: str | None) -> dict:
-    """The JSON record: the issue's keys, then the machine and llama.cpp's details."""
-    results = {}
-    for kind in ("fp32", "int8", "int4", "int4_x8"):
-        for n in args.prompt_lengths:
-            results[f"decode_{kind}_{n}"] = cell(ours[kind][n][1], theirs[kind][n][1] if theirs else None)
-    for n in args.prompt_lengths:
-        results[f"prefill_fp32_{n}"] = cell(ours["fp32"][n][0], theirs["fp32"][n][0] if theirs else None)
+def cell(ours: list[tuple[float, float]], theirs: list[tuple[float, float]] | None, which: int) -> dict:
+    """Medians of kvlab's and llama.cpp's rates (`which`: 0 prefill, 1 decode), and the median of the rounds' ratios."""
+    if theirs is None:
+        return {"kvlab": median_of(ours, which), "llamacpp": None, "ratio": None}
+    ratio = statistics.median(a[which] / b[which] for a, b in zip(ours, theirs, strict=True))
+    return {"kvlab": median_of(ours, which), "llamacpp": median_of(theirs, which), "ratio": ratio}
+
+
+def results_of(args, samples: dict) -> dict:
+    """The JSON record: the issue's keys (and the extra rows'), then the machine, llama.cpp's details and every round's rates."""
+    results: dict = {}
+    lengths = args.prompt_lengths
+    by_gguf = {
+        g: {n: [median_of(samples[group, n][g], 0), median_of(samples[group, n][g], 1)] for n in lengths} for group, gs in LLAMA_WEIGHTS.items() for g in gs
+    }
+    best = {group: max(gs, key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group, gs in LLAMA_WEIGHTS.items()}
+    with_llamacpp = "same_greedy_tokens" in samples
+    for group, variants in GROUPS.items():
+        for name in variants:
+            for n in lengths:
+                results[f"decode_{name}_{n}"] = cell(samples[group, n][name], samples[group, n][best[group]] if with_llamacpp else None, 1)
+    for n in lengths:
+        results[f"prefill_fp32_{n}"] = cell(samples["fp32", n]["fp32"], samples["fp32", n]["F32"] if with_llamacpp else None, 0)
     results |= {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "load": os.getloadavg(), "isa": kernels.REASON}
-    results |= {"llamacpp_int4": int4_gguf, "llamacpp_by_gguf": theirs.get("by_gguf"), "same_greedy_tokens_fp32": theirs.get("same_greedy_tokens")}
+    if with_llamacpp:
+        results |= {"llamacpp_int4": best["int4"], "llamacpp_by_gguf": by_gguf, "same_greedy_tokens_fp32": samples["same_greedy_tokens"]}
+    results["rounds"] = {f"{group}@{n}": runs for (group, n), runs in ((k, v) for k, v in samples.items() if isinstance(k, tuple))}
     return results
 
 
@@ -176,15 +226,19 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def report_lines(args, bench, results: dict, theirs: dict, int4_gguf: str | None) -> list[str]:
-    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4_gguf or "Q4_0/Q4_1", "int4_x8": int4_gguf or "Q4_0/Q4_1"}
-    weights_of = {"int4_x8": "int4, x int8"}
+def report_lines(args, bench, results: dict) -> list[str]:
+    int4 = results.get("llamacpp_int4") or "Q4_0/Q4_1"
+    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x8": int4, "fp32_kv32": "F32"}
+    weights_of = {"int4_x8": "int4, x int8", "fp32_kv32": "fp32, float32 cache"}
     cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
         "",
-        f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy;",
-        f"{args.new_tokens} new tokens; medians of {args.repeats} runs after a warm-up; the same prompt ids on both sides.",
+        f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy; the same prompt ids on both sides;",
+        "a float16 cache on both sides (llama.cpp's default; kvlab's --cache_bits 16) but in the row marked float32 cache.",
+        f"{args.new_tokens} new tokens; {args.repeats} rounds after a warm-up, each running every kvlab variant and GGUF of",
+        "a row's weights in turn (this machine's memory bandwidth moves between rounds); rates are medians over the rounds,",
+        "ratios the median of the rounds' ratios.",
         "",
         *table(
             "measure | prompt tokens | kvlab weights | llama.cpp GGUF | kvlab tok/s | llama.cpp tok/s | kvlab / llama.cpp",
@@ -192,16 +246,16 @@ def report_lines(args, bench, results: dict, theirs: dict, int4_gguf: str | None
             align="---:",
         ),
     ]
-    if theirs:
+    if "same_greedy_tokens_fp32" in results:
         lines += [
-            f"kvlab float32 and llama.cpp F32 agree on the first {theirs['same_greedy_tokens']} of {args.new_tokens} greedy tokens "
+            f"kvlab float32 and llama.cpp F32 agree on the first {results['same_greedy_tokens_fp32']} of {args.new_tokens} greedy tokens "
             f"from the {min(args.prompt_lengths)}-token prompt.",
             "",
             "llama.cpp per GGUF (prefill / decode tok/s):",
             "",
             *table(
                 "GGUF | " + " | ".join(f"{n} tokens" for n in args.prompt_lengths),
-                (row(g, *(f"{r[n][0]:.0f} / {r[n][1]:.1f}" for n in args.prompt_lengths)) for g, r in theirs["by_gguf"].items()),
+                (row(g, *(f"{r[n][0]:.0f} / {r[n][1]:.1f}" for n in args.prompt_lengths)) for g, r in results["llamacpp_by_gguf"].items()),
             ),
         ]
     return lines
@@ -211,12 +265,12 @@ def main() -> None:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per run (default: 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, after a warm-up; the median is reported (default: 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up; medians over them are reported (default: 5)")
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()
-    bench, ours, theirs, int4_gguf = measure(args)
-    results = results_of(args, ours, theirs, int4_gguf)
-    write_results(report_lines(args, bench, results, theirs, int4_gguf), args.out, "vs_llamacpp", bench.device, results=results)
+    bench, samples = measure(args)
+    results = results_of(args, samples)
+    write_results(report_lines(args, bench, results), args.out, "vs_llamacpp", bench.device, results=results)
 
 
 if __name__ == "__main__":

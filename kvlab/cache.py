@@ -163,7 +163,7 @@ class FullCache(KVCache):
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         self.storage.write(input_pos[:, None, :].expand(k.shape[:3]), k, v)
         self.pos.scatter_(1, input_pos, input_pos)
-        return *self.storage.read(), self.pos
+        return *self.storage.read_for_attention(), self.pos
 
     def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
         """Stored at their positions, as decoded tokens are; padding goes to the last slot, which no prompt token

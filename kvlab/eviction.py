@@ -333,7 +333,7 @@ class EvictionCache(KVCache):
         self.storage.write(slot, self._repeat(k), self._repeat(v))
         self.pos.scatter_(2, slot, input_pos[:, None, :].expand(slot.shape))
         self._on_insert(slot, None)
-        return *self.storage.read(), self.pos
+        return *self.storage.read_for_attention(), self.pos
 
 
 class KeyScoredCache(EvictionCache):

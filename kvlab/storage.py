@@ -17,11 +17,23 @@ from kvlab.options import Option, choice, integer
 from kvlab.scores import key_channels
 
 QUANT_BITS = (8, 4, 2)
+CACHE_BITS = (16, *QUANT_BITS)  # 16: float16
 KEY_QUANT_AXES = ("token", "channel")
 STORAGE_OPTIONS = (
-    choice("cache_bits", QUANT_BITS, None, "store keys and values as packed 8, 4 or 2-bit integers, with any strategy", default_help="the model's dtype"),
     choice(
-        "key_quant_axis", KEY_QUANT_AXES, None, "with --cache_bits: key scales per token or per channel (KIVI)", default_help="token at 8 bits, channel below"
+        "cache_bits",
+        CACHE_BITS,
+        None,
+        "store keys and values as float16 (16: half float32's bytes, read by the native CPU attention as they are) or as packed 8, 4 or 2-bit "
+        "integers, with any strategy",
+        default_help="the model's dtype",
+    ),
+    choice(
+        "key_quant_axis",
+        KEY_QUANT_AXES,
+        None,
+        "with --cache_bits 8, 4 or 2: key scales per token or per channel (KIVI)",
+        default_help="token at 8 bits, channel below",
     ),
 )
 DEFAULT_THINK_WINDOW = 32
@@ -69,12 +81,38 @@ class KVStorage(nn.Module):
         """Every slot's keys and values, [B, H_kv, C, D] in the model's dtype."""
         return self.k, self.v
 
+    def read_for_attention(self) -> tuple[Tensor, Tensor]:
+        """Every slot's keys and values for a decode step's attention (model.decode_attention), which takes them
+        in the model's dtype or, where that is cheaper, in the dtype they are stored in."""
+        return self.read()
+
     def reset(self) -> None:
         self.k.zero_()
         self.v.zero_()
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
+
+
+class HalfKVStorage(KVStorage):
+    """Keys and values stored as float16, half the bytes of float32 (llama.cpp's default cache), rounded to
+    nearest as they are written. A decode step's attention reads them as they are: the native CPU kernel widens
+    each row to float32 as it loads it, so a step reads half the bytes; everything else reads them widened to
+    the model's dtype (a temporary). Values beyond float16's range (65504) would become infinite: keys and
+    values of the supported models stay far below it."""
+
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None, key_dim: int | None = None) -> None:
+        super().__init__(shape, torch.float16, device, key_dim)
+        self.dtype = dtype
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
+        super().write(slots, k.half(), v.half(), prompt)
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        return self.k.to(self.dtype), self.v.to(self.dtype)
+
+    def read_for_attention(self) -> tuple[Tensor, Tensor]:
+        return self.k, self.v
 
 
 class QuantizedKVStorage(KVStorage):
@@ -197,17 +235,19 @@ def make_storage(
     key_pruning: float | None = None,
     think_window: int | None = None,
 ) -> KVStorage:
-    """Plain storage for bits=None, else packed `bits`-bit codes with keys quantized per `key_axis` (default: per
-    token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning) of their
-    D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
-    if bits is None and key_axis is not None:
-        raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits (one of {', '.join(map(str, QUANT_BITS))})")
+    """Plain storage for bits=None, float16 for 16, else packed `bits`-bit codes with keys quantized per `key_axis`
+    (default: per token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning)
+    of their D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
+    if bits not in (None, *QUANT_BITS) and key_axis is not None:
+        raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits {', '.join(map(str, QUANT_BITS))}, got {bits}")
     if key_pruning is None and think_window is not None:
         raise ValueError(f"think_window={think_window} needs key_channel_pruning")
-    D, per_byte = shape[3], 1 if bits is None else 8 // bits
+    D, per_byte = shape[3], 8 // bits if bits in QUANT_BITS else 1
     key_dim = D if key_pruning is None else -(-(D - int(D * key_pruning)) // per_byte) * per_byte
     if bits is None:
         storage = KVStorage(shape, dtype, device, key_dim)
+    elif bits == 16:
+        storage = HalfKVStorage(shape, dtype, device, key_dim)
     else:
         storage = QuantizedKVStorage(shape, dtype, device, bits, key_axis or ("token" if bits == 8 else "channel"), key_dim)
     return storage if key_pruning is None else PrunedKeyStorage(storage, shape, key_dim, think_window or DEFAULT_THINK_WINDOW, device)

@@ -28,6 +28,7 @@ VARIANTS = [
     {"cache_strategy": "tova", "chunk_size": 4},
     {"cache_strategy": "l2", "cache_bits": 4},
     {"cache_strategy": "keydiff", "cache_bits": 8, "key_quant_axis": "channel"},
+    {"cache_strategy": "keydiff", "cache_bits": 16},
     {"cache_strategy": "keydiff", "key_channel_pruning": 0.5},
     {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip"},
 ]

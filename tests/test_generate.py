@@ -177,7 +177,7 @@ BAD_INPUTS = {
         ["--cache_strategy", "l2", "--max_cache_length", "1.5"],
         "error: argument --max_cache_length: max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5",
     ),
-    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 8, 4, 2, got 3"),
+    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 16, 8, 4, 2, got 3"),
     "option of another strategy": (
         ["--cache_strategy", "l2", "--history_window", "8"],
         "error: --history_window does not apply to --cache_strategy l2; it applies to: heavy_hitter",

@@ -262,16 +262,19 @@ def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: i
 
 
 @native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,steps,slots,dim,per_head",
     [(1, 9, 3, 1, 512, 64, False), (1, 9, 3, 1, 2049, 64, True), (2, 4, 2, 3, 257, 64, False), (3, 8, 8, 8, 33, 40, True), (1, 2, 1, 1, 1, 16, False)],
 )
-def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head):
+def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head, kv_dtype):
     """Decode attention over a cache's slots (shared or per-head positions, empty and future slots masked;
-    one or several runs of 256 slots merged; head_dim with an 8-lane tail; up to 8 query positions)
-    against grouped_attention under attention_mask, within the bound `attention_reference` derives."""
+    one or several runs of 256 slots merged; head_dim with an 8-lane tail; up to 8 query positions; keys and
+    values float32 or float16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
+    under attention_mask over the widened keys and values, within the bound `attention_reference` derives."""
     q, k, v, key_pos, query_pos = attention_inputs(batch, heads, kv_heads, steps, slots, dim, per_head)
-    want, atol = attention_reference(q, k, v, key_pos, query_pos)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    want, atol = attention_reference(q, k.float(), v.float(), key_pos, query_pos)
     torch.testing.assert_close(torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos), want, rtol=0, atol=atol)
 
 

@@ -2,7 +2,8 @@
 // p = softmax_j(q[b, h, t] . k[b, h_kv, j] / sqrt(D)) over the slots j whose position is filled (>= 0)
 // and no later than the query's (key_pos [B, S] shared by the KV heads, or [B, H_kv, S] per head, -1 for
 // an empty slot), h_kv = h / (H / H_kv). The same mask as kvlab.model.attention_mask, so it serves the
-// static cache and every compressed cache's slots alike.
+// static cache and every compressed cache's slots alike. Keys and values are float32, or float16 (a
+// 16-bit cache: half the bytes to read, widened to float32 as they are loaded); the arithmetic is float32.
 //
 // Each (sequence, KV head, run of kChunk slots) is one task: the query heads sharing the KV head read
 // each key and value row once. A task keeps its rows' maximum score, sum of exponentials and weighted
@@ -18,42 +19,55 @@ namespace kvlab {
 constexpr int64_t kChunk = 256;  // slots per task: a 2K cache gives 8 tasks per KV head to split over the cores
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// s[r * n + j] = scale * q_r . k_j for R query rows and n key rows of D floats.
-static void scores_scalar(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+// A key or value row's elements as float32: 8 (AVX2, F16C's conversion for float16) or 16 (AVX-512) at a time.
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx512f"))) static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// s[r * n + j] = scale * q_r . k_j for R query rows and n key rows of D elements.
+template <typename T>
+static void scores_scalar(const float* q, const T* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < R; ++r) {
       float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
       s[r * n + j] = acc * scale;
     }
 }
 
-__attribute__((target("avx2,fma"))) static void scores_avx2(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) static void scores_avx2(const float* q, const T* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < R; ++r) {
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
       int64_t d = 0;
       for (; d + 16 <= D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * D + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), _mm256_loadu_ps(k + j * D + d + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * D + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), load8(k + j * D + d + 8), a1);
       }
       float acc = hsum256(_mm256_add_ps(a0, a1));
-      for (; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      for (; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
       s[r * n + j] = acc * scale;
     }
 }
 
-__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const float* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
+template <typename T>
+__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const T* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < R; ++r) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t d = 0;
       for (; d + 32 <= D; d += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), _mm512_loadu_ps(k + j * D + d), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), _mm512_loadu_ps(k + j * D + d + 16), a1);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), load16(k + j * D + d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), load16(k + j * D + d + 16), a1);
       }
       float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-      for (; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      for (; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
       s[r * n + j] = acc * scale;
     }
 }
@@ -91,40 +105,44 @@ __attribute__((target("avx2,fma"))) static float exp_avx2(float* s, int64_t n, f
   return hsum256(sum) + exp_scalar(s + j, n - j, m);
 }
 
-// acc[r] += sum_j p[r * n + j] v_j for R rows, n value rows of D floats.
-static void weighted_sum_scalar(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+// acc[r] += sum_j p[r * n + j] v_j for R rows, n value rows of D elements.
+template <typename T>
+static void weighted_sum_scalar(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * v[j * D + d];
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * static_cast<float>(v[j * D + d]);
 }
 
-__attribute__((target("avx2,fma"))) static void weighted_sum_avx2(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) static void weighted_sum_avx2(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
       const float w = p[r * n + j];
       if (w == 0.f) continue;
       const __m256 wv = _mm256_set1_ps(w);
       int64_t d = 0;
-      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + r * D + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + j * D + d), _mm256_loadu_ps(acc + r * D + d)));
-      for (; d < D; ++d) acc[r * D + d] += w * v[j * D + d];
+      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + r * D + d, _mm256_fmadd_ps(wv, load8(v + j * D + d), _mm256_loadu_ps(acc + r * D + d)));
+      for (; d < D; ++d) acc[r * D + d] += w * static_cast<float>(v[j * D + d]);
     }
 }
 
-__attribute__((target("avx512f"))) static void weighted_sum_avx512(const float* p, const float* v, float* acc, int64_t R, int64_t n, int64_t D) {
+template <typename T>
+__attribute__((target("avx512f"))) static void weighted_sum_avx512(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
       const float w = p[r * n + j];
       if (w == 0.f) continue;
       const __m512 wv = _mm512_set1_ps(w);
       int64_t d = 0;
-      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + j * D + d), _mm512_loadu_ps(acc + r * D + d)));
-      for (; d < D; ++d) acc[r * D + d] += w * v[j * D + d];
+      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(wv, load16(v + j * D + d), _mm512_loadu_ps(acc + r * D + d)));
+      for (; d < D; ++d) acc[r * D + d] += w * static_cast<float>(v[j * D + d]);
     }
 }
 
 // One task's partials: for R query rows (query_pos[r]) over n slots (key_pos[j]), each row's maximum
 // score m[r], sum of e^(s - m) l[r] and unnormalized output acc[r] (zeroed by the caller).
-static void attend_chunk(Isa isa, const float* q, const float* k, const float* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
+template <typename T>
+static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
                          int64_t D, float scale, float* m, float* l, float* acc) {
   std::vector<float> s(R * n);
   if (isa == Isa::avx512)
@@ -176,11 +194,12 @@ static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tens
   return y;
 }
 
-// y [B, H, T, D] for q [B, H, T, D], k and v [B, H_kv, S, D] float32, key_pos [B, S] or [B, H_kv, S] and
-// query_pos [B, T] int64. A query that sees no slot gets zeros, as torch's attention gives it.
+// y [B, H, T, D] for q [B, H, T, D] float32, k and v [B, H_kv, S, D] float32 or float16 (both alike), key_pos
+// [B, S] or [B, H_kv, S] and query_pos [B, T] int64. A query that sees no slot gets zeros, as torch's attention gives it.
 at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos, const at::Tensor& query_pos) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "kvlab::attend_fp32: q [B, H, T, D], k and v [B, H_kv, S, D]");
-  for (const at::Tensor* t : {&q, &k, &v}) TORCH_CHECK(t->scalar_type() == at::kFloat, "kvlab::attend_fp32 takes float32 q, k and v");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) && v.scalar_type() == k.scalar_type(),
+              "kvlab::attend_fp32 takes float32 q, and k and v both float32 or both float16");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0, "kvlab::attend_fp32: q ", q.sizes(), " does not match k ", k.sizes());
   const bool per_head = key_pos.dim() == 3;
@@ -196,15 +215,21 @@ at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp.data_ptr<int64_t>()[b * T + r % T];
   const Isa isa = kernel_isa();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / (Hkv * chunks), h = task / chunks % Hkv, c = task % chunks, j0 = c * kChunk, n = std::min(kChunk, S - j0);
-      const int64_t head = b * Hkv + h;
-      const int64_t* positions = kp.data_ptr<int64_t>() + (per_head ? head * S : b * S) + j0;
-      attend_chunk(isa, qc.data_ptr<float>() + head * R * D, kc.data_ptr<float>() + (head * S + j0) * D, vc.data_ptr<float>() + (head * S + j0) * D, positions,
-                   row_pos.data() + b * R, R, n, D, scale, m.data_ptr<float>() + task * R, l.data_ptr<float>() + task * R, acc.data_ptr<float>() + task * R * D);
-    }
-  });
+  auto run = [&](const auto* keys, const auto* values) {  // float or at::Half
+    at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t b = task / (Hkv * chunks), h = task / chunks % Hkv, c = task % chunks, j0 = c * kChunk, n = std::min(kChunk, S - j0);
+        const int64_t head = b * Hkv + h;
+        const int64_t* positions = kp.data_ptr<int64_t>() + (per_head ? head * S : b * S) + j0;
+        attend_chunk(isa, qc.data_ptr<float>() + head * R * D, keys + (head * S + j0) * D, values + (head * S + j0) * D, positions, row_pos.data() + b * R, R, n,
+                     D, scale, m.data_ptr<float>() + task * R, l.data_ptr<float>() + task * R, acc.data_ptr<float>() + task * R * D);
+      }
+    });
+  };
+  if (kc.scalar_type() == at::kHalf)
+    run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
+  else
+    run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return merge(m, l, acc).view({B, H, T, D});
 }
 }  // namespace kvlab

@@ -1,5 +1,5 @@
 // The instruction set every kernel of this library takes, chosen once per process: the widest the CPU
-// has (AVX-512F, else AVX2 with FMA, else scalar C++), or KVLAB_KERNEL_ISA=scalar|avx2|avx512 where the CPU
+// has (AVX-512F, else AVX2 with FMA and F16C, else scalar C++), or KVLAB_KERNEL_ISA=scalar|avx2|avx512 where the CPU
 // has it (tests run each path on one machine); plus helpers the SIMD paths share.
 #pragma once
 #include <immintrin.h>
@@ -15,7 +15,7 @@ enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
 inline Isa widest_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return Isa::avx2;
   return Isa::scalar;
 }
 
