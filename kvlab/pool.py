@@ -68,9 +68,11 @@ class BlockPool(nn.Module):
         extra = (n_blocks - self.n_blocks) * self.block_footprint(k.shape[1], k.shape[2], k.dtype)
         free = free_memory(k.device)
         if extra > free:
+            fits = self.n_blocks + free // self.block_footprint(k.shape[1], k.shape[2], k.dtype)
             raise ValueError(
                 f"kvcompress: the pool needs {n_blocks} blocks of {k.shape[1]} slots (--kvc_block_size), about {extra / 2**30:.1f} GiB more "
-                f"than it holds, and {free / 2**30:.1f} GiB are free here; lower --kvc_block_size or --batch_size, or set --kvc_pool_blocks"
+                f"than it holds, and {free / 2**30:.1f} GiB are free here; lower --kvc_block_size or --batch_size, or set --kvc_pool_blocks "
+                f"(at most {fits} blocks of this size fit)"
             )
 
     def allocated_bytes(self) -> int:
