@@ -225,8 +225,8 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
             ("rkv", dict(prompt_compression_strategy="rkv", rkv_window=4, rkv_lambda=0.5)),
             ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),  # ThinK + SnapKV
             ("l2", dict(key_channel_pruning=0.5, cache_bits=4)),  # ThinK + KIVI-style channel quantization
-            ("full", dict(cache_bits=16)),
-            ("l2", dict(cache_bits=16)),  # float16 keys and values, read by the native attention as they are
+            ("heavy_hitter", dict(cache_bits=16)),  # float16 keys and values, read by the native attention as they are
+            ("l2", dict(cache_bits=16)),
         ],
         [("heavy_hitter", dict(cache_bits=4)), ("l2", dict(cache_bits=16))],
     ),

@@ -12,7 +12,7 @@ from conftest import paul_graham_text, spec_for
 from kvlab import kernels
 from kvlab.build import make_caches
 from kvlab.cache import FullCache
-from kvlab.engine import generate
+from kvlab.engine import compile_decode_step, generate
 from kvlab.scores import key_channels
 from kvlab.storage import HalfKVStorage, QuantizedKVStorage, make_storage
 from tolerance import assert_reordered_close
@@ -90,6 +90,15 @@ def test_a_float16_cache_decodes_as_torch_over_its_widened_keys_and_values(tiny_
             tiny_model(torch.tensor([[3, 9, 27, 17, 5], [7, 21, 63, 1, 8]]), torch.arange(5).expand(2, 5), prefill=True)
             logits[native_path] = torch.cat([tiny_model(torch.tensor([[4], [6]]), torch.full((2, 1), p)) for p in range(5, 9)])
     assert_reordered_close(logits[True], logits[False], terms=128, chain=4 * tiny_model.config.n_layer + 1)
+
+
+def test_compiled_decode_over_a_float16_full_cache_equals_eager(tiny_model):
+    """The bench's setting (a full cache in float16, llama.cpp's): the compiled step gives eager's tokens."""
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
+    spec = spec_for(tiny_model, "full", cache_bits=16)
+    eager = generate(tiny_model, prompts, 24, spec).tokens
+    torch._dynamo.reset()
+    assert generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu"))).tokens == eager
 
 
 def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
