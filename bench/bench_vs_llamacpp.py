@@ -148,29 +148,34 @@ def llamacpp_available() -> bool:
     return True
 
 
+def weights_of(bench: Bench, group: str) -> torch.nn.Module:
+    """The float32 model, or a copy quantized as scripts/quantize.py writes it."""
+    return bench.model if group == "fp32" else quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[group])
+
+
+def load_ggufs(group: str, n_ctx: int) -> dict:
+    """llama.cpp's models for a group of weights, on as many threads as kvlab's."""
+    import llama_cpp
+
+    threads = torch.get_num_threads()
+    return {g: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False) for g in LLAMA_WEIGHTS[group]}
+
+
 def measure(args) -> tuple[Bench, dict]:
     """Per group of weights (fp32, int8, int4) and prompt length, every kvlab variant's and GGUF's runs, interleaved."""
     bench = load_bench("cpu", "float32")
     with_llamacpp = llamacpp_available()
-    threads = torch.get_num_threads()
-    models = {"fp32": lambda: bench.model, "int8": lambda: quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int8"])}
-    models["int4"] = lambda: quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS["int4"])
     samples: dict = {}
     for group, variants in GROUPS.items():
         torch._dynamo.reset()
         step = compile_decode_step(torch.device("cpu"))
-        model = models[group]()
+        model = weights_of(bench, group)
         lay_out_for_matvec(model)
-        variant_models = {name: with_int8_x(copy.deepcopy(model)) if x8 else model for name, (_, x8) in variants.items()}
-        llms = {}
-        if with_llamacpp:
-            import llama_cpp
-
-            n_ctx = max(args.prompt_lengths) + args.new_tokens + 8
-            llms = {g: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False) for g in LLAMA_WEIGHTS[group]}
+        models = {name: with_int8_x(copy.deepcopy(model)) if x8 else model for name, (_, x8) in variants.items()}
+        llms = load_ggufs(group, max(args.prompt_lengths) + args.new_tokens + 8) if with_llamacpp else {}
         for n in args.prompt_lengths:
             ids = bench.ids[:n]
-            runs = {name: kvlab_run(variant_models[name], step, cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
+            runs = {name: kvlab_run(models[name], step, cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
             runs |= {g: llamacpp_run(llm, ids, args.new_tokens) for g, llm in llms.items()}
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)
