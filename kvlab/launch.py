@@ -10,6 +10,7 @@ OMP_NUM_THREADS, the signal it sends the other ranks) are left out.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from kvlab import interrupts_quietly
@@ -21,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    parser.prog = "python -m kvlab.launch"
+    args = parser.parse_args(argv)
+    if args.nproc_per_node.lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
+        print(f"error: --nproc_per_node must be >= 1 (or auto, cpu, gpu), got {args.nproc_per_node}", file=sys.stderr)
+        return 2
     for name in list(logging.root.manager.loggerDict):  # each of torchrun's modules sets its own logger's level
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -32,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         code = failure.exitcode if failure.exitcode > 0 else 1
         print(f"{e.name}: rank {rank} failed with exit status {failure.exitcode}", file=sys.stderr)
         return code
+    except Exception as e:  # the launcher itself failed before any rank ran (KVLAB_DEBUG=1: its traceback)
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        print(f"error: torchrun could not start the ranks: {str(e).strip() or type(e).__name__}", file=sys.stderr)
+        return 1
     return 0
 
 

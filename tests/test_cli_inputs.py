@@ -403,3 +403,16 @@ def test_a_rank_failing_under_kvlab_launch_ends_with_its_error_and_one_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert set(lines[:-1]) == {"error: argument --max_new_tokens: must be >= 1, got -3 (see --help)"}
     assert re.fullmatch(r"generate\.py: rank [01] failed with exit status 2", lines[-1]), lines[-1]
+
+
+@pytest.mark.parametrize(
+    "flags,code,error",
+    [
+        (["--nproc_per_node", "0"], 2, "error: --nproc_per_node must be >= 1 (or auto, cpu, gpu), got 0"),
+        (["--nnodes", "0", "--nproc_per_node", "1"], 1, "error: torchrun could not start the ranks: min_nodes must be > 0"),
+    ],
+)
+def test_kvlab_launch_refuses_bad_launcher_flags_in_one_line(flags, code, error):
+    """What torchrun answers with an AssertionError or ValueError traceback before any rank runs."""
+    done = subprocess.run([sys.executable, "-m", "kvlab.launch", *flags, "generate.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == code and done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr[-2000:]
