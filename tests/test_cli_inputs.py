@@ -4,6 +4,7 @@ its correct run, and none loses the user's files."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -416,3 +417,14 @@ def test_kvlab_launch_refuses_bad_launcher_flags_in_one_line(flags, code, error)
     """What torchrun answers with an AssertionError or ValueError traceback before any rank runs."""
     done = subprocess.run([sys.executable, "-m", "kvlab.launch", *flags, "generate.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == code and done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr[-2000:]
+
+
+def test_ctrl_c_under_kvlab_launch_ends_with_the_ranks_line_and_130():
+    """SIGINT to the terminal's process group while 2 ranks decode: each rank's one line, no launcher traceback."""
+    cmd = [sys.executable, "-m", "kvlab.launch", "--nproc_per_node", "2", "generate.py", "--max_new_tokens", "4000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(8)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err and "could not start" not in err, err[-2000:]
+    assert err.rstrip("\n").endswith("interrupted (Ctrl-C)"), err[-2000:]
