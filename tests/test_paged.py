@@ -396,6 +396,9 @@ def test_a_pool_sized_for_a_batch_is_refused_before_allocating_more_than_is_free
     monkeypatch.setattr("kvlab.pool.free_memory", lambda device: 10 * footprint)
     getattr(pool, how)(14)  # 10 more blocks: exactly what is free
     assert pool.n_blocks == 14
-    with pytest.raises(ValueError, match=r"the pool needs 25 blocks of 16 slots \(--kvc_block_size\).*lower --kvc_block_size or --batch_size.*at most 24 blocks of this size fit"):
+    with pytest.raises(
+        ValueError,
+        match=r"the pool needs 25 blocks of 16 slots \(--kvc_block_size\).*lower --kvc_block_size or --batch_size.*at most 24 blocks of this size fit",
+    ):
         getattr(pool, how)(25)
     assert pool.n_blocks == 14
