@@ -3,8 +3,9 @@
 It takes torchrun's own arguments and runs torchrun's launcher in this process. torchrun itself answers a
 rank's failure with its own traceback and a table of ranks below the rank's one-line error; here the rank's
 error stays the last thing that explains the failure, followed by one line naming the rank and its exit
-status, which this process exits with; Ctrl-C ends with the ranks' own line and status 130. torchrun's warnings that are not about the command (its note on
-OMP_NUM_THREADS, the signal it sends the other ranks) are left out.
+status, which this process exits with; Ctrl-C ends with the ranks' own line and status 130. torchrun's
+warnings that are not about the command (its note on OMP_NUM_THREADS, the signal it sends the other ranks)
+are left out.
 """
 
 from __future__ import annotations

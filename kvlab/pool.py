@@ -65,10 +65,10 @@ class BlockPool(nn.Module):
         has free (a pool sized for a batch: huge blocks, or many rows, would meet the allocator's own error or
         the kernel's OOM killer)."""
         k = self.k
-        extra = (n_blocks - self.n_blocks) * self.block_footprint(k.shape[1], k.shape[2], k.dtype)
-        free = free_memory(k.device)
+        footprint = self.block_footprint(k.shape[1], k.shape[2], k.dtype)
+        extra, free = (n_blocks - self.n_blocks) * footprint, free_memory(k.device)
         if extra > free:
-            fits = self.n_blocks + free // self.block_footprint(k.shape[1], k.shape[2], k.dtype)
+            fits = self.n_blocks + free // footprint
             raise ValueError(
                 f"kvcompress: the pool needs {n_blocks} blocks of {k.shape[1]} slots (--kvc_block_size), about {extra / 2**30:.1f} GiB more "
                 f"than it holds, and {free / 2**30:.1f} GiB are free here; lower --kvc_block_size or --batch_size, or set --kvc_pool_blocks "

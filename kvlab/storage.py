@@ -238,7 +238,7 @@ def make_storage(
     """Plain storage for bits=None, float16 for 16, else packed `bits`-bit codes with keys quantized per `key_axis`
     (default: per token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning)
     of their D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
-    if bits not in (None, *QUANT_BITS) and key_axis is not None:
+    if bits not in QUANT_BITS and key_axis is not None:
         raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits {', '.join(map(str, QUANT_BITS))}, got {bits}")
     if key_pruning is None and think_window is not None:
         raise ValueError(f"think_window={think_window} needs key_channel_pruning")
