@@ -265,11 +265,20 @@ def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: i
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,steps,slots,dim,per_head",
-    [(1, 9, 3, 1, 512, 64, False), (1, 9, 3, 1, 2049, 64, True), (2, 4, 2, 3, 257, 64, False), (3, 8, 8, 8, 33, 40, True), (1, 2, 1, 1, 1, 16, False)],
+    [
+        (1, 9, 3, 1, 512, 64, False),
+        (1, 9, 3, 1, 2049, 64, True),
+        (2, 4, 2, 3, 257, 64, False),
+        (3, 8, 8, 8, 33, 40, True),
+        (1, 2, 1, 1, 1, 16, False),
+        (1, 2, 1, 2, 40, 272, False),
+    ],
 )
 def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head, kv_dtype):
     """Decode attention over a cache's slots (shared or per-head positions, empty and future slots masked;
-    one or several runs of 256 slots merged; head_dim with an 8-lane tail; up to 8 query positions; keys and
+    one or several runs of 256 slots merged; blocks of 16 and 8 keys with a tail; head_dim with an 8-lane tail,
+    padded to the SIMD paths' column blocks, or wider than they take (272: the scalar path); up to 8 query
+    positions, so up to 8 rows per KV head in blocks of four; keys and
     values float32 or float16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
     under attention_mask over the widened keys and values, within the bound `attention_reference` derives."""
     q, k, v, key_pos, query_pos = attention_inputs(batch, heads, kv_heads, steps, slots, dim, per_head)

@@ -10,6 +10,7 @@
 // sum of values (flash-decoding's partials); one pass merges the tasks' partials.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "matvec.h"
@@ -36,38 +37,6 @@ static void scores_scalar(const float* q, const T* k, float* s, int64_t R, int64
     for (int64_t r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
-      s[r * n + j] = acc * scale;
-    }
-}
-
-template <typename T>
-__attribute__((target("avx2,fma,f16c"))) static void scores_avx2(const float* q, const T* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t r = 0; r < R; ++r) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * D + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), load8(k + j * D + d + 8), a1);
-      }
-      float acc = hsum256(_mm256_add_ps(a0, a1));
-      for (; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
-      s[r * n + j] = acc * scale;
-    }
-}
-
-template <typename T>
-__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const T* k, float* s, int64_t R, int64_t n, int64_t D, float scale) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t r = 0; r < R; ++r) {
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 32 <= D; d += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), load16(k + j * D + d), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), load16(k + j * D + d + 16), a1);
-      }
-      float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-      for (; d < D; ++d) acc += q[r * D + d] * static_cast<float>(k[j * D + d]);
       s[r * n + j] = acc * scale;
     }
 }
@@ -113,46 +82,196 @@ static void weighted_sum_scalar(const float* p, const T* v, float* acc, int64_t 
       for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * static_cast<float>(v[j * D + d]);
 }
 
+// The SIMD paths read key and value rows in blocks (16 rows on AVX-512, 8 on AVX2), each row widened once to
+// float32 and padded with zeros to Dp columns; q and the output are padded alike (attend_chunk). Scores:
+// each query row's products with the block's keys accumulate in registers and are summed together by one
+// transpose-and-add tree. Weighted sums: up to four query rows accumulate a run of columns in registers
+// while the block's value rows stream past. A block that no query row may see is skipped.
+constexpr int64_t kMaxHeadDim = 256;  // the SIMD paths' buffers; wider heads take the scalar path
+
+// Whether any of n slots is filled (>= 0) and no later than `last`, the latest query position.
+static bool any_visible(const int64_t* key_pos, int64_t n, int64_t last) {
+  for (int64_t j = 0; j < n; ++j)
+    if (key_pos[j] >= 0 && key_pos[j] <= last) return true;
+  return false;
+}
+
+// Lane i of the result is the sum of v[i]'s lanes: a transpose-and-add tree, three instructions per sum.
+__attribute__((target("avx2,fma"))) static inline __m256 sum_lanes8(const __m256* v) {
+  __m256 x[2];
+  for (int g = 0; g < 2; ++g) {
+    const __m256* a = v + 4 * g;
+    const __m256d u0 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1])));
+    const __m256d u1 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3])));
+    x[g] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u0, u1)), _mm256_castpd_ps(_mm256_unpackhi_pd(u0, u1)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
+__attribute__((target("avx512f"))) static inline __m512 sum_lanes16(const __m512* v) {
+  __m512 x[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512* a = v + 4 * g;
+    const __m512d u0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1])));
+    const __m512d u1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3])));
+    x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u0, u1)), _mm512_castpd_ps(_mm512_unpackhi_pd(u0, u1)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+constexpr int64_t kPrefetchRows = 32;  // how far ahead a widening pass asks for rows from memory
+
+// Asks for row i of D elements (its cache lines) kPrefetchRows rows before the widening pass reads it: a pass
+// over a long cache is bound by memory, and a task's first rows by the hardware prefetcher's warm-up.
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) static void weighted_sum_avx2(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n; ++j) {
-      const float w = p[r * n + j];
-      if (w == 0.f) continue;
-      const __m256 wv = _mm256_set1_ps(w);
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + r * D + d, _mm256_fmadd_ps(wv, load8(v + j * D + d), _mm256_loadu_ps(acc + r * D + d)));
-      for (; d < D; ++d) acc[r * D + d] += w * static_cast<float>(v[j * D + d]);
-    }
+static inline void prefetch_row(const T* src, int64_t i, int64_t D) {
+  const char* row = reinterpret_cast<const char*>(src + i * D);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(row + b);
+}
+
+// `rows` of D elements as float32 rows of Dp, zero-padded; the block's unused rows up to `block` zeroed too.
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) static void widen_avx2(const T* src, int64_t rows, int64_t block, int64_t D, int64_t Dp, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    prefetch_row(src, i + kPrefetchRows, D);
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + i * Dp + d, load8(src + i * D + d));
+    for (; d < D; ++d) dst[i * Dp + d] = static_cast<float>(src[i * D + d]);
+    std::fill(dst + i * Dp + D, dst + (i + 1) * Dp, 0.f);
+  }
+  std::fill(dst + rows * Dp, dst + block * Dp, 0.f);
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) static void weighted_sum_avx512(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n; ++j) {
-      const float w = p[r * n + j];
-      if (w == 0.f) continue;
-      const __m512 wv = _mm512_set1_ps(w);
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(wv, load16(v + j * D + d), _mm512_loadu_ps(acc + r * D + d)));
-      for (; d < D; ++d) acc[r * D + d] += w * static_cast<float>(v[j * D + d]);
-    }
+__attribute__((target("avx512f"))) static void widen_avx512(const T* src, int64_t rows, int64_t block, int64_t D, int64_t Dp, float* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    prefetch_row(src, i + kPrefetchRows, D);
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + i * Dp + d, load16(src + i * D + d));
+    for (; d < D; ++d) dst[i * Dp + d] = static_cast<float>(src[i * D + d]);
+    std::fill(dst + i * Dp + D, dst + (i + 1) * Dp, 0.f);
+  }
+  std::fill(dst + rows * Dp, dst + block * Dp, 0.f);
 }
 
-// One task's partials: for R query rows (query_pos[r]) over n slots (key_pos[j]), each row's maximum
-// score m[r], sum of e^(s - m) l[r] and unnormalized output acc[r] (zeroed by the caller).
+// s[r * n + j] = scale * q_r . k_j, q padded to [R, Dp] (Dp a multiple of 8).
 template <typename T>
-static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
-                         int64_t D, float scale, float* m, float* l, float* acc) {
-  std::vector<float> s(R * n);
-  if (isa == Isa::avx512)
-    scores_avx512(q, k, s.data(), R, n, D, scale);
-  else if (isa == Isa::avx2)
-    scores_avx2(q, k, s.data(), R, n, D, scale);
-  else
-    scores_scalar(q, k, s.data(), R, n, D, scale);
+__attribute__((target("avx2,fma,f16c"))) static void scores_avx2(const float* q, const T* k, const int64_t* key_pos, int64_t last, float* s, int64_t R, int64_t n,
+                                                                int64_t D, int64_t Dp, float scale) {
+  alignas(32) float rows[8 * kMaxHeadDim];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    if (!any_visible(key_pos + j0, count, last)) continue;  // every score here is masked to -inf afterwards
+    widen_avx2(k + j0 * D, count, 8, D, Dp, rows);
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 dots[8];
+      for (int i = 0; i < 8; ++i) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < Dp; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * Dp + d), _mm256_load_ps(rows + i * Dp + d), a);
+        dots[i] = a;
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
+      std::copy(out, out + count, s + r * n + j0);
+    }
+  }
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const T* k, const int64_t* key_pos, int64_t last, float* s, int64_t R, int64_t n,
+                                                              int64_t D, int64_t Dp, float scale) {
+  alignas(64) float rows[16 * kMaxHeadDim];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    if (!any_visible(key_pos + j0, count, last)) continue;  // every score here is masked to -inf afterwards
+    widen_avx512(k + j0 * D, count, 16, D, Dp, rows);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dp; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * Dp + d), _mm512_load_ps(rows + i * Dp + d), a);
+        dots[i] = a;
+      }
+      _mm512_mask_storeu_ps(s + r * n + j0, static_cast<__mmask16>((1u << count) - 1), _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// acc[r] += sum_i p[r * n + i] rows_i for RB query rows over `count` widened value rows, CW columns at a time
+// (C vectors of W lanes) held in registers.
+#define KVLAB_WEIGHTED_BLOCK(V, C, LOAD, STORE, FMA, SET1)                                    \
+  for (int64_t d0 = 0; d0 < Dp; d0 += C * sizeof(V) / sizeof(float)) {                      \
+    constexpr int64_t W = sizeof(V) / sizeof(float);                                          \
+    V a[RB][C];                                                                               \
+    for (int r = 0; r < RB; ++r)                                                              \
+      for (int c = 0; c < C; ++c) a[r][c] = LOAD(acc + r * Dp + d0 + W * c);                  \
+    for (int64_t i = 0; i < count; ++i) {                                                     \
+      V x[C];                                                                                 \
+      for (int c = 0; c < C; ++c) x[c] = LOAD(rows + i * Dp + d0 + W * c);                    \
+      for (int r = 0; r < RB; ++r) {                                                          \
+        const V w = SET1(p[r * n + i]);                                                       \
+        for (int c = 0; c < C; ++c) a[r][c] = FMA(w, x[c], a[r][c]);                          \
+      }                                                                                       \
+    }                                                                                         \
+    for (int r = 0; r < RB; ++r)                                                              \
+      for (int c = 0; c < C; ++c) STORE(acc + r * Dp + d0 + W * c, a[r][c]);                  \
+  }
+
+template <int RB>
+__attribute__((target("avx2,fma"))) static void weighted_block_avx2(const float* p, int64_t n, const float* rows, int64_t count, int64_t Dp, float* acc) {
+  KVLAB_WEIGHTED_BLOCK(__m256, 2, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
+}
+
+template <int RB>
+__attribute__((target("avx512f"))) static void weighted_block_avx512(const float* p, int64_t n, const float* rows, int64_t count, int64_t Dp, float* acc) {
+  KVLAB_WEIGHTED_BLOCK(__m512, 4, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps)
+}
+
+#undef KVLAB_WEIGHTED_BLOCK
+
+// Whether every weight p[r * n + i], r < rows, i < count, is zero (a block no query row sees).
+static bool all_zero(const float* p, int64_t n, int64_t rows, int64_t count) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < count; ++i)
+      if (p[r * n + i] != 0.f) return false;
+  return true;
+}
+
+// acc [R, Dp] += p [R, n] v [n, D] over blocks of KB value rows, up to four query rows at a time.
+template <int KB, typename T, typename Widen, typename Block>
+static void weighted_sum_simd(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp, Widen widen, Block block) {
+  alignas(64) float rows[KB * kMaxHeadDim];
+  for (int64_t j0 = 0; j0 < n; j0 += KB) {
+    const int64_t count = std::min<int64_t>(KB, n - j0);
+    if (all_zero(p + j0, n, R, count)) continue;
+    widen(v + j0 * D, count, KB, D, Dp, rows);
+    for (int64_t r = 0; r < R; r += 4) block(std::min<int64_t>(4, R - r), p + r * n + j0, n, rows, count, Dp, acc + r * Dp);
+  }
+}
+
+template <typename T>
+static void weighted_sum_avx2(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp) {
+  weighted_sum_simd<8>(p, v, acc, R, n, D, Dp, widen_avx2<T>, [](int64_t rows, const float* pr, int64_t n, const float* vr, int64_t count, int64_t Dp, float* a) {
+    rows == 4 ? weighted_block_avx2<4>(pr, n, vr, count, Dp, a) : rows == 3 ? weighted_block_avx2<3>(pr, n, vr, count, Dp, a)
+    : rows == 2 ? weighted_block_avx2<2>(pr, n, vr, count, Dp, a) : weighted_block_avx2<1>(pr, n, vr, count, Dp, a);
+  });
+}
+
+template <typename T>
+static void weighted_sum_avx512(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp) {
+  weighted_sum_simd<16>(p, v, acc, R, n, D, Dp, widen_avx512<T>, [](int64_t rows, const float* pr, int64_t n, const float* vr, int64_t count, int64_t Dp, float* a) {
+    rows == 4 ? weighted_block_avx512<4>(pr, n, vr, count, Dp, a) : rows == 3 ? weighted_block_avx512<3>(pr, n, vr, count, Dp, a)
+    : rows == 2 ? weighted_block_avx512<2>(pr, n, vr, count, Dp, a) : weighted_block_avx512<1>(pr, n, vr, count, Dp, a);
+  });
+}
+
+// Masks row r's scores (-inf where the slot is empty or later than query_pos[r]) and turns them into
+// e^(s - m[r]) in place, m[r] the row's maximum; l[r] = their sum (0, and every p 0, for a row that sees no slot).
+static void masked_exp(Isa isa, float* s, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n, float* m, float* l) {
   for (int64_t r = 0; r < R; ++r) {
-    float* row = s.data() + r * n;
+    float* row = s + r * n;
     m[r] = kNegInf;
     for (int64_t j = 0; j < n; ++j) {
       if (key_pos[j] < 0 || key_pos[j] > query_pos[r]) row[j] = kNegInf;
@@ -161,12 +280,35 @@ static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const 
     l[r] = m[r] == kNegInf ? 0.f : isa == Isa::scalar ? exp_scalar(row, n, m[r]) : exp_avx2(row, n, m[r]);
     if (m[r] == kNegInf) std::fill(row, row + n, 0.f);
   }
-  if (isa == Isa::avx512)
-    weighted_sum_avx512(s.data(), v, acc, R, n, D);
-  else if (isa == Isa::avx2)
-    weighted_sum_avx2(s.data(), v, acc, R, n, D);
-  else
+}
+
+// One task's partials: for R query rows (query_pos[r]) over n slots (key_pos[j]), each row's maximum
+// score m[r], sum of e^(s - m) l[r] and unnormalized output acc[r] (zeroed by the caller).
+template <typename T>
+static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
+                         int64_t D, float scale, float* m, float* l, float* acc) {
+  std::vector<float> s(R * n);
+  if (isa == Isa::scalar || D > kMaxHeadDim) {
+    scores_scalar(q, k, s.data(), R, n, D, scale);
+    masked_exp(Isa::scalar, s.data(), key_pos, query_pos, R, n, m, l);
     weighted_sum_scalar(s.data(), v, acc, R, n, D);
+    return;
+  }
+  const int64_t width = isa == Isa::avx512 ? 64 : 16, Dp = (D + width - 1) / width * width;
+  std::vector<float> qp(R * Dp, 0.f), ap(R * Dp, 0.f);  // q and the output, padded to Dp columns
+  for (int64_t r = 0; r < R; ++r) std::copy(q + r * D, q + (r + 1) * D, qp.data() + r * Dp);
+  const int64_t last = *std::max_element(query_pos, query_pos + R);
+  if (isa == Isa::avx512)
+    scores_avx512(qp.data(), k, key_pos, last, s.data(), R, n, D, Dp, scale);
+  else
+    scores_avx2(qp.data(), k, key_pos, last, s.data(), R, n, D, Dp, scale);
+  masked_exp(isa, s.data(), key_pos, query_pos, R, n, m, l);
+  if (isa == Isa::avx512)
+    weighted_sum_avx512(s.data(), v, ap.data(), R, n, D, Dp);
+  else
+    weighted_sum_avx2(s.data(), v, ap.data(), R, n, D, Dp);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) acc[r * D + d] += ap[r * Dp + d];
 }
 
 // Each row's output from its tasks' partials m, l [..., chunks, R] and acc [..., chunks, R, D]:
