@@ -34,7 +34,7 @@ def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, 
         if os.environ.get("KVLAB_DEBUG"):
             raise
         if isinstance(e, KeyboardInterrupt):
-            exit_with_error(interrupted, code=130)
+            exit_interrupted(interrupted)
         if out_of_memory(e):
             exit_with_error(f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}")
         if not isinstance(e, USER_ERRORS):  # any other RuntimeError is a bug: its traceback helps
@@ -48,6 +48,17 @@ MEMORY_FLAGS = "--batch_size, the cache's size (--max_cache_length, --kvc_pool_b
 def out_of_memory(e: BaseException) -> bool:
     """An allocation that failed: Python's MemoryError, torch's CPU allocator or CUDA running out."""
     return isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def exit_interrupted(message: str) -> NoReturn:
+    """Exit 130 after `message`. A tensor-parallel rank exits at once: stopped inside a collective, its process
+    group's teardown would print c10d's warning about unwaited collectives after the line."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(130)
+    exit_with_error(message, code=130)
 
 
 def exit_with_error(message: str, code: int = 1) -> NoReturn:

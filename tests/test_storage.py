@@ -113,13 +113,17 @@ def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
 
 def logit_errors_within_8bit_bounds(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> bool:
     """8-bit KVs against full precision, teacher-forced: mean |logit error| < 0.06 and its 99.9th percentile
-    < 0.35, the same greedy tokens, and loss within 0.01. Measured on 60 x 49,152 logits: mean 0.049, 99.9th
-    percentile 0.27, max 0.44 to 0.61. The max is a tail of a few logits that moves with fp32 summation order
-    (weights' layout, AVX2 or AVX-512), so it is not bounded; the percentile moves by a few percent."""
+    < 0.5, the same greedy tokens, and loss within 0.01. The tail depends on float32 rounding: the cached keys
+    and values come from the model's own attention, so a last-bit change there flips the few 8-bit codes that
+    sit on a rounding boundary, and the positions they feed move. On 60 x 49,152 logits, four computations
+    exact to float32 rounding (torch's attention; kvlab's native attention on AVX2 and on AVX-512; an earlier
+    native attention) measured mean 0.050 to 0.055 and 99.9th percentile 0.21 to 0.38; two of them differ
+    from each other by as much (0.37). So the percentile's bound sits above that spread, and the mean, steady
+    to 10%, is what separates a biased cache (codes rounded down: mean 0.091)."""
     errors = (logits - reference).abs().flatten()
     tail = torch.quantile(errors[:: errors.numel() // 2**24 + 1], 0.999).item()  # torch.quantile takes at most 2^24 values
     loss = F.cross_entropy(logits[:-1], targets).item() - F.cross_entropy(reference[:-1], targets).item()
-    return errors.mean().item() < 0.06 and tail < 0.35 and torch.equal(logits.argmax(-1), reference.argmax(-1)) and abs(loss) < 0.01
+    return errors.mean().item() < 0.06 and tail < 0.5 and torch.equal(logits.argmax(-1), reference.argmax(-1)) and abs(loss) < 0.01
 
 
 def truncating_encode(storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -131,7 +135,7 @@ def truncating_encode(storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.
 @pytest.mark.slow
 def test_quantized_caches_stay_close_to_full_precision(smollm, monkeypatch):
     """8 bits: within logit_errors_within_8bit_bounds, which codes rounded down instead of to nearest
-    (measured mean 0.091, 99.9th percentile 0.40) fail; 4 bits: loss within 0.2 of full either way; 2 bits:
+    (measured mean 0.091) fail; 4 bits: loss within 0.2 of full either way; 2 bits:
     per-channel keys (KIVI) beat per-token keys (bench/bench_quantization.py measures 4 bits too); float16 (16):
     within 8 bits' bounds with a mean |logit error| below 0.006 (measured 0.0021, against 8 bits' 0.050)."""
     model, tokenizer, _ = smollm

@@ -239,7 +239,9 @@ static bool all_zero(const float* p, int64_t n, int64_t rows, int64_t count) {
   return true;
 }
 
-// acc [R, Dp] += p [R, n] v [n, D] over blocks of KB value rows, up to four query rows at a time.
+// acc [R, Dp] += p [R, n] v [n, D] over blocks of KB value rows, up to four query rows at a time. A slot
+// that no query row sees adds nothing, whatever its row holds (an empty slot's values need not be finite:
+// 0 x NaN would poison the sum), so its widened row is zeros.
 template <int KB, typename T, typename Widen, typename Block>
 static void weighted_sum_simd(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp, Widen widen, Block block) {
   alignas(64) float rows[KB * kMaxHeadDim];
@@ -247,6 +249,8 @@ static void weighted_sum_simd(const float* p, const T* v, float* acc, int64_t R,
     const int64_t count = std::min<int64_t>(KB, n - j0);
     if (all_zero(p + j0, n, R, count)) continue;
     widen(v + j0 * D, count, KB, D, Dp, rows);
+    for (int64_t i = 0; i < count; ++i)
+      if (all_zero(p + j0 + i, n, R, 1)) std::fill(rows + i * Dp, rows + (i + 1) * Dp, 0.f);
     for (int64_t r = 0; r < R; r += 4) block(std::min<int64_t>(4, R - r), p + r * n + j0, n, rows, count, Dp, acc + r * Dp);
   }
 }
