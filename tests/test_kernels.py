@@ -297,6 +297,20 @@ def test_attention_that_ignores_the_mask_is_caught():
 
 
 @native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_an_empty_slot_holding_nan_adds_nothing(kv_dtype):
+    """An empty slot (-1) may hold anything, NaN included (a slot never written, a block of a pool): the rows
+    that do not see it get what torch gives over the cache with that slot zeroed. Slots 5 and 37 sit inside
+    a block of 16 (8) keys whose other slots are seen, so the block is read and only the slot is dropped."""
+    q, k, v, key_pos, query_pos = attention_inputs(1, 9, 3, 1, 40, 64, False)
+    key_pos[..., [5, 37]] = -1
+    want, atol = attention_reference(q, k, v, key_pos, query_pos)
+    k[..., [5, 37], :], v[..., [5, 37], :] = float("nan"), float("nan")
+    got = torch.ops.kvlab.attend_fp32(q, k.to(kv_dtype), v.to(kv_dtype), key_pos, query_pos)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+@native
 def test_a_query_that_sees_no_slot_gets_zeros_as_in_torch():
     q, k, v, _, _ = attention_inputs(1, 4, 2, 2, 3, 16, False)
     key_pos, query_pos = torch.tensor([[2, -1, 3]]), torch.tensor([[1, 2]])  # the first query sees none, the second one slot

@@ -79,7 +79,8 @@ template <typename T>
 static void weighted_sum_scalar(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * static_cast<float>(v[j * D + d]);
+      if (p[r * n + j] != 0.f)  // a slot the row does not see adds nothing, whatever it holds (as on the SIMD paths)
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * static_cast<float>(v[j * D + d]);
 }
 
 // The SIMD paths read key and value rows in blocks (16 rows on AVX-512, 8 on AVX2), each row widened once to
