@@ -232,12 +232,11 @@ __attribute__((target("avx512f"))) static void weighted_block_avx512(const float
 
 #undef KVLAB_WEIGHTED_BLOCK
 
-// Whether every weight p[r * n + i], r < rows, i < count, is zero (a block no query row sees).
-static bool all_zero(const float* p, int64_t n, int64_t rows, int64_t count) {
+// Whether some query row's weight p[r * n], r < rows, for one slot is nonzero (the row sees the slot).
+static bool seen_by_any(const float* p, int64_t n, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < count; ++i)
-      if (p[r * n + i] != 0.f) return false;
-  return true;
+    if (p[r * n] != 0.f) return true;
+  return false;
 }
 
 // acc [R, Dp] += p [R, n] v [n, D] over blocks of KB value rows, up to four query rows at a time. A slot
@@ -248,10 +247,12 @@ static void weighted_sum_simd(const float* p, const T* v, float* acc, int64_t R,
   alignas(64) float rows[KB * kMaxHeadDim];
   for (int64_t j0 = 0; j0 < n; j0 += KB) {
     const int64_t count = std::min<int64_t>(KB, n - j0);
-    if (all_zero(p + j0, n, R, count)) continue;
+    bool seen[KB], any = false;
+    for (int64_t i = 0; i < count; ++i) any |= seen[i] = seen_by_any(p + j0 + i, n, R);
+    if (!any) continue;
     widen(v + j0 * D, count, KB, D, Dp, rows);
     for (int64_t i = 0; i < count; ++i)
-      if (all_zero(p + j0 + i, n, R, 1)) std::fill(rows + i * Dp, rows + (i + 1) * Dp, 0.f);
+      if (!seen[i]) std::fill(rows + i * Dp, rows + (i + 1) * Dp, 0.f);
     for (int64_t r = 0; r < R; r += 4) block(std::min<int64_t>(4, R - r), p + r * n + j0, n, rows, count, Dp, acc + r * Dp);
   }
 }
