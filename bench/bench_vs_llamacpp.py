@@ -6,8 +6,9 @@
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
 and the shipped Q4_1 itself), cached in ~/.cache/kvlab/gguf. kvlab runs its float32 checkpoint and that
-checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32), and the
-int4 one once more with x rounded to int8 per block of 32 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics).
+checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32, its products
+taking x rounded to int16 per block of 32, the default), and the int4 one twice more: x in float32
+(KVLAB_INT4_X=float32) and x rounded to int8 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics).
 
 The cache: llama.cpp's default is F16 keys and values; kvlab's rows use the same, a float16 cache
 (`--cache_bits 16`), which its native attention reads as it is. One more row runs kvlab's float32 weights
@@ -18,7 +19,7 @@ default batches of 512; kvlab eager, as generate.py runs it). Decode: tok/s over
 first, kvlab's compiled (generate.py --compile). Without llama-cpp-python the bench says so and measures
 kvlab alone.
 
-Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x8|fp32_kv32>_<n>" and
+Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32>_<n>" and
 "prefill_fp32_<n>": {"kvlab": tok/s, "llamacpp": tok/s (null without it), "ratio"}, "cpu", "threads",
 "load", "isa", "llamacpp_int4": the GGUF of the int4 row, "same_greedy_tokens_fp32": how many leading
 greedy tokens kvlab float32 and llama.cpp F32 share, "rounds": every round's (prefill, decode) tok/s}.
@@ -52,11 +53,12 @@ from kvlab.quantize import Int4Linear, quantize_model
 HALF_CACHE = {"cache_strategy": "full", "cache_bits": 16}  # llama.cpp's default cache type, F16
 FLOAT_CACHE = {"cache_strategy": "full"}
 GGUF_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
-# kvlab's variants per group of weights: name -> (cache settings, x rounded to int8 in the int4 products)
+# kvlab's variants per group of weights: name -> (cache settings, the bits x takes in the int4 products: None for
+# the default, int16)
 GROUPS = {
-    "fp32": {"fp32": (HALF_CACHE, False), "fp32_kv32": (FLOAT_CACHE, False)},
-    "int8": {"int8": (HALF_CACHE, False)},
-    "int4": {"int4": (HALF_CACHE, False), "int4_x8": (HALF_CACHE, True)},
+    "fp32": {"fp32": (HALF_CACHE, None), "fp32_kv32": (FLOAT_CACHE, None)},
+    "int8": {"int8": (HALF_CACHE, None)},
+    "int4": {"int4": (HALF_CACHE, None), "int4_x32": (HALF_CACHE, 32), "int4_x8": (HALF_CACHE, 8)},
 }
 LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"]}  # kvlab weights -> the GGUFs it is measured against
 
@@ -171,7 +173,7 @@ def measure(args) -> tuple[Bench, dict]:
         step = compile_decode_step(torch.device("cpu"))
         model = weights_of(bench, group)
         lay_out_for_matvec(model)
-        models = {name: with_int8_x(copy.deepcopy(model)) if x8 else model for name, (_, x8) in variants.items()}
+        models = {name: with_x_bits(copy.deepcopy(model), bits) if bits else model for name, (_, bits) in variants.items()}
         llms = load_ggufs(group, max(args.prompt_lengths) + args.new_tokens + 8) if with_llamacpp else {}
         for n in args.prompt_lengths:
             ids = bench.ids[:n]
@@ -185,11 +187,12 @@ def measure(args) -> tuple[Bench, dict]:
     return bench, samples
 
 
-def with_int8_x(model: torch.nn.Module) -> torch.nn.Module:
-    """The int4 model with its products rounding x to int8 per block of 32 (what KVLAB_INT4_X=int8 builds)."""
+def with_x_bits(model: torch.nn.Module, bits: int) -> torch.nn.Module:
+    """The int4 model with its products taking x in `bits` (32: float32; 8: int8 per block of 32, what
+    KVLAB_INT4_X=float32 and int8 build)."""
     for module in model.modules():
         if isinstance(module, Int4Linear):
-            module.quantize_x = True
+            module.x_bits = bits
     return model
 
 
@@ -233,8 +236,8 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
 
 def report_lines(args, bench, results: dict) -> list[str]:
     int4 = results.get("llamacpp_int4") or "Q4_0/Q4_1"
-    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x8": int4, "fp32_kv32": "F32"}
-    weights_of = {"int4_x8": "int4, x int8", "fp32_kv32": "fp32, float32 cache"}
+    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x32": int4, "int4_x8": int4, "fp32_kv32": "F32"}
+    weights_of = {"int4": "int4, x int16", "int4_x32": "int4, x float32", "int4_x8": "int4, x int8", "fp32_kv32": "fp32, float32 cache"}
     cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",

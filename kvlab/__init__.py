@@ -5,6 +5,7 @@ layer budgets planned per prompt) -> `engine.generate`. The model is `model.py`;
 `cache.py` (evicting ones: `eviction.py`); each score, `scores.py`; the registry, `strategies.py`.
 """
 
+import hashlib
 import os
 import signal
 import sys
@@ -14,14 +15,20 @@ from pathlib import Path
 
 __version__ = "0.2.0"
 
+
 # torch.compile's graphs persist between processes, so a second run skips most of the first compile:
 # in $KVLAB_COMPILE_CACHE, else a TORCHINDUCTOR_CACHE_DIR the user set, else ~/.cache/kvlab/inductor.
-# Set on import, before torch settles on its default (a temporary directory).
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
-    os.environ.get("KVLAB_COMPILE_CACHE")
-    or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor")
-)
+# Set on import, before torch settles on its default (a temporary directory). kvlab's own directories hold
+# one folder per version of the native kernels' sources: the generated code calls their ops by their
+# schemas, and Inductor's cache key does not see a schema change.
+def _kernels_version() -> str:
+    sources = sorted((Path(__file__).parent / "kernels" / "csrc").glob("*"))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
+
+
+if "KVLAB_COMPILE_CACHE" in os.environ or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _cache_root = os.environ.get("KVLAB_COMPILE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(_cache_root) / f"kernels-{_kernels_version()}")
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:

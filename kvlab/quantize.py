@@ -183,9 +183,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x W^T + bias, W in 4-bit codes with a (scale, zero) per group of `groupsize` inputs.
 
-    `quantize_x` (KVLAB_INT4_X=int8, read at construction): the native kernel rounds x to int8 per block of
-    32 inputs and multiplies bytes, as llama.cpp's Q4 x Q8_0 products do (each input off by at most half
-    its block's step); by default x stays float32, so only float32 summation rounds."""
+    `x_bits` (KVLAB_INT4_X, read at construction): the native kernel rounds x per block of 32 inputs to
+    int16 (16, the default: each input within 2^-16 of its block's max |x|) or to int8 (8: llama.cpp's Q4 x
+    Q8_0 numerics), and multiplies integers; or keeps x in float32 (32), so only float32 summation rounds."""
 
     mode = "int4"
 
@@ -201,7 +201,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.register_buffer("offsets", None, persistent=False)  # zeros - 8 scales: kvlab's native kernel's
         self.kernel: Kernel | None = None
-        self.quantize_x = kernels.int4_quantizes_x()
+        self.x_bits = kernels.int4_x_bits()
 
     def prepare(self, kernel: Kernel | None) -> None:
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
@@ -228,7 +228,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
-            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.quantize_x)
+            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
@@ -249,7 +249,7 @@ class Int4Linear(nn.Module):
             and self.groupsize == up.groupsize
             and kernels.takes_weight(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets)
         ):
-            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize, self.quantize_x)
+            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize, self.x_bits)
         return F.silu(self(x)) * up(x)
 
 

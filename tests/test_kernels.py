@@ -145,33 +145,43 @@ def test_int8_linear_equals_the_float_product_of_its_codes(rows, k, n):
 def test_int4_linear_equals_the_product_of_its_dequantized_weights(rows, groupsize, k, n):
     """x @ w^T for 4-bit weights (K padded to whole groups) against torch's product with the weights
     dequantized. x in float32: within the rounding of the kernel's two sums (codes, offsets) of up to Kp
-    terms. x quantized per block of 32 (KVLAB_INT4_X=int8): within half a step per input on top of that, and
-    further off than summation order alone (the rounding is there)."""
+    terms. x rounded per block of 32 to int16 (the default) or int8: within half a step per input on top of
+    that; int8's rounding is further off than summation order alone, int16's differs from float32 x's."""
     g = torch.Generator().manual_seed(rows * 1000 + k + groupsize)
     x, w, b = torch.randn(rows, 1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     codes, scales, zeros = quantize_int4(w, groupsize)
     want, magnitude = int4_reference(x, codes, scales, zeros)
     atol = reordering_atol(2 * codes.shape[1], magnitude)
-    got = torch.ops.kvlab.linear_int4(x, codes, scales, zeros - 8 * scales, groupsize, b, False)
-    torch.testing.assert_close(got, want + b, rtol=0, atol=atol)
-    got = torch.ops.kvlab.linear_int4(x, codes, scales, zeros - 8 * scales, groupsize, b, True)
-    assert ((got - want - b).abs() <= int4_rounding_bound(x, codes, scales) + atol).all()
+    exact = torch.ops.kvlab.linear_int4(x, codes, scales, zeros - 8 * scales, groupsize, b, 32)
+    torch.testing.assert_close(exact, want + b, rtol=0, atol=atol)
+    for x_bits in (16, 8):
+        got = torch.ops.kvlab.linear_int4(x, codes, scales, zeros - 8 * scales, groupsize, b, x_bits)
+        assert ((got - want - b).abs() <= int4_rounding_bound(x, codes, scales, x_bits) + atol).all()
+        assert not torch.equal(got, exact)
     assert (got - want - b).abs().max() > atol
 
 
 @native
-@pytest.mark.parametrize("quantize_x", [False, True], ids=["x-float32", "x-quantized"])
-def test_int4_codes_in_the_wrong_nibble_are_caught(quantize_x):
+@pytest.mark.parametrize("x_bits", [32, 16, 8])
+def test_int4_codes_in_the_wrong_nibble_are_caught(x_bits):
     """The even column lives in the high nibble: the codes pass each mode's bound, and the same codes with
     their nibbles swapped fail it."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 576, generator=g), torch.randn(64, 576, generator=g)
     codes, scales, zeros = quantize_int4(w, 32)
     want, magnitude = int4_reference(x, codes, scales, zeros)
-    bound = reordering_atol(576, magnitude) + (int4_rounding_bound(x, codes, scales) if quantize_x else 0)
+    bound = reordering_atol(576, magnitude) + (int4_rounding_bound(x, codes, scales, x_bits) if x_bits < 32 else 0)
     swapped = (codes << 4 | codes >> 4).contiguous()
-    errors = [(torch.ops.kvlab.linear_int4(x, c, scales, zeros - 8 * scales, 32, None, quantize_x) - want).abs() for c in (codes, swapped)]
+    errors = [(torch.ops.kvlab.linear_int4(x, c, scales, zeros - 8 * scales, 32, None, x_bits) - want).abs() for c in (codes, swapped)]
     assert (errors[0] <= bound).all() and not (errors[1] <= bound).all()
+
+
+@native
+def test_int4_x_bits_outside_the_choices_is_a_one_line_error():
+    """x_bits is 32, 16 or 8; anything else is refused, naming the value."""
+    codes, scales = torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1)
+    with pytest.raises(RuntimeError, match="x_bits must be 32, 16 or 8, got 4"):
+        torch.ops.kvlab.linear_int4(torch.randn(1, 32), codes, scales, scales, 32, None, 4)
 
 
 def kvlab_linear(linear: torch.nn.Linear) -> Linear:
@@ -191,7 +201,7 @@ def gated_operands(mode: str, k: int, n: int, generator: torch.Generator) -> tup
     for module in modules:
         module.prepare(None)
         if isinstance(module, Int4Linear):
-            module.quantize_x = False  # x in float32, so the product rounds only as float32 sums do
+            module.x_bits = 32  # x in float32, so the product rounds only as float32 sums do
     return modules, k + -k % 32
 
 
@@ -234,7 +244,7 @@ def test_quantized_decode_step_matches_dequantize_then_matmul(quant, monkeypatch
     assert all(m.offsets is not None for m in model.modules() if isinstance(m, Int4Linear))
     for module in model.modules():
         if isinstance(module, Int4Linear):
-            module.quantize_x = False  # x in float32 (test_quantize checks the default, x quantized, on SmolLM2)
+            module.x_bits = 32  # x in float32 (test_quantize checks the default, x in int16, on SmolLM2)
     for module in model.modules():
         if isinstance(module, Int8Linear):
             module.prepare(None)

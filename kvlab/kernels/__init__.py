@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 8  # rows of x (batch x tokens) up to which a matrix-vector kernel beats a matrix-matrix one
-# KVLAB_INT4_X=int8: int4 products round x to int8 per block of 32 and multiply bytes, as llama.cpp's Q4 x Q8_0
-# do: faster, but on SmolLM2 top-1 agreement with float32 falls from 98% to 93% and perplexity rises 2.8%
-# (docs/results.md), so x stays float32 by default.
-INT4_X_CHOICES = ("float32", "int8")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "attention.cpp")]
+# How int4 products take x (KVLAB_INT4_X), as bits: int16 (the default) rounds x per block of 32 to within
+# 2^-16 of the block's max |x| and multiplies 16-bit integers, faster than float32 x with SmolLM2's float32
+# quality; float32 keeps x exact; int8 multiplies bytes as llama.cpp's Q4 x Q8_0 do, faster again, but on
+# SmolLM2 top-1 agreement with float32 falls from 98% to 93% and perplexity rises 2.8% (docs/results.md).
+INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "attention.cpp")]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
 REASON = "not loaded"  # why not, or which instruction set they run
@@ -97,7 +98,7 @@ def register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
     @torch.library.register_fake("kvlab::linear_int4")
-    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, quantize_x: bool = False) -> Tensor:
+    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, x_bits: int = 32) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
     @torch.library.register_fake("kvlab::attend_fp32")
@@ -113,18 +114,16 @@ def register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], q_gate.shape[0])
 
     @torch.library.register_fake("kvlab::gated_int4")
-    def _(
-        x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, groupsize: int, quantize_x: bool = False
-    ) -> Tensor:
+    def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, groupsize: int, x_bits: int = 32) -> Tensor:
         return x.new_empty(*x.shape[:-1], c_gate.shape[0])
 
 
-def int4_quantizes_x() -> bool:
-    """Whether int4 products round x to int8 (KVLAB_INT4_X=int8) rather than keep it in float32 (the default)."""
-    choice = os.environ.get("KVLAB_INT4_X", "float32")
-    if choice not in INT4_X_CHOICES:
-        raise ValueError(f"KVLAB_INT4_X must be one of {', '.join(INT4_X_CHOICES)}, got {choice!r}")
-    return choice == "int8"
+def int4_x_bits() -> int:
+    """The bits int4 products round x to (KVLAB_INT4_X: int16, the default, 16; float32 32; int8 8)."""
+    choice = os.environ.get("KVLAB_INT4_X", "int16")
+    if choice not in INT4_X_BITS:
+        raise ValueError(f"KVLAB_INT4_X must be one of {', '.join(INT4_X_BITS)}, got {choice!r}")
+    return INT4_X_BITS[choice]
 
 
 def path() -> str:

@@ -31,13 +31,14 @@ def int4_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor) -> t
     return F.linear(x, w), sum((x.abs() @ part.flatten(1).abs().T).max().item() for part in parts)
 
 
-def int4_rounding_bound(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-    """How far the int4 product with x quantized (the ops' default) may be from the float one, per output:
-    each input is rounded to its block's int8 step (max |x| / 127 over 32 inputs), so off by at most half
-    that step (and a few ulps), times the codes' part of each weight, |scale x code|; the offsets' part
-    takes x's exact sums."""
+def int4_rounding_bound(x: Tensor, codes: Tensor, scales: Tensor, x_bits: int) -> Tensor:
+    """How far the int4 product with x rounded to `x_bits` (16 or 8) may be from the float one, per output:
+    each input is rounded to its block's step (max |x| / (2^(bits - 1) - 1) over 32 inputs), so off by at
+    most half that step (and a few ulps), times the codes' part of each weight, |scale x code|; the offsets'
+    part takes x's exact sums."""
     x = F.pad(x, (0, 2 * codes.shape[1] - x.shape[-1]))
-    half_steps = (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 254 * (1 + 2.0**-20)).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    qmax = 2 ** (x_bits - 1) - 1
+    half_steps = (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / (2 * qmax) * (1 + 2.0**-20)).expand(*x.shape[:-1], -1, 32).flatten(-2)
     weights = int4_codes(codes).float().unflatten(-1, (scales.shape[1], -1)) * scales[..., None]
     return half_steps @ weights.flatten(1).abs().T
 
@@ -75,27 +76,28 @@ def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
 
 
 def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> list[str]:
-    """The int4 product and gated projection, x in float32 (to summation order) and quantized (within
-    `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
+    """The int4 product and gated projection, x in float32 (to summation order) and rounded to int16 and
+    int8 (within `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
     (codes, scales, zeros), (c_up, s_up, z_up) = quantize_int4(w, groupsize), quantize_int4(up, groupsize)
     (want, magnitude), (want_up, magnitude_up) = int4_reference(x, codes, scales, zeros), int4_reference(x, c_up, s_up, z_up)
     weights, gated = (codes, scales, zeros - 8 * scales), (codes, scales, zeros - 8 * scales, c_up, s_up, z_up - 8 * s_up)
     terms, gated_magnitude = codes.shape[1] * 2, 2.1 * max(magnitude, magnitude_up) ** 2
-    failures = mismatch(f"linear_int4 g{groupsize}", torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, False), want + b, terms, magnitude)
+    failures = mismatch(f"linear_int4 g{groupsize}", torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, 32), want + b, terms, magnitude)
     gated_want = F.silu(want) * want_up
-    failures += mismatch(f"gated_int4 g{groupsize}", torch.ops.kvlab.gated_int4(x, *gated, groupsize, False), gated_want, terms, gated_magnitude)
-    da, db = int4_rounding_bound(x, codes, scales), int4_rounding_bound(x, c_up, s_up)
-    bounds = {
-        "linear_int4": (torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, True), want + b, da + kernels.reordering_atol(terms, magnitude)),
-        "gated_int4": (
-            torch.ops.kvlab.gated_int4(x, *gated, groupsize, True),
-            gated_want,
-            1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + kernels.reordering_atol(terms, gated_magnitude),
-        ),
-    }
-    for op, (got, expected, bound) in bounds.items():
-        if ((got - expected).abs() > bound).any():
-            failures.append(f"{op} g{groupsize} x quantized {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound")
+    failures += mismatch(f"gated_int4 g{groupsize}", torch.ops.kvlab.gated_int4(x, *gated, groupsize, 32), gated_want, terms, gated_magnitude)
+    for x_bits in (16, 8):
+        da, db = int4_rounding_bound(x, codes, scales, x_bits), int4_rounding_bound(x, c_up, s_up, x_bits)
+        bounds = {
+            "linear_int4": (torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, x_bits), want + b, da + kernels.reordering_atol(terms, magnitude)),
+            "gated_int4": (
+                torch.ops.kvlab.gated_int4(x, *gated, groupsize, x_bits),
+                gated_want,
+                1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + kernels.reordering_atol(terms, gated_magnitude),
+            ),
+        }
+        for op, (got, expected, bound) in bounds.items():
+            if ((got - expected).abs() > bound).any():
+                failures.append(f"{op} g{groupsize} x int{x_bits} {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound")
     return failures
 
 
