@@ -23,6 +23,26 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
+def test_compiled_graphs_are_cached_per_version_of_the_kernels(tmp_path):
+    """kvlab's compile cache (KVLAB_COMPILE_CACHE, else its default) holds one folder per hash of the native
+    kernels' sources: a step compiled against an op's old schema is never reused after it changes. A
+    TORCHINDUCTOR_CACHE_DIR the user set is left as it is."""
+    import hashlib
+
+    sources = sorted((ROOT / "kvlab" / "kernels" / "csrc").glob("*"))
+    version = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
+    code = "import os, kvlab; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("KVLAB_COMPILE_CACHE", "TORCHINDUCTOR_CACHE_DIR")}
+    for extra, want in [
+        ({"KVLAB_COMPILE_CACHE": str(tmp_path)}, str(tmp_path / f"kernels-{version}")),
+        ({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}, str(tmp_path)),
+    ]:
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, **extra})
+        assert result.stdout.strip() == want, result.stderr
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, "HOME": str(tmp_path), "XDG_CACHE_HOME": ""})
+    assert result.stdout.strip() == str(tmp_path / ".cache" / "kvlab" / "inductor" / f"kernels-{version}"), result.stderr
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager(smollm):
     """The compiled decode step (fullgraph, static shapes) gives the same greedy tokens as eager for a
