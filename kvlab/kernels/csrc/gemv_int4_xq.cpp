@@ -72,9 +72,9 @@ static void gemv_int4_xq_rows_scalar(const QuantizedInput<T>& in, const Int4Weig
 }
 
 // The weight row `ahead` rows on, at block b, on its way to L1: its codes' line (64 bytes: 4 blocks) and,
-// every 16 blocks, its scales' and offsets' lines. The hardware prefetcher alone keeps the int4 products
-// at 14-16 GB/s from DRAM on two Zen 4 cores; 8 rows ahead, 18-19 GB/s (bench/results/vs_llamacpp_cpu.md).
-// A prefetch never faults, so rows past the weight's end are harmless.
+// every 16 blocks, its scales' and offsets' lines. Over 30 layers' products streamed from DRAM (2 Zen 4
+// cores) it took int16 x from 0.89 to 0.81 of float32 x's time in two runs, where other runs move by as much
+// (docs/results.md). A prefetch never faults, so rows past the weight's end are harmless.
 constexpr int64_t kPrefetchRows = 8;
 
 __attribute__((target("avx2,fma"))) static inline void prefetch_row(const Int4Weight& w, int64_t ahead, int64_t b, int group_shift) {
