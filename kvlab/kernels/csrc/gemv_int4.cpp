@@ -147,14 +147,19 @@ static at::Tensor int4_output(const at::Tensor& x, const at::Tensor& flat, int64
   return flat.view(shape);
 }
 
+// What both ops take: float32 x of at most Kp features, and x in 32, 16 or 8 bits.
+static void check_input(const char* op, const at::Tensor& x, int64_t Kp, int64_t x_bits) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= Kp, op, ": x must be float32 with at most ", Kp, " features");
+  TORCH_CHECK(x_bits == 32 || x_bits == 16 || x_bits == 8, op, ": x_bits must be 32, 16 or 8, got ", x_bits);
+}
+
 // y [..., N] = x [..., K] @ w^T + bias, w [N, Kp >= K] in 4-bit codes, a scale and an offset per group;
 // x kept in float32 (x_bits 32) or rounded per block of 32 to int16 or int8 (x_bits 16 or 8).
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t groupsize,
                        const c10::optional<at::Tensor>& bias, int64_t x_bits) {
   const char* op = "kvlab::linear_int4";
   const Int4Weight w = int4_weight(op, codes, scales, offsets, groupsize);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= w.Kp, op, ": x must be float32 with at most ", w.Kp, " features");
-  TORCH_CHECK(x_bits == 32 || x_bits == 16 || x_bits == 8, op, ": x_bits must be 32, 16 or 8, got ", x_bits);
+  check_input(op, x, w.Kp, x_bits);
   at::Tensor y;
   if (x_bits == 32) {
     const Int4Input in = int4_input(x, w.Kp, groupsize);
@@ -172,8 +177,7 @@ at::Tensor gated_int4(const at::Tensor& x, const at::Tensor& c_gate, const at::T
   const char* op = "kvlab::gated_int4";
   const Int4Weight gate = int4_weight(op, c_gate, s_gate, o_gate, groupsize), up = int4_weight(op, c_up, s_up, o_up, groupsize);
   TORCH_CHECK(c_gate.sizes() == c_up.sizes(), op, ": gate ", c_gate.sizes(), " and up ", c_up.sizes(), " differ");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) <= gate.Kp, op, ": x must be float32 with at most ", gate.Kp, " features");
-  TORCH_CHECK(x_bits == 32 || x_bits == 16 || x_bits == 8, op, ": x_bits must be 32, 16 or 8, got ", x_bits);
+  check_input(op, x, gate.Kp, x_bits);
   if (x_bits != 32) return gated_int4_quantized_x(op, x, gate, up, x_bits);
   const Int4Input in = int4_input(x, gate.Kp, groupsize);
   return int4_output(x, gated_matvec(op, natural_rows(in, x, gate.Kp), gate.N, gate.Kp, int4_rows(gate, in), int4_rows(up, in)), gate.N);
