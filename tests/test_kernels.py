@@ -286,8 +286,9 @@ def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: i
 )
 def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head, kv_dtype):
     """Decode attention over a cache's slots (shared or per-head positions, empty and future slots masked;
-    one or several runs of 256 slots merged; blocks of 16 and 8 keys with a tail; head_dim with an 8-lane tail,
-    padded to the SIMD paths' column blocks, or wider than they take (272: the scalar path); up to 8 query
+    one or several runs of 256 slots merged; blocks of 16 and 8 keys with a tail; head_dim 64 (four vectors a
+    step), 16 and 40 (one at a time; 40 is no whole number of AVX-512's vectors: the scalar path there), or
+    wider than the SIMD paths take (272: the scalar path); up to 8 query
     positions, so up to 8 rows per KV head in blocks of four; keys and
     values float32 or float16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
     under attention_mask over the widened keys and values, within the bound `attention_reference` derives."""
@@ -318,6 +319,14 @@ def test_an_empty_slot_holding_nan_adds_nothing(kv_dtype):
     k[..., [5, 37], :], v[..., [5, 37], :] = float("nan"), float("nan")
     got = torch.ops.kvlab.attend_fp32(q, k.to(kv_dtype), v.to(kv_dtype), key_pos, query_pos)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+@native
+def test_attention_refuses_positions_past_int32():
+    """Positions are compared as int32: a query position of 2^31 - 1 or more is a one-line error, not a wrong mask."""
+    q, k, v, key_pos, _ = attention_inputs(1, 2, 1, 1, 8, 16, False)
+    with pytest.raises(RuntimeError, match="query positions must be below 2\\^31 - 1, got 2147483647"):
+        torch.ops.kvlab.attend_fp32(q, k, v, key_pos, torch.tensor([[2**31 - 1]]))
 
 
 @native

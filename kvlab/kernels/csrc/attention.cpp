@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "matvec.h"
 
@@ -19,16 +20,6 @@ namespace kvlab {
 
 constexpr int64_t kChunk = 256;  // slots per task: a 2K cache gives 8 tasks per KV head to split over the cores
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// A key or value row's elements as float32: 8 (AVX2, F16C's conversion for float16) or 16 (AVX-512) at a time.
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-__attribute__((target("avx512f"))) static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) static inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // s[r * n + j] = scale * q_r . k_j for R query rows and n key rows of D elements.
 template <typename T>
@@ -83,199 +74,193 @@ static void weighted_sum_scalar(const float* p, const T* v, float* acc, int64_t 
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p[r * n + j] * static_cast<float>(v[j * D + d]);
 }
 
-// The SIMD paths read key and value rows in blocks (16 rows on AVX-512, 8 on AVX2), each row widened once to
-// float32 and padded with zeros to Dp columns; q and the output are padded alike (attend_chunk). Scores:
-// each query row's products with the block's keys accumulate in registers and are summed together by one
-// transpose-and-add tree. Weighted sums: up to four query rows accumulate a run of columns in registers
-// while the block's value rows stream past. A block that no query row may see is skipped.
-constexpr int64_t kMaxHeadDim = 256;  // the SIMD paths' buffers; wider heads take the scalar path
+// The SIMD paths take heads of whole vectors (D a multiple of 16 on AVX-512, of 8 on AVX2: every model's
+// head size; others take the scalar path). Scores: a task's keys in blocks of W rows (16 or 8), float16 ones
+// widened once into a float32 block (float32 ones read in place), each query row's W products accumulated in
+// registers, summed by one transpose-and-add tree and masked, each row's maximum kept per lane. Weighted
+// sums: each value row read in place and widened once while up to four query rows accumulate it. A block
+// of keys, or a value row, that no query row sees is skipped.
+constexpr int64_t kMaxHeadDim = 256;  // the widened block's columns; wider heads take the scalar path
+constexpr int32_t kNever = std::numeric_limits<int32_t>::max();  // an empty slot's position in `slot_positions`
 
-// Whether any of n slots is filled (>= 0) and no later than `last`, the latest query position.
-static bool any_visible(const int64_t* key_pos, int64_t n, int64_t last) {
+// Each slot's position as int32, as the SIMD paths compare 8 or 16 at a time: an empty slot (-1), and the
+// padding up to a whole block of 16, as kNever, so slot j is visible to a query at p exactly when out[j] <= p.
+static std::vector<int32_t> slot_positions(const int64_t* key_pos, int64_t n) {
+  std::vector<int32_t> out((n + 15) / 16 * 16, kNever);
+  for (int64_t j = 0; j < n; ++j) out[j] = key_pos[j] < 0 ? kNever : static_cast<int32_t>(std::min<int64_t>(key_pos[j], kNever));
+  return out;
+}
+
+// Whether any of n slots is visible to a query at `last`, the latest query position.
+static bool any_visible(const int32_t* slot, int64_t n, int32_t last) {
   for (int64_t j = 0; j < n; ++j)
-    if (key_pos[j] >= 0 && key_pos[j] <= last) return true;
+    if (slot[j] <= last) return true;
   return false;
 }
 
-// Lane i of the result is the sum of v[i]'s lanes: a transpose-and-add tree, three instructions per sum.
-__attribute__((target("avx2,fma"))) static inline __m256 sum_lanes8(const __m256* v) {
-  __m256 x[2];
-  for (int g = 0; g < 2; ++g) {
-    const __m256* a = v + 4 * g;
-    const __m256d u0 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1])));
-    const __m256d u1 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3])));
-    x[g] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u0, u1)), _mm256_castpd_ps(_mm256_unpackhi_pd(u0, u1)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
-}
+constexpr int64_t kPrefetchRows = 32;  // how far ahead widening asks for key rows from memory
 
-__attribute__((target("avx512f"))) static inline __m512 sum_lanes16(const __m512* v) {
-  __m512 x[4];
-  for (int g = 0; g < 4; ++g) {
-    const __m512* a = v + 4 * g;
-    const __m512d u0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1])));
-    const __m512d u1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3])));
-    x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u0, u1)), _mm512_castpd_ps(_mm512_unpackhi_pd(u0, u1)));
-  }
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-}
-
-constexpr int64_t kPrefetchRows = 32;  // how far ahead a widening pass asks for rows from memory
-
-// Asks for row i of D elements (its cache lines) kPrefetchRows rows before the widening pass reads it: a pass
-// over a long cache is bound by memory, and a task's first rows by the hardware prefetcher's warm-up.
+// Asks for row i of D elements (its cache lines) kPrefetchRows rows before widening reads it: a pass over
+// a long cache is bound by memory, and a task's first rows by the hardware prefetcher's warm-up.
 template <typename T>
 static inline void prefetch_row(const T* src, int64_t i, int64_t D) {
   const char* row = reinterpret_cast<const char*>(src + i * D);
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(row + b);
 }
 
-// `rows` of D elements as float32 rows of Dp, zero-padded; the block's unused rows up to `block` zeroed too.
+// A block of `count` key rows as W float32 rows of D, the rows past `count` zeros: a whole block of float32
+// keys in place, any other widened into `buffer`.
+#define KVLAB_KEY_BLOCK(W, STORE, LOAD)                                                   \
+  if constexpr (std::is_same_v<T, float>)                                              \
+    if (count == W) return k;                                                          \
+  for (int64_t i = 0; i < count; ++i) {                                                \
+    prefetch_row(k, i + kPrefetchRows, D);                                             \
+    for (int64_t d = 0; d < D; d += W) STORE(buffer + i * D + d, LOAD(k + i * D + d)); \
+  }                                                                                    \
+  std::fill(buffer + count * D, buffer + W * D, 0.f);                                  \
+  return buffer;
+
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) static void widen_avx2(const T* src, int64_t rows, int64_t block, int64_t D, int64_t Dp, float* dst) {
-  for (int64_t i = 0; i < rows; ++i) {
-    prefetch_row(src, i + kPrefetchRows, D);
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + i * Dp + d, load8(src + i * D + d));
-    for (; d < D; ++d) dst[i * Dp + d] = static_cast<float>(src[i * D + d]);
-    std::fill(dst + i * Dp + D, dst + (i + 1) * Dp, 0.f);
-  }
-  std::fill(dst + rows * Dp, dst + block * Dp, 0.f);
+__attribute__((target("avx2,fma,f16c"))) static const float* key_block_avx2(const T* k, int64_t count, int64_t D, float* buffer) {
+  KVLAB_KEY_BLOCK(8, _mm256_storeu_ps, load8)
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) static void widen_avx512(const T* src, int64_t rows, int64_t block, int64_t D, int64_t Dp, float* dst) {
-  for (int64_t i = 0; i < rows; ++i) {
-    prefetch_row(src, i + kPrefetchRows, D);
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + i * Dp + d, load16(src + i * D + d));
-    for (; d < D; ++d) dst[i * Dp + d] = static_cast<float>(src[i * D + d]);
-    std::fill(dst + i * Dp + D, dst + (i + 1) * Dp, 0.f);
-  }
-  std::fill(dst + rows * Dp, dst + block * Dp, 0.f);
+__attribute__((target("avx512f"))) static const float* key_block_avx512(const T* k, int64_t count, int64_t D, float* buffer) {
+  KVLAB_KEY_BLOCK(16, _mm512_storeu_ps, load16)
 }
 
-// s[r * n + j] = scale * q_r . k_j, q padded to [R, Dp] (Dp a multiple of 8).
+#undef KVLAB_KEY_BLOCK
+
+// s[r * n + j] = scale * q_r . k_j for R query rows, -inf where slot j is not visible to row r (at
+// query_pos[r]); lane_max [R, W] gets the maximum of each row's lanes.
 template <typename T>
-__attribute__((target("avx2,fma,f16c"))) static void scores_avx2(const float* q, const T* k, const int64_t* key_pos, int64_t last, float* s, int64_t R, int64_t n,
-                                                                int64_t D, int64_t Dp, float scale) {
-  alignas(32) float rows[8 * kMaxHeadDim];
+__attribute__((target("avx2,fma,f16c"))) static void scores_avx2(const float* q, const T* k, const int32_t* slot, const int64_t* query_pos, float* s,
+                                                                float* lane_max, int64_t R, int64_t n, int64_t D, float scale) {
+  alignas(32) float buffer[8 * kMaxHeadDim];
+  const int32_t last = static_cast<int32_t>(*std::max_element(query_pos, query_pos + R));
+  std::fill(lane_max, lane_max + R * 8, kNegInf);
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const int64_t count = std::min<int64_t>(8, n - j0);
-    if (!any_visible(key_pos + j0, count, last)) continue;  // every score here is masked to -inf afterwards
-    widen_avx2(k + j0 * D, count, 8, D, Dp, rows);
+    if (!any_visible(slot + j0, count, last)) {
+      for (int64_t r = 0; r < R; ++r) std::fill(s + r * n + j0, s + r * n + j0 + count, kNegInf);
+      continue;
+    }
+    const float* rows = key_block_avx2(k + j0 * D, count, D, buffer);
+    const __m256i slots = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + j0));
     for (int64_t r = 0; r < R; ++r) {
       __m256 dots[8];
-      for (int i = 0; i < 8; ++i) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < Dp; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * Dp + d), _mm256_load_ps(rows + i * Dp + d), a);
-        dots[i] = a;
+      for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + r * D + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows + i * D + d), dots[i]);
       }
+      const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpgt_epi32(slots, _mm256_set1_epi32(static_cast<int32_t>(query_pos[r]))));
+      const __m256 x = _mm256_blendv_ps(_mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)), _mm256_set1_ps(kNegInf), hidden);
       alignas(32) float out[8];
-      _mm256_store_ps(out, _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
+      _mm256_store_ps(out, x);
       std::copy(out, out + count, s + r * n + j0);
+      _mm256_storeu_ps(lane_max + r * 8, _mm256_max_ps(_mm256_loadu_ps(lane_max + r * 8), x));
     }
   }
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const T* k, const int64_t* key_pos, int64_t last, float* s, int64_t R, int64_t n,
-                                                              int64_t D, int64_t Dp, float scale) {
-  alignas(64) float rows[16 * kMaxHeadDim];
+__attribute__((target("avx512f"))) static void scores_avx512(const float* q, const T* k, const int32_t* slot, const int64_t* query_pos, float* s,
+                                                              float* lane_max, int64_t R, int64_t n, int64_t D, float scale) {
+  alignas(64) float buffer[16 * kMaxHeadDim];
+  const int32_t last = static_cast<int32_t>(*std::max_element(query_pos, query_pos + R));
+  std::fill(lane_max, lane_max + R * 16, kNegInf);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - j0);
-    if (!any_visible(key_pos + j0, count, last)) continue;  // every score here is masked to -inf afterwards
-    widen_avx512(k + j0 * D, count, 16, D, Dp, rows);
+    if (!any_visible(slot + j0, count, last)) {
+      for (int64_t r = 0; r < R; ++r) std::fill(s + r * n + j0, s + r * n + j0 + count, kNegInf);
+      continue;
+    }
+    const float* rows = key_block_avx512(k + j0 * D, count, D, buffer);
+    const __m512i slots = _mm512_loadu_si512(slot + j0);
+    const __mmask16 tail = static_cast<__mmask16>((1u << count) - 1);
     for (int64_t r = 0; r < R; ++r) {
       __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t d = 0; d < Dp; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * Dp + d), _mm512_load_ps(rows + i * Dp + d), a);
-        dots[i] = a;
+      for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + r * D + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(rows + i * D + d), dots[i]);
       }
-      _mm512_mask_storeu_ps(s + r * n + j0, static_cast<__mmask16>((1u << count) - 1), _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+      const __mmask16 seen = _mm512_cmple_epi32_mask(slots, _mm512_set1_epi32(static_cast<int32_t>(query_pos[r])));
+      const __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(kNegInf), _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));
+      _mm512_mask_storeu_ps(s + r * n + j0, tail, x);
+      _mm512_storeu_ps(lane_max + r * 16, _mm512_max_ps(_mm512_loadu_ps(lane_max + r * 16), x));
     }
   }
 }
 
-// acc[r] += sum_i p[r * n + i] rows_i for RB query rows over `count` widened value rows, CW columns at a time
-// (C vectors of W lanes) held in registers.
-#define KVLAB_WEIGHTED_BLOCK(V, C, LOAD, STORE, FMA, SET1)                                    \
-  for (int64_t d0 = 0; d0 < Dp; d0 += C * sizeof(V) / sizeof(float)) {                      \
-    constexpr int64_t W = sizeof(V) / sizeof(float);                                          \
-    V a[RB][C];                                                                               \
-    for (int r = 0; r < RB; ++r)                                                              \
-      for (int c = 0; c < C; ++c) a[r][c] = LOAD(acc + r * Dp + d0 + W * c);                  \
-    for (int64_t i = 0; i < count; ++i) {                                                     \
-      V x[C];                                                                                 \
-      for (int c = 0; c < C; ++c) x[c] = LOAD(rows + i * Dp + d0 + W * c);                    \
-      for (int r = 0; r < RB; ++r) {                                                          \
-        const V w = SET1(p[r * n + i]);                                                       \
-        for (int c = 0; c < C; ++c) a[r][c] = FMA(w, x[c], a[r][c]);                          \
-      }                                                                                       \
-    }                                                                                         \
-    for (int r = 0; r < RB; ++r)                                                              \
-      for (int c = 0; c < C; ++c) STORE(acc + r * Dp + d0 + W * c, a[r][c]);                  \
+// acc [R, D] += p [R, n] v [n, D] for RB <= 4 query rows, C vectors of W columns at a time held in registers;
+// each value row that some query row sees (seen[j]) widened once per run of columns.
+#define KVLAB_WEIGHTED_ROWS(V, W, LOAD_V, LOAD, STORE, FMA, SET1)              \
+  for (int64_t d0 = 0; d0 < D; d0 += C * W) {                                \
+    V a[RB][C];                                                              \
+    for (int r = 0; r < RB; ++r)                                             \
+      for (int c = 0; c < C; ++c) a[r][c] = LOAD(acc + r * D + d0 + W * c);  \
+    for (int64_t j = 0; j < n; ++j) {                                        \
+      if (!seen[j]) continue;                                                \
+      V x[C];                                                                \
+      for (int c = 0; c < C; ++c) x[c] = LOAD_V(v + j * D + d0 + W * c);     \
+      for (int r = 0; r < RB; ++r) {                                         \
+        const V w = SET1(p[r * n + j]);                                      \
+        for (int c = 0; c < C; ++c) a[r][c] = FMA(w, x[c], a[r][c]);         \
+      }                                                                      \
+    }                                                                        \
+    for (int r = 0; r < RB; ++r)                                             \
+      for (int c = 0; c < C; ++c) STORE(acc + r * D + d0 + W * c, a[r][c]);  \
   }
 
-template <int RB>
-__attribute__((target("avx2,fma"))) static void weighted_block_avx2(const float* p, int64_t n, const float* rows, int64_t count, int64_t Dp, float* acc) {
-  KVLAB_WEIGHTED_BLOCK(__m256, 2, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
+template <int RB, int C, typename T>
+__attribute__((target("avx2,fma,f16c"))) static void weighted_rows_avx2(const float* p, const T* v, const bool* seen, float* acc, int64_t n, int64_t D) {
+  KVLAB_WEIGHTED_ROWS(__m256, 8, load8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
 }
 
-template <int RB>
-__attribute__((target("avx512f"))) static void weighted_block_avx512(const float* p, int64_t n, const float* rows, int64_t count, int64_t Dp, float* acc) {
-  KVLAB_WEIGHTED_BLOCK(__m512, 4, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps)
+template <int RB, int C, typename T>
+__attribute__((target("avx512f"))) static void weighted_rows_avx512(const float* p, const T* v, const bool* seen, float* acc, int64_t n, int64_t D) {
+  KVLAB_WEIGHTED_ROWS(__m512, 16, load16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps)
 }
 
-#undef KVLAB_WEIGHTED_BLOCK
+#undef KVLAB_WEIGHTED_ROWS
 
-// Whether some query row's weight p[r * n], r < rows, for one slot is nonzero (the row sees the slot).
-static bool seen_by_any(const float* p, int64_t n, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r)
-    if (p[r * n] != 0.f) return true;
-  return false;
+// One call of the ISA's kernel for RB rows, C vectors at a time: four where the head has a multiple of four
+// vectors (64 or 128 columns on AVX-512), else one.
+template <int RB, typename T>
+static void weighted_rows(Isa isa, const float* p, const T* v, const bool* seen, float* acc, int64_t n, int64_t D) {
+  const bool four = D % (4 * (isa == Isa::avx512 ? 16 : 8)) == 0;
+  if (isa == Isa::avx512)
+    four ? weighted_rows_avx512<RB, 4>(p, v, seen, acc, n, D) : weighted_rows_avx512<RB, 1>(p, v, seen, acc, n, D);
+  else
+    four ? weighted_rows_avx2<RB, 4>(p, v, seen, acc, n, D) : weighted_rows_avx2<RB, 1>(p, v, seen, acc, n, D);
 }
 
-// acc [R, Dp] += p [R, n] v [n, D] over blocks of KB value rows, up to four query rows at a time. A slot
-// that no query row sees adds nothing, whatever its row holds (an empty slot's values need not be finite:
-// 0 x NaN would poison the sum), so its widened row is zeros.
-template <int KB, typename T, typename Widen, typename Block>
-static void weighted_sum_simd(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp, Widen widen, Block block) {
-  alignas(64) float rows[KB * kMaxHeadDim];
-  for (int64_t j0 = 0; j0 < n; j0 += KB) {
-    const int64_t count = std::min<int64_t>(KB, n - j0);
-    bool seen[KB], any = false;
-    for (int64_t i = 0; i < count; ++i) any |= seen[i] = seen_by_any(p + j0 + i, n, R);
-    if (!any) continue;
-    widen(v + j0 * D, count, KB, D, Dp, rows);
-    for (int64_t i = 0; i < count; ++i)
-      if (!seen[i]) std::fill(rows + i * Dp, rows + (i + 1) * Dp, 0.f);
-    for (int64_t r = 0; r < R; r += 4) block(std::min<int64_t>(4, R - r), p + r * n + j0, n, rows, count, Dp, acc + r * Dp);
+// acc [R, D] += p [R, n] v [n, D], four query rows at a time. A slot that no query row sees adds nothing,
+// whatever its row holds (an empty slot's values need not be finite: 0 x NaN would poison the sum).
+template <typename T>
+static void weighted_sum_simd(Isa isa, const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D) {
+  bool seen[kChunk];
+  for (int64_t j = 0; j < n; ++j) {
+    seen[j] = false;
+    for (int64_t r = 0; r < R && !seen[j]; ++r) seen[j] = p[r * n + j] != 0.f;
   }
-}
-
-template <typename T>
-static void weighted_sum_avx2(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp) {
-  weighted_sum_simd<8>(p, v, acc, R, n, D, Dp, widen_avx2<T>, [](int64_t rows, const float* pr, int64_t n, const float* vr, int64_t count, int64_t Dp, float* a) {
-    rows == 4 ? weighted_block_avx2<4>(pr, n, vr, count, Dp, a) : rows == 3 ? weighted_block_avx2<3>(pr, n, vr, count, Dp, a)
-    : rows == 2 ? weighted_block_avx2<2>(pr, n, vr, count, Dp, a) : weighted_block_avx2<1>(pr, n, vr, count, Dp, a);
-  });
-}
-
-template <typename T>
-static void weighted_sum_avx512(const float* p, const T* v, float* acc, int64_t R, int64_t n, int64_t D, int64_t Dp) {
-  weighted_sum_simd<16>(p, v, acc, R, n, D, Dp, widen_avx512<T>, [](int64_t rows, const float* pr, int64_t n, const float* vr, int64_t count, int64_t Dp, float* a) {
-    rows == 4 ? weighted_block_avx512<4>(pr, n, vr, count, Dp, a) : rows == 3 ? weighted_block_avx512<3>(pr, n, vr, count, Dp, a)
-    : rows == 2 ? weighted_block_avx512<2>(pr, n, vr, count, Dp, a) : weighted_block_avx512<1>(pr, n, vr, count, Dp, a);
-  });
+  for (int64_t r = 0; r < R; r += 4) {
+    const float* pr = p + r * n;
+    float* a = acc + r * D;
+    const int64_t rows = std::min<int64_t>(4, R - r);
+    rows == 4 ? weighted_rows<4>(isa, pr, v, seen, a, n, D) : rows == 3 ? weighted_rows<3>(isa, pr, v, seen, a, n, D)
+    : rows == 2 ? weighted_rows<2>(isa, pr, v, seen, a, n, D) : weighted_rows<1>(isa, pr, v, seen, a, n, D);
+  }
 }
 
 // Masks row r's scores (-inf where the slot is empty or later than query_pos[r]) and turns them into
 // e^(s - m[r]) in place, m[r] the row's maximum; l[r] = their sum (0, and every p 0, for a row that sees no slot).
-static void masked_exp(Isa isa, float* s, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n, float* m, float* l) {
+static void masked_exp_scalar(float* s, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n, float* m, float* l) {
   for (int64_t r = 0; r < R; ++r) {
     float* row = s + r * n;
     m[r] = kNegInf;
@@ -283,7 +268,18 @@ static void masked_exp(Isa isa, float* s, const int64_t* key_pos, const int64_t*
       if (key_pos[j] < 0 || key_pos[j] > query_pos[r]) row[j] = kNegInf;
       m[r] = std::max(m[r], row[j]);
     }
-    l[r] = m[r] == kNegInf ? 0.f : isa == Isa::scalar ? exp_scalar(row, n, m[r]) : exp_avx2(row, n, m[r]);
+    l[r] = m[r] == kNegInf ? 0.f : exp_scalar(row, n, m[r]);
+    if (m[r] == kNegInf) std::fill(row, row + n, 0.f);
+  }
+}
+
+// The SIMD paths' scores, masked already, as e^(s - m[r]) in place, m[r] the row's maximum (from its W lanes'),
+// l[r] their sum.
+static void exp_rows(float* s, const float* lane_max, int64_t W, int64_t R, int64_t n, float* m, float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * n;
+    m[r] = *std::max_element(lane_max + r * W, lane_max + (r + 1) * W);
+    l[r] = m[r] == kNegInf ? 0.f : exp_avx2(row, n, m[r]);
     if (m[r] == kNegInf) std::fill(row, row + n, 0.f);
   }
 }
@@ -294,27 +290,21 @@ template <typename T>
 static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const int64_t* key_pos, const int64_t* query_pos, int64_t R, int64_t n,
                          int64_t D, float scale, float* m, float* l, float* acc) {
   std::vector<float> s(R * n);
-  if (isa == Isa::scalar || D > kMaxHeadDim) {
+  const int64_t W = isa == Isa::avx512 ? 16 : 8;
+  if (isa == Isa::scalar || D > kMaxHeadDim || D % W != 0) {
     scores_scalar(q, k, s.data(), R, n, D, scale);
-    masked_exp(Isa::scalar, s.data(), key_pos, query_pos, R, n, m, l);
+    masked_exp_scalar(s.data(), key_pos, query_pos, R, n, m, l);
     weighted_sum_scalar(s.data(), v, acc, R, n, D);
     return;
   }
-  const int64_t width = isa == Isa::avx512 ? 64 : 16, Dp = (D + width - 1) / width * width;
-  std::vector<float> qp(R * Dp, 0.f), ap(R * Dp, 0.f);  // q and the output, padded to Dp columns
-  for (int64_t r = 0; r < R; ++r) std::copy(q + r * D, q + (r + 1) * D, qp.data() + r * Dp);
-  const int64_t last = *std::max_element(query_pos, query_pos + R);
+  const std::vector<int32_t> slot = slot_positions(key_pos, n);
+  std::vector<float> lane_max(R * W);
   if (isa == Isa::avx512)
-    scores_avx512(qp.data(), k, key_pos, last, s.data(), R, n, D, Dp, scale);
+    scores_avx512(q, k, slot.data(), query_pos, s.data(), lane_max.data(), R, n, D, scale);
   else
-    scores_avx2(qp.data(), k, key_pos, last, s.data(), R, n, D, Dp, scale);
-  masked_exp(isa, s.data(), key_pos, query_pos, R, n, m, l);
-  if (isa == Isa::avx512)
-    weighted_sum_avx512(s.data(), v, ap.data(), R, n, D, Dp);
-  else
-    weighted_sum_avx2(s.data(), v, ap.data(), R, n, D, Dp);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) acc[r * D + d] += ap[r * Dp + d];
+    scores_avx2(q, k, slot.data(), query_pos, s.data(), lane_max.data(), R, n, D, scale);
+  exp_rows(s.data(), lane_max.data(), W, R, n, m, l);
+  weighted_sum_simd(isa, s.data(), v, acc, R, n, D);
 }
 
 // Each row's output from its tasks' partials m, l [..., chunks, R] and acc [..., chunks, R, D]:
@@ -361,6 +351,7 @@ at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   std::vector<int64_t> row_pos(B * R);  // the position of each (sequence, row): row r is query head r / T's time r % T
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp.data_ptr<int64_t>()[b * T + r % T];
+  for (const int64_t p : row_pos) TORCH_CHECK(p < kNever, "kvlab::attend_fp32: query positions must be below 2^31 - 1, got ", p);
   const Isa isa = kernel_isa();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   auto run = [&](const auto* keys, const auto* values) {  // float or at::Half

@@ -2,6 +2,7 @@
 // has (AVX-512F, else AVX2 with FMA and F16C, else scalar C++), or KVLAB_KERNEL_ISA=scalar|avx2|avx512 where the CPU
 // has it (tests run each path on one machine); plus helpers the SIMD paths share.
 #pragma once
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -54,6 +55,41 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Float32 or float16 elements as float32 vectors: 8 (AVX2, F16C converting float16) or 16 (AVX-512) at a time.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane i of the result is the sum of v[i]'s lanes: a transpose-and-add tree, three instructions per sum.
+__attribute__((target("avx2,fma"))) inline __m256 sum_lanes8(const __m256* v) {
+  __m256 x[2];
+  for (int g = 0; g < 2; ++g) {
+    const __m256* a = v + 4 * g;
+    const __m256d u0 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1])));
+    const __m256d u1 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3])));
+    x[g] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u0, u1)), _mm256_castpd_ps(_mm256_unpackhi_pd(u0, u1)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
+__attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* v) {
+  __m512 x[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512* a = v + 4 * g;
+    const __m512d u0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1])));
+    const __m512d u1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3])));
+    x[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u0, u1)), _mm512_castpd_ps(_mm512_unpackhi_pd(u0, u1)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
 }  // namespace kvlab
