@@ -24,7 +24,7 @@ from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.eviction import PROTECTED_OPTIONS
 from kvlab.model import Transformer
-from kvlab.options import Option, fraction
+from kvlab.options import Option, fraction, switch
 from kvlab.storage import make_storage
 
 GATES_FILE = "duo_attention.json"  # beside the checkpoint it was calibrated for
@@ -70,9 +70,12 @@ def retrieval_heads(gates: Tensor, share: float) -> Tensor:
 
 
 class DuoAttentionCache(KVCache):
-    """Retrieval heads hold the whole sequence; streaming heads hold the first `global_tokens` (sinks)
-    and the newest `recent_window` tokens in a ring, in a buffer of that size: real bytes saved. Each
-    decode step lays both out as one [B, H_kv, S, D] view for attention (a transient, one layer at a time)."""
+    """Retrieval heads hold the whole sequence. Streaming heads hold the first `global_tokens` (sinks), the
+    prompt's newest `recent_window` tokens and every token after the prompt, as kvpress's DuoAttentionPress
+    masks them; with `duo_ring`, the sinks and the newest `recent_window` tokens in a ring, the oldest evicted
+    for each decoded one, in a buffer of that size (the paper's constant-size streaming heads: real bytes
+    saved). Each decode step lays both out as one [B, H_kv, S, D] view for attention (a transient, one layer at
+    a time)."""
 
     positions_per_head = True
     per_layer = True
@@ -83,6 +86,10 @@ class DuoAttentionCache(KVCache):
         *PROTECTED_OPTIONS,
         Option("duo_gates", (str,), "a path", "duo_attention: the gates file scripts/calibrate_duo.py wrote for this checkpoint (required)"),
         fraction("duo_retrieval", 0.5, "duo_attention: share of the model's KV heads, highest gates first, that keep every token"),
+        switch(
+            "duo_ring",
+            "duo_attention: streaming heads evict their oldest window token for each decoded one, so they hold sinks + window in a buffer of that size (the paper's); off, they also keep every token after the prompt, as kvpress does",
+        ),
     )
 
     def __init__(
@@ -100,6 +107,7 @@ class DuoAttentionCache(KVCache):
         recent_window: int | None = None,
         cache_bits: int | None = None,
         key_quant_axis: str | None = None,
+        duo_ring: bool = False,
     ) -> None:
         if duo_gates is None:
             raise ValueError("duo_attention needs --duo_gates FILE: calibrate the checkpoint once with: python scripts/calibrate_duo.py --checkpoint_path DIR")
@@ -113,17 +121,20 @@ class DuoAttentionCache(KVCache):
         sinks = self.default_global_tokens if global_tokens is None else global_tokens
         window = min(sinks + (self.default_recent_window if recent_window is None else recent_window), capacity)
         self.sinks = min(sinks, window - 1)
-        self.recent = window - self.sinks
+        self.recent = window - self.sinks  # the prompt's newest tokens a streaming head keeps
+        slots = window if duo_ring else capacity  # without the ring every position has its own slot
+        self.ring = slots - self.sinks
         super().__init__(batch_size, int(retrieval.sum()), capacity, head_dim, dtype, device, cache_bits, key_quant_axis)
-        self.window = make_storage((batch_size, n_kv_heads - int(retrieval.sum()), window, head_dim), dtype, device, cache_bits, key_quant_axis)
+        self.window = make_storage((batch_size, n_kv_heads - int(retrieval.sum()), slots, head_dim), dtype, device, cache_bits, key_quant_axis)
         self.register_buffer("pos", torch.full((batch_size, n_kv_heads, capacity), -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("retrieving", retrieval.nonzero()[:, 0].to(device), persistent=False)
         self.register_buffer("streaming", (~retrieval).nonzero()[:, 0].to(device), persistent=False)
         self.register_buffer("is_retrieval", retrieval[None, :, None].to(device), persistent=False)
 
     def ring_slot(self, pos: Tensor) -> Tensor:
-        """A streaming head's slot for a token: sinks keep theirs, later tokens cycle through the window."""
-        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.recent)
+        """A streaming head's slot for a token: sinks keep theirs, later tokens cycle through the slots past them
+        (with `duo_ring` the window's; else as many as the cache has, so no token is overwritten)."""
+        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.ring)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         B, H, T, D = k.shape

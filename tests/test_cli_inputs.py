@@ -136,7 +136,18 @@ PROTECTING_THE_NEWEST_ONLY = {
 # or a slot count of its own (the ClusterKV and Quest configs: 512 slots, more than this run's 9 tokens).
 WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {
     f"configs/{name}.yaml"
-    for name in ("full", "hybrid", "kvcompress", "kvcompress_full", "kvc_ada_snapkv", "duo_attention", "quantized_4bit", "clusterkv", "quest")
+    for name in (
+        "full",
+        "hybrid",
+        "kvcompress",
+        "kvcompress_full",
+        "kvc_ada_snapkv",
+        "duo_attention",
+        "duo_attention_ring",
+        "quantized_4bit",
+        "clusterkv",
+        "quest",
+    )
 }
 
 

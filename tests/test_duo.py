@@ -24,18 +24,20 @@ def gates_file(tmp_path):
 
 
 class MaskedFull(FullCache):
-    """The reference: a full cache whose streaming heads see only the sinks and the newest `recent` tokens."""
+    """The reference: a full cache whose streaming heads see only the sinks and the newest `recent` tokens before
+    each query (ring), or the prompt's newest `recent` and every token after the prompt (`prompt` tokens long)."""
 
     positions_per_head = False
 
-    def __init__(self, *args, retrieval: torch.Tensor, sinks: int, recent: int, **kwargs) -> None:
+    def __init__(self, *args, retrieval: torch.Tensor, sinks: int, recent: int, prompt: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.retrieval, self.sinks, self.recent = retrieval, sinks, recent
+        self.retrieval, self.sinks, self.recent, self.prompt = retrieval, sinks, recent, prompt
 
     def update(self, input_pos, k, v, q):
         keys, values, pos = super().update(input_pos, k, v, q)
         per_head = pos[:, None, :].expand(k.shape[0], k.shape[1], -1)
-        visible = (per_head < self.sinks) | (per_head > input_pos[:, :, None] - self.recent) | self.retrieval[None, :, None]
+        newest = input_pos[:, :, None] if self.prompt is None else self.prompt - 1
+        visible = (per_head < self.sinks) | (per_head > newest - self.recent) | self.retrieval[None, :, None]
         return keys, values, torch.where(visible, per_head, -1)
 
 
@@ -47,27 +49,36 @@ def teacher_forced_logits(model, caches, tokens: list[int], prompt: int) -> torc
         return torch.stack([model(torch.tensor([[tokens[p]]]), torch.tensor([[p]]))[0, -1] for p in range(prompt, len(tokens))])
 
 
-def test_retrieval_heads_keep_everything_and_streaming_heads_sinks_and_window(tiny_model, gates_file):
+@pytest.mark.parametrize("ring", [False, True])
+def test_retrieval_heads_keep_everything_and_streaming_heads_sinks_and_window(tiny_model, gates_file, ring):
+    """Against a full cache masked per head, 28 tokens decoded after a 12-token prompt: streaming heads keep 2 sinks
+    and the prompt's newest 5 tokens plus all 28 after it (kvpress's rule), or with duo_ring the newest 5 of all 40
+    in a buffer of 2 + 5 slots."""
     tokens = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     a = tiny_model.config
-    duo = make_caches("duo_attention", a.n_layer, 1, a.n_local_heads, 48, a.head_dim, torch.float32, duo_gates=gates_file, global_tokens=2, recent_window=5)
+    settings = dict(duo_gates=gates_file, global_tokens=2, recent_window=5, duo_ring=ring)
+    duo = make_caches("duo_attention", a.n_layer, 1, a.n_local_heads, 48, a.head_dim, torch.float32, **settings)
     reference = [
-        MaskedFull(1, a.n_local_heads, 48, a.head_dim, torch.float32, retrieval=retrieval_heads(GATES, 0.5)[layer], sinks=2, recent=5)
+        MaskedFull(
+            1, a.n_local_heads, 48, a.head_dim, torch.float32, retrieval=retrieval_heads(GATES, 0.5)[layer], sinks=2, recent=5, prompt=None if ring else 12
+        )
         for layer in range(a.n_layer)
     ]
     torch.testing.assert_close(
         teacher_forced_logits(tiny_model, duo, tokens, 12), teacher_forced_logits(tiny_model, reference, tokens, 12), atol=1e-5, rtol=1e-5
     )
+    streamed = [0, 1, 35, 36, 37, 38, 39] if ring else [0, 1, *range(7, 40)]
     for layer, cache in enumerate(duo):
         for head in range(a.n_local_heads):
             held = sorted(set(cache.pos[0, head].tolist()) - {-1})
-            assert held == (list(range(40)) if GATES[layer, head] > 0.5 else [0, 1, 35, 36, 37, 38, 39])
-    assert duo[0].nbytes() == 2 * 4 * a.head_dim * (48 + 7)  # K and V, float32: one head of 48 slots, one of 2 + 5
+            assert held == (list(range(40)) if GATES[layer, head] > 0.5 else streamed)
+    assert duo[0].nbytes() == 2 * 4 * a.head_dim * (48 + (7 if ring else 48))  # K and V, float32: one head of 48 slots, the other 2 + 5 or 48
 
 
-def test_compiled_decode_equals_eager_and_batch_equals_alone(tiny_model, gates_file):
+@pytest.mark.parametrize("ring", [False, True])
+def test_compiled_decode_equals_eager_and_batch_equals_alone(tiny_model, gates_file, ring):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
-    spec = spec_for(tiny_model, "duo_attention", 1.0, duo_gates=gates_file, global_tokens=2, recent_window=3)
+    spec = spec_for(tiny_model, "duo_attention", 1.0, duo_gates=gates_file, global_tokens=2, recent_window=3, duo_ring=ring)
     eager = generate(tiny_model, prompts, 24, spec).tokens
     assert eager == [generate(tiny_model, [p], 24, spec, max_seq_length=36).tokens[0] for p in prompts]
     torch._dynamo.reset()
