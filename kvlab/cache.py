@@ -42,7 +42,11 @@ from kvlab.storage import KEY_PRUNING_OPTIONS, STORAGE_OPTIONS, make_storage
 
 
 class KVCache(nn.Module):
-    """The interface, and the capabilities the engine branches on (declared here, never duck-typed)."""
+    """The interface, and the capabilities the engine branches on (declared here, never duck-typed).
+
+    Methods a compiled decode step runs (update, observe, a storage's write and read) call a base class's
+    method by name, not through super(): for super() Dynamo guards the type's __mro__, and that guard keeps
+    the step's whole guard tree from being skipped by dict tags (after a step, 0.9-1.1 -> 0.5 ms of checks)."""
 
     needs_attention: bool = False  # observe() gets each step's attention probabilities (the slower explicit-softmax path)
     needs_tokens: bool = False  # prefill/update get the token ids as `tokens=`, and the cache the tokenizer's `token_classes`

@@ -105,7 +105,7 @@ class HybridCache(AttentionScoredCache):
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         self._expire(input_pos[:, :, None])
-        keys, values, pos = super().update(input_pos, k, v, q)
+        keys, values, pos = AttentionScoredCache.update(self, input_pos, k, v, q)  # by name, not super(): see KVCache
         slot = (pos == input_pos[:, :, None]).to(torch.uint8).argmax(dim=-1, keepdim=True)
         self.token_class.scatter_(2, slot, self._classes(tokens).expand_as(slot))
         return keys, values, pos

@@ -106,7 +106,7 @@ class HalfKVStorage(KVStorage):
         self.dtype = dtype
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
-        super().write(slots, k.half(), v.half(), prompt)
+        KVStorage.write(self, slots, k.half(), v.half(), prompt)  # by name, not super(): see KVCache
 
     def read(self) -> tuple[Tensor, Tensor]:
         return self.k.to(self.dtype), self.v.to(self.dtype)

@@ -192,7 +192,7 @@ class ExpectedAttentionCache(EvictionCache):
         return scores if norms is None else value_weighted(scores, norms, self.value_epsilon)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        keys, values, pos = super().update(input_pos, k, v, q)
+        keys, values, pos = EvictionCache.update(self, input_pos, k, v, q)  # by name, not super(): see KVCache
         incoming = self._expected_attention(self._repeat(k), self._repeat(v))  # [B, H_kv, 1]
         self.scores.copy_(torch.where(pos == input_pos[:, :, None], incoming, self.scores))
         return keys, values, pos
