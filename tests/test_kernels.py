@@ -103,7 +103,12 @@ def test_compiled_graph_keeps_the_native_op_and_equals_eager():
         graphs.append([node.target for node in gm.graph.nodes])
         return gm
 
-    int8, int4 = (quantize_model(make_tiny_model(), q).layers[0].feed_forward for q in (Quantization("int8"), Quantization("int4", 32)))
+    int8, int4, int4_x8 = (
+        quantize_model(make_tiny_model(), q).layers[0].feed_forward for q in (Quantization("int8"), Quantization("int4", 32), Quantization("int4", 32))
+    )
+    for module in int4_x8.modules():
+        if isinstance(module, Int4Linear):
+            module.x_bits = 8  # the plain layout's ops; int16 x (the default) takes the tiled ones
     gate, up = torch.nn.Linear(32, 20, bias=False), torch.nn.Linear(32, 20, bias=False)
 
     q, k, v, key_pos, query_pos = attention_inputs(3, 4, 2, 1, 40, 8, False)
@@ -111,13 +116,25 @@ def test_compiled_graph_keeps_the_native_op_and_equals_eager():
     def step(x):
         h = kernels.linear(x, linear.weight, linear.bias)[..., :32]
         h = h + torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos).reshape(3, 1, 32)
-        return int8.w1(h).relu() + int4.w1(h) + int8.w1.gated(int8.w3, h) + int4.w1.gated(int4.w3, h) + kernels.gated(h, gate.weight, up.weight)[..., :1]
+        int4_products = int4.w1(h) + int4.w1.gated(int4.w3, h) + int4_x8.w1(h) + int4_x8.w1.gated(int4_x8.w3, h)
+        return int8.w1(h).relu() + int8.w1.gated(int8.w3, h) + int4_products + kernels.gated(h, gate.weight, up.weight)[..., :1]
 
     with torch.no_grad():
         torch._dynamo.reset()
         torch.compile(step, backend=record, fullgraph=True)(x)
         ops = [
-            getattr(torch.ops.kvlab, name) for name in ("linear_fp32", "linear_int8", "linear_int4", "gated_fp32", "gated_int8", "gated_int4", "attend_fp32")
+            getattr(torch.ops.kvlab, name)
+            for name in (
+                "linear_fp32",
+                "linear_int8",
+                "linear_int4",
+                "linear_int4_tiled",
+                "gated_fp32",
+                "gated_int8",
+                "gated_int4",
+                "gated_int4_tiled",
+                "attend_fp32",
+            )
         ]
         assert set(ops) <= set(graphs[0])  # Dynamo records the op packets
         torch._dynamo.reset()

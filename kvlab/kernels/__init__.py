@@ -8,7 +8,8 @@ is active and checks it against torch.
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
 call for both) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
-int8 and int4 Linears call their ops where `takes_weight`. The native ops run a CPU float32 decode step
+int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
+layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp). The native ops run a CPU float32 decode step
 of at most MAX_ROWS rows; torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
 """
 
@@ -30,7 +31,11 @@ MAX_ROWS = 8  # rows of x (batch x tokens) up to which a matrix-vector kernel be
 # bytes as llama.cpp's Q4 x Q8_0 do, faster again, but on SmolLM2 top-1 agreement with float32 falls from
 # 98% to 93% and perplexity rises 1.6% (docs/results.md).
 INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "attention.cpp")]
+INT4_TILE = 16  # weight rows per tile of the int16-x products' layout (csrc/gemv_int4_tiled.cpp)
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "attention.cpp")
+]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
 REASON = "not loaded"  # why not, or which instruction set they run
@@ -102,6 +107,18 @@ def register_fakes() -> None:
     def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, x_bits: int = 32) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
+    @torch.library.register_fake("kvlab::int4_tile")
+    def _(codes: Tensor) -> Tensor:
+        return codes.new_empty(-(-codes.shape[0] // 16), codes.shape[1] * 16)
+
+    @torch.library.register_fake("kvlab::linear_int4_tiled")
+    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, n: int, groupsize: int, bias: Tensor | None) -> Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("kvlab::gated_int4_tiled")
+    def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, n: int, groupsize: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
     @torch.library.register_fake("kvlab::attend_fp32")
     def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -125,6 +142,14 @@ def int4_x_bits() -> int:
     if choice not in INT4_X_BITS:
         raise ValueError(f"KVLAB_INT4_X must be one of {', '.join(INT4_X_BITS)}, got {choice!r}")
     return INT4_X_BITS[choice]
+
+
+def tile_rows(t: Tensor) -> Tensor:
+    """Per-row values [N, G] of an int4 weight as kvlab::int4_tile's tiles take them: [ceil(N / 16), G, 16],
+    rows past N zero."""
+    n, g = t.shape
+    tiles = -(-n // INT4_TILE)
+    return F.pad(t, (0, 0, 0, tiles * INT4_TILE - n)).view(tiles, INT4_TILE, g).transpose(1, 2).contiguous()
 
 
 def path() -> str:

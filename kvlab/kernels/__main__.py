@@ -95,6 +95,11 @@ def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> l
                 1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + kernels.reordering_atol(terms, gated_magnitude),
             ),
         }
+        if x_bits == 16:  # the tiled layout's ops take x in int16 only
+            n = codes.shape[0]
+            tiled = [(torch.ops.kvlab.int4_tile(c), kernels.tile_rows(s), kernels.tile_rows(o)) for c, s, o in (weights, gated[3:])]
+            bounds["linear_int4_tiled"] = (torch.ops.kvlab.linear_int4_tiled(x, *tiled[0], n, groupsize, b), *bounds["linear_int4"][1:])
+            bounds["gated_int4_tiled"] = (torch.ops.kvlab.gated_int4_tiled(x, *tiled[0], *tiled[1], n, groupsize), *bounds["gated_int4"][1:])
         for op, (got, expected, bound) in bounds.items():
             if ((got - expected).abs() > bound).any():
                 failures.append(f"{op} g{groupsize} x int{x_bits} {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound")

@@ -1,6 +1,7 @@
 // int4 products with x rounded per block of 32 inputs (int4.h has the layout), two widths:
 //
-// - int16 (kvlab's default, KVLAB_INT4_X=int16): each input within 2^-16 of its block's max |x|, about
+// - int16 (KVLAB_INT4_X=int16, the default; a Linear prepared with it reads the tiled layout instead,
+//   gemv_int4_tiled.cpp, the same integer sums): each input within 2^-16 of its block's max |x|, about
 //   float32's accuracy for these weights (quantized to 4 bits). A block's 16 bytes of codes are widened
 //   once to 16-bit lanes (low nibble: odd columns, high: even), multiplied with x's int16 codes and
 //   summed in pairs in int32 (vpmaddwd), converted and scaled: no 512-bit shuffles, the same instructions
@@ -10,48 +11,9 @@
 //   input off by at most half its block's step (max |x| / 127).
 //
 // Either way each block's integer sum is exact, so the rounding is x's, then float32 summation's.
-#include <limits>
-
 #include "int4.h"
 
 namespace kvlab {
-
-// x [M, K] rounded: per block of 32 inputs, codes q = round(x / step) with step = max |x| / qmax (0 for a
-// block of zeros), stored odd inputs first, then even ones (the order a block's 16 bytes of weight codes
-// unpack in: low nibbles, then high); and x's exact sums per weight group.
-template <typename T>
-struct QuantizedInput {
-  std::vector<T> codes;           // [M, Kp]
-  std::vector<float> steps;       // [M, Kp / 32]
-  std::vector<float> group_sums;  // [M, G]
-};
-
-// v rounded to the nearest integer, ties to even (std::nearbyint in the default rounding mode), inline:
-// SSE's conversion, where nearbyint is a library call without SSE4.1, a few microseconds per call's x.
-static inline int round_to_int(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
-
-template <typename T>
-static QuantizedInput<T> quantize_input(const at::Tensor& x, int64_t Kp, int64_t groupsize) {
-  constexpr float qmax = std::numeric_limits<T>::max();
-  const at::Tensor xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t K = x.size(-1), M = xc.numel() / K, blocks = Kp / 32, G = Kp / groupsize;
-  QuantizedInput<T> in{std::vector<T>(M * Kp), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[32], amax = 0.f;
-      float& group_sum = in.group_sums[m * G + b * 32 / groupsize];  // a group is whole blocks
-      for (int64_t i = 0; i < 32; ++i) {
-        v[i] = b * 32 + i < K ? xp[m * K + b * 32 + i] : 0.f;
-        amax = std::max(amax, std::fabs(v[i]));
-        group_sum += v[i];
-      }
-      const float inverse = amax > 0.f ? qmax / amax : 0.f;
-      in.steps[m * blocks + b] = amax / qmax;
-      for (int64_t i = 0; i < 32; ++i) in.codes[m * Kp + b * 32 + (i % 2 == 1 ? i / 2 : 16 + i / 2)] = static_cast<T>(round_to_int(v[i] * inverse));
-    }
-  return in;
-}
 
 // The reference: each block's products summed in int32, scaled by the weight's scale and the block's step.
 template <typename T>
@@ -203,13 +165,13 @@ static auto quantized_x_rows(const Int4Weight& w, const QuantizedInput<T>& in) {
 
 template <typename T>
 static at::Tensor linear_quantized(const char* op, const at::Tensor& x, const Int4Weight& w) {
-  const QuantizedInput<T> in = quantize_input<T>(x, w.Kp, w.groupsize);
+  const QuantizedInput<T> in = quantize_input<T>(x, w.Kp, w.groupsize, true);
   return matvec(op, x, w.N, x.size(-1), quantized_x_rows(w, in));
 }
 
 template <typename T>
 static at::Tensor gated_quantized(const char* op, const at::Tensor& x, const Int4Weight& gate, const Int4Weight& up) {
-  const QuantizedInput<T> in = quantize_input<T>(x, gate.Kp, gate.groupsize);
+  const QuantizedInput<T> in = quantize_input<T>(x, gate.Kp, gate.groupsize, true);
   return gated_matvec(op, x, gate.N, x.size(-1), quantized_x_rows(gate, in), quantized_x_rows(up, in));
 }
 
