@@ -10,12 +10,14 @@ kvlab's side is an eval.py sweep (`<out_dir>/kvlab/`); kvpress's side runs each 
 (the context prefilled under the press, then the question and a greedy answer through the compressed cache) on the
 model transformers loads from the same GGUF file, and appends one record per example under `<out_dir>/kvpress/`.
 Both resume. The report (`--report PATH.md`, and a .json beside it) counts, for each method, protocol and ratio,
-the examples, how many answers are the same text, and the mean score on each side.
+the examples, how many answers are the same text, and the mean score on each side; with `--margins`, each
+example whose text parts also gets where it parts and kvpress's logit margin there (`splits` in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -166,33 +168,78 @@ def hf_model(cache_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def press_answer(model: Any, press: Any, context: list[int], question: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
-    """kvpress's pipeline on token ids: the context prefilled under the press, then the question at its own
-    positions and a greedy answer through the compressed cache (KVPressTextGenerationPipeline._forward)."""
+def prefilled(model: Any, press: Any, context: list[int]) -> Any:
+    """The context prefilled under the press (none: the full cache), as kvpress's pipeline does: its DynamicCache."""
     import contextlib
 
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    with torch.inference_mode(), press(model) if press is not None else contextlib.nullcontext():
+        model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+    return cache
+
+
+def fed(model: Any, cache: Any, start: int, ids: list[int]) -> Any:
+    """`ids` at positions from `start` through the cache; the last one's logits. Layers of different lengths
+    (PyramidKV) get one mask from transformers, sized for the first (transformers #35168): they go token by
+    token then, which is the same causal attention."""
+    import torch
+
+    step = len(ids) if len({cache.get_seq_length(layer) for layer in range(len(cache.layers))}) == 1 else 1
     with torch.inference_mode():
-        with press(model) if press is not None else contextlib.nullcontext():
-            model.model(input_ids=torch.tensor([context]), past_key_values=cache)
-        lengths = {cache.get_seq_length(layer) for layer in range(len(cache.layers))}
-        # Layers of different lengths (PyramidKV) get one mask from transformers, sized for the first (transformers
-        # #35168): the question then goes token by token, which is the same causal attention.
-        step = len(question) if len(lengths) == 1 else 1
-        for start in range(0, len(question), step):
-            positions = torch.arange(len(context) + start, len(context) + start + step)[None]
-            ids = torch.tensor([question[start : start + step]])
-            logits = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
-        answer = [int(logits[0, -1].argmax())]
-        position = len(context) + len(question)
-        while len(answer) < max_new_tokens and answer[-1] not in stop_ids:
-            logits = model(input_ids=torch.tensor([[answer[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]])).logits
-            answer.append(int(logits[0, -1].argmax()))
-            position += 1
+        for offset in range(0, len(ids), step):
+            positions = torch.arange(start + offset, start + offset + step)[None]
+            logits = model(input_ids=torch.tensor([ids[offset : offset + step]]), past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+    return logits[0, -1].float()
+
+
+def press_answer(model: Any, press: Any, context: list[int], question: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """kvpress's pipeline on token ids: the context prefilled under the press, then the question at its own
+    positions and a greedy answer through the compressed cache (KVPressTextGenerationPipeline._forward)."""
+    cache = prefilled(model, press, context)
+    answer = [int(fed(model, cache, len(context), question).argmax())]
+    while len(answer) < max_new_tokens and answer[-1] not in stop_ids:
+        answer.append(int(fed(model, cache, len(context) + len(question) + len(answer) - 1, answer[-1:]).argmax()))
     return answer
+
+
+def first_split(text: str, ids: list[int], decode: Callable[[list[int]], str]) -> int:
+    """How many of kvpress's answer tokens `ids` kvlab's answer `text` starts with: where the two part."""
+    return next(j for j in range(len(ids) + 1) if j == len(ids) or not text.startswith(decode(ids[: j + 1])))
+
+
+def split_margin(model: Any, press: Callable[[], Any], example: Any, split: int, kvlab_text: str, tokenizer: Any) -> dict[str, Any]:
+    """Where kvlab's answer parts from kvpress's on one example: the answer token, and kvpress's logit margin
+    there between its own token and kvlab's (with kvlab's token's rank among kvpress's logits)."""
+    context, question = example.input_ids[:split], example.input_ids[split:]
+    ids = press_answer(model, press(), context, question, example.max_new_tokens, tokenizer.stop_ids)
+    j = first_split(kvlab_text, ids, tokenizer.decode)
+    rest = kvlab_text[len(tokenizer.decode(ids[:j])) :]
+    ours = tokenizer.encode(rest)[0] if rest else tokenizer.stop_ids[0]
+    logits = fed(model, prefilled(model, press(), context), len(context), question + ids[:j])
+    margin = (logits.max() - logits[ours]).item()
+    return {"id": example.id, "token": j, "margin": round(margin, 4), "rank": int((logits > logits[ours]).sum()) + 1}
+
+
+def split_margins(args: argparse.Namespace, table: dict[str, Any]) -> None:
+    """Each cell's examples whose texts part get `splits`: split_margin of each (kvpress rerun on them)."""
+    from kvlab.checkpoint import load_checkpoint
+    from kvlab.convert import default_checkpoint
+
+    _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
+    model, factories = hf_model(args.out_dir / "hf_model"), press_factories()
+    examples = {e.id: e for t in resolve_tasks(args.tasks) for e in t.examples(tokenizer, args.num_samples, 0, args.context_length, True)}
+    for method, protocols in table.items():
+        for protocol, cells in protocols.items():
+            for ratio, cell in cells.items():
+                pairs = paired_records(args.out_dir, method, PROTOCOLS[protocol], float(ratio))
+                press = functools.partial(factories[method], float(ratio)) if factories[method] is not None else None
+                parting = [(examples[b["id"]], a["prediction"]) for a, b in pairs if a["prediction"] != b["prediction"] and press is not None]
+                cell["splits"] = [
+                    split_margin(model, press, e, e.question_start if PROTOCOLS[protocol] else len(e.input_ids) - 1, text, tokenizer) for e, text in parting
+                ]
 
 
 def same_ids_share(hf_tokenizer: Any, examples: list[Any]) -> tuple[int, int]:
@@ -237,8 +284,8 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
     return {"same_token_ids": same, "prompts": total}
 
 
-def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[str, Any] | None:
-    """Examples both sides finished: how many answers are the same text, and each side's mean score (0-100)."""
+def paired_records(out_dir: Path, method: str, agnostic: bool, ratio: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(kvlab's record, kvpress's record) of every example both sides finished in one cell."""
     pairs = []
     (their_dir, run), (our_dir, _) = run_of(out_dir / "kvpress", method, agnostic, ratio), run_of(out_dir / "kvlab", method, agnostic, ratio)
     ours_by_job = read_config_records(our_dir)
@@ -246,6 +293,12 @@ def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[st
         if their_run == run:
             ours = ours_by_job.get((run, job), {})
             pairs += [(ours[i], theirs[i]) for i in sorted(set(ours) & set(theirs))]
+    return pairs
+
+
+def compare(out_dir: Path, method: str, agnostic: bool, ratio: float) -> dict[str, Any] | None:
+    """Examples both sides finished: how many answers are the same text, and each side's mean score (0-100)."""
+    pairs = paired_records(out_dir, method, agnostic, ratio)
     if not pairs:
         return None
     return {
@@ -288,10 +341,22 @@ def markdown(table: dict[str, Any], ids: dict[str, int], args: argparse.Namespac
         "| method | protocol | ratio | examples | same text | kvlab | kvpress |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
+    splits = []
     for method, protocols in table.items():
         for protocol, ratios in protocols.items():
             for ratio, r in ratios.items():
                 lines.append(f"| {method} | {protocol} | {ratio} | {r['examples']} | {r['same_text']} | {r['kvlab']:.1f} | {r['kvpress']:.1f} |")
+                splits += [f"| {method} | {protocol} | {ratio} | {x['id']} | {x['token']} | {x['margin']:.4f} | {x['rank']} |" for x in r.get("splits", [])]
+    if splits:
+        lines += [
+            "",
+            "Where the texts part (`--margins`): the answer token, and kvpress's logit margin there between its own token and kvlab's, "
+            "with the rank of kvlab's token among kvpress's logits (kvpress rerun with the common prefix forced).",
+            "",
+            "| method | protocol | ratio | example | answer token | margin | kvlab's token's rank |",
+            "|---|---|---:|---|---:|---:|---:|",
+            *splits,
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -309,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_samples", type=int, default=2, help="examples per task (default: 2)")
     parser.add_argument("--context_length", type=int, default=1024, help="RULER context length in tokens (default: 1024)")
     parser.add_argument("--report", type=Path, default=Path("docs/parity.md"), help="the table, and a .json beside it (default: docs/parity.md)")
+    parser.add_argument(
+        "--margins", action="store_true", help="also rerun kvpress on each example whose text parts, for its logit margin where the answers part"
+    )
     return parser
 
 
@@ -319,6 +387,8 @@ def run(args: argparse.Namespace) -> None:
     kvlab_side(args)
     ids = kvpress_side(args)
     table = parity_table(args.out_dir)
+    if args.margins:
+        split_margins(args, table)
     args.report.write_text(markdown(table, ids, args))
     args.report.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {args.report} and {args.report.with_suffix('.json')}")

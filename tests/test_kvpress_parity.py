@@ -50,6 +50,22 @@ def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_fi
     assert str(config_dir).endswith("SmolLM2-135M-Instruct/full") and run == "full"  # one full-cache run for every cell
 
 
+def test_first_split_is_the_answer_token_where_kvlabs_text_leaves_kvpresss_tokens():
+    decode = lambda ids: "".join(" ab"[i] for i in ids)  # noqa: E731  token 1 is "a", 2 is "b"
+    assert parity.first_split("aab", [1, 1, 2], decode) == 3  # the same answer: past its last token
+    assert parity.first_split("aba", [1, 1, 2], decode) == 1
+    assert parity.first_split("b", [1, 1, 2], decode) == 0
+    assert parity.first_split("aa", [1, 1, 2], decode) == 2  # kvlab stopped where kvpress went on
+
+
+def test_the_report_lists_where_the_texts_part_when_margins_were_measured():
+    table = {"kvzip": {"query_agnostic": {"0.875": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 50.0}}}}
+    args = argparse.Namespace(tasks=["ruler"], context_length=1024, num_samples=2)
+    assert "margin" not in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
+    table["kvzip"]["query_agnostic"]["0.875"]["splits"] = [{"id": "vt/1024/1", "token": 13, "margin": 0.0137, "rank": 2}]
+    assert "| kvzip | query_agnostic | 0.875 | vt/1024/1 | 13 | 0.0137 | 2 |" in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
+
+
 def test_duo_attention_runs_its_shipped_config_with_that_share_of_heads_streaming(tmp_path):
     config = yaml.safe_load(parity.duo_config(tmp_path, 0.875).read_text())
     assert config == {**load_cache_config("duo_attention"), "duo_retrieval": 0.125}
