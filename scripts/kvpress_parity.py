@@ -182,9 +182,8 @@ def prefilled(model: Any, press: Any, context: list[int]) -> Any:
 
 
 def fed(model: Any, cache: Any, start: int, ids: list[int]) -> Any:
-    """`ids` at positions from `start` through the cache; the last one's logits. Layers of different lengths
-    (PyramidKV) get one mask from transformers, sized for the first (transformers #35168): they go token by
-    token then, which is the same causal attention."""
+    """`ids` at positions from `start` through the cache; the last one's logits. Layers of different lengths (PyramidKV)
+    go token by token, the same causal attention: transformers sizes one mask for all from the first (#35168)."""
     import torch
 
     step = len(ids) if len({cache.get_seq_length(layer) for layer in range(len(cache.layers))}) == 1 else 1
@@ -211,8 +210,8 @@ def first_split(text: str, ids: list[int], decode: Callable[[list[int]], str]) -
 
 
 def split_margin(model: Any, press: Callable[[], Any], example: Any, split: int, kvlab_text: str, tokenizer: Any) -> dict[str, Any]:
-    """Where kvlab's answer parts from kvpress's on one example: the answer token, and kvpress's logit margin
-    there between its own token and kvlab's (with kvlab's token's rank among kvpress's logits)."""
+    """Where kvlab's answer parts from kvpress's on one example: the answer token, kvpress's logit margin there between
+    its own token and kvlab's, and kvlab's token's rank among kvpress's logits."""
     context, question = example.input_ids[:split], example.input_ids[split:]
     ids = press_answer(model, press(), context, question, example.max_new_tokens, tokenizer.stop_ids)
     j = first_split(kvlab_text, ids, tokenizer.decode)
@@ -224,14 +223,10 @@ def split_margin(model: Any, press: Callable[[], Any], example: Any, split: int,
 
 
 def split_margins(args: argparse.Namespace, table: dict[str, Any]) -> None:
-    """Each cell's examples whose texts part get `splits`: split_margin of each (kvpress rerun on them)."""
-    from kvlab.checkpoint import load_checkpoint
-    from kvlab.convert import default_checkpoint
-
-    _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
-    model, factories = hf_model(args.out_dir / "hf_model"), press_factories()
-    examples = {e.id: e for t in resolve_tasks(args.tasks) for e in t.examples(tokenizer, args.num_samples, 0, args.context_length, True)}
-    for method, protocols in table.items():
+    """Each cell of --methods gets `splits`: split_margin of each example whose texts part (kvpress rerun on it)."""
+    tokenizer, model, factories, by_task = kvpress_inputs(args)
+    examples = {e.id: e for task_examples in by_task.values() for e in task_examples}
+    for method, protocols in ((m, p) for m, p in table.items() if m in args.methods):
         for protocol, cells in protocols.items():
             for ratio, cell in cells.items():
                 pairs = paired_records(args.out_dir, method, PROTOCOLS[protocol], float(ratio))
@@ -248,19 +243,24 @@ def same_ids_share(hf_tokenizer: Any, examples: list[Any]) -> tuple[int, int]:
     return same, len(examples)
 
 
+def kvpress_inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], dict[str, list[Any]]]:
+    """kvlab's tokenizer, transformers' model, the press factories and kvlab's examples of each task."""
+    from kvlab.checkpoint import load_checkpoint
+    from kvlab.convert import default_checkpoint
+
+    _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
+    examples = {t.name: t.examples(tokenizer, args.num_samples, 0, args.context_length, True) for t in resolve_tasks(args.tasks)}
+    return tokenizer, hf_model(args.out_dir / "hf_model"), press_factories(), examples
+
+
 def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
     """Every press on every example missing from its records; returns the token-id check."""
     from transformers import AutoTokenizer
 
-    from kvlab.checkpoint import load_checkpoint
-    from kvlab.convert import default_checkpoint
     from kvlab.engine import cut_at_stop
 
-    _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
-    model = hf_model(args.out_dir / "hf_model")
-    factories = press_factories()
+    tokenizer, model, factories, examples = kvpress_inputs(args)
     tasks = resolve_tasks(args.tasks)
-    examples = {t.name: t.examples(tokenizer, args.num_samples, 0, args.context_length, True) for t in tasks}
     same, total = same_ids_share(AutoTokenizer.from_pretrained(args.out_dir / "hf_model"), [e for v in examples.values() for e in v])
     for method in args.methods:
         for protocol in args.protocols if method != "full" else ["query_aware"]:
@@ -347,16 +347,9 @@ def markdown(table: dict[str, Any], ids: dict[str, int], args: argparse.Namespac
             for ratio, r in ratios.items():
                 lines.append(f"| {method} | {protocol} | {ratio} | {r['examples']} | {r['same_text']} | {r['kvlab']:.1f} | {r['kvpress']:.1f} |")
                 splits += [f"| {method} | {protocol} | {ratio} | {x['id']} | {x['token']} | {x['margin']:.4f} | {x['rank']} |" for x in r.get("splits", [])]
-    if splits:
-        lines += [
-            "",
-            "Where the texts part (`--margins`): the answer token, and kvpress's logit margin there between its own token and kvlab's, "
-            "with the rank of kvlab's token among kvpress's logits (kvpress rerun with the common prefix forced).",
-            "",
-            "| method | protocol | ratio | example | answer token | margin | kvlab's token's rank |",
-            "|---|---|---:|---|---:|---:|---:|",
-            *splits,
-        ]
+    head = "Where the texts part (`--margins`): the answer token, and kvpress's logit margin there between its own token and kvlab's, with the rank of kvlab's token among kvpress's logits (kvpress rerun with the common prefix forced)."
+    columns = ["| method | protocol | ratio | example | answer token | margin | kvlab's token's rank |", "|---|---|---:|---|---:|---:|---:|"]
+    lines += ["", head, "", *columns, *splits] if splits else []
     return "\n".join(lines) + "\n"
 
 
@@ -375,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context_length", type=int, default=1024, help="RULER context length in tokens (default: 1024)")
     parser.add_argument("--report", type=Path, default=Path("docs/parity.md"), help="the table, and a .json beside it (default: docs/parity.md)")
     parser.add_argument(
-        "--margins", action="store_true", help="also rerun kvpress on each example whose text parts, for its logit margin where the answers part"
+        "--margins",
+        action="store_true",
+        help="also rerun kvpress on each example of --methods whose text parts, for its logit margin where the answers part",
     )
     return parser
 
