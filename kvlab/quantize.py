@@ -234,10 +234,15 @@ class Int4Linear(nn.Module):
             raise ValueError("this int4 Linear kept only the kernel's packed codes; it cannot dequantize")
         self.kernel = kernel if self.packed is not None else None
 
+    def tiled_operands(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The tiled codes, scales and offsets that the int16-x native kernel reads, where prepare() made them
+        and x is still taken in int16."""
+        return (self.tiled, self.tiled_scales, self.tiled_offsets) if self.x_bits == 16 and self.tiled is not None else None
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.x_bits == 16 and self.tiled is not None and kernels.takes_weight(x, self.tiled, self.tiled_scales, self.tiled_offsets):
-            args = (self.tiled, self.tiled_scales, self.tiled_offsets, self.out_features, self.groupsize)
-            return torch.ops.kvlab.linear_int4_tiled(x, *args, self.bias)
+        tiled = self.tiled_operands()
+        if tiled is not None and kernels.takes_weight(x, *tiled):
+            return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
         if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
             return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
         if takes(self.kernel, x, self.in_features):
@@ -253,12 +258,9 @@ class Int4Linear(nn.Module):
 
     def gated(self, up: Int4Linear, x: Tensor) -> Tensor:
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
-        tiled = (
-            isinstance(up, Int4Linear) and self.x_bits == up.x_bits == 16 and self.tiled is not None and up.tiled is not None and self.groupsize == up.groupsize
-        )
-        if tiled and kernels.takes_weight(x, self.tiled, self.tiled_scales, self.tiled_offsets, up.tiled, up.tiled_scales, up.tiled_offsets):
-            gate_args, up_args = (self.tiled, self.tiled_scales, self.tiled_offsets), (up.tiled, up.tiled_scales, up.tiled_offsets)
-            return torch.ops.kvlab.gated_int4_tiled(x, *gate_args, *up_args, self.out_features, self.groupsize)
+        gate_tiled, up_tiled = self.tiled_operands(), up.tiled_operands() if isinstance(up, Int4Linear) else None
+        if gate_tiled is not None and up_tiled is not None and self.groupsize == up.groupsize and kernels.takes_weight(x, *gate_tiled, *up_tiled):
+            return torch.ops.kvlab.gated_int4_tiled(x, *gate_tiled, *up_tiled, self.out_features, self.groupsize)
         if (
             isinstance(up, Int4Linear)
             and self.offsets is not None

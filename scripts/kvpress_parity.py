@@ -204,6 +204,11 @@ def press_answer(model: Any, press: Any, context: list[int], question: list[int]
     return answer
 
 
+def context_end(example: Any, agnostic: bool) -> int:
+    """Where the prompt's prefilled part ends: at the question (query-agnostic) or before the last token."""
+    return example.question_start if agnostic else len(example.input_ids) - 1
+
+
 def first_split(text: str, ids: list[int], decode: Callable[[list[int]], str]) -> int:
     """How many of kvpress's answer tokens `ids` kvlab's answer `text` starts with: where the two part."""
     return next(j for j in range(len(ids) + 1) if j == len(ids) or not text.startswith(decode(ids[: j + 1])))
@@ -226,15 +231,13 @@ def split_margins(args: argparse.Namespace, table: dict[str, Any]) -> None:
     """Each cell of --methods gets `splits`: split_margin of each example whose texts part (kvpress rerun on it)."""
     tokenizer, model, factories, by_task = kvpress_inputs(args)
     examples = {e.id: e for task_examples in by_task.values() for e in task_examples}
-    for method, protocols in ((m, p) for m, p in table.items() if m in args.methods):
+    for method, protocols in ((m, p) for m, p in table.items() if m in args.methods and factories[m] is not None):
         for protocol, cells in protocols.items():
             for ratio, cell in cells.items():
                 pairs = paired_records(args.out_dir, method, PROTOCOLS[protocol], float(ratio))
-                press = functools.partial(factories[method], float(ratio)) if factories[method] is not None else None
-                parting = [(examples[b["id"]], a["prediction"]) for a, b in pairs if a["prediction"] != b["prediction"] and press is not None]
-                cell["splits"] = [
-                    split_margin(model, press, e, e.question_start if PROTOCOLS[protocol] else len(e.input_ids) - 1, text, tokenizer) for e, text in parting
-                ]
+                parting = [(examples[b["id"]], a["prediction"]) for a, b in pairs if a["prediction"] != b["prediction"]]
+                press = functools.partial(factories[method], float(ratio))
+                cell["splits"] = [split_margin(model, press, e, context_end(e, PROTOCOLS[protocol]), text, tokenizer) for e, text in parting]
 
 
 def same_ids_share(hf_tokenizer: Any, examples: list[Any]) -> tuple[int, int]:
@@ -273,7 +276,7 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
                     for example in examples[task.name]:
                         if example.id in done:
                             continue
-                        split = example.question_start if PROTOCOLS[protocol] else len(example.input_ids) - 1
+                        split = context_end(example, PROTOCOLS[protocol])
                         press = factories[method](ratio) if factories[method] is not None else None
                         t0 = time.perf_counter()
                         ids = press_answer(model, press, example.input_ids[:split], example.input_ids[split:], example.max_new_tokens, tokenizer.stop_ids)

@@ -109,7 +109,7 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("kvlab::int4_tile")
     def _(codes: Tensor) -> Tensor:
-        return codes.new_empty(-(-codes.shape[0] // 16), codes.shape[1] * 16)
+        return codes.new_empty(-(-codes.shape[0] // INT4_TILE), codes.shape[1] * INT4_TILE)
 
     @torch.library.register_fake("kvlab::linear_int4_tiled")
     def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, n: int, groupsize: int, bias: Tensor | None) -> Tensor:
