@@ -220,8 +220,10 @@ class SnapKV(PromptCompressor):
         if self.gqa == "query" and probs.shape[2] != 1:
             raise ValueError("snapkv gqa='query' needs a cache holding one KV head per query head (snapkv_gqa query sets kv_repeat)")
         scores = {"mean": probs.mean, "max": lambda dim: probs.max(dim=dim).values, "sum": probs.sum, "query": probs.sum}[self.gqa](dim=2)
-        scores = pool_keys(scores, self.kernel, self.pooling)
         in_window = (key_pos > last[:, :, None] - self.window) & (key_pos >= 0)
+        # Pooled over the keys before the window alone, as the reference code and kvpress pool: the window's own
+        # attention does not lift the keys just before it (zeros are what their pooling pads the edge with).
+        scores = pool_keys(scores.masked_fill(in_window, 0.0), self.kernel, self.pooling)
         return scores.masked_fill(in_window, float("inf"))
 
 

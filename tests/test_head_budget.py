@@ -131,7 +131,7 @@ def test_make_caches_rejects_a_bad_head_budget():
 def test_generate_with_adakv_keeps_each_layer_total_batches_and_compiles(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
     spec = spec_for(
-        tiny_model, "heavy_hitter", 0.5, global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=3, head_budget="adakv"
+        tiny_model, "heavy_hitter", 0.5, global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=4, head_budget="adakv"
     )
     eager = generate(tiny_model, prompts, 16, spec)
     cfg = tiny_model.config
