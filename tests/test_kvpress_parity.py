@@ -97,3 +97,40 @@ def test_kvpress_side_without_a_press_gives_kvlabs_full_cache_answer(smollm):
     theirs = parity.press_answer(hf, None, prompt[:split], prompt[split:], 16, tokenizer.stop_ids)
     ours = generate(model, [prompt], 16, stop_ids=tokenizer.stop_ids).tokens[0]
     assert cut_at_stop(theirs, tokenizer.stop_ids)[0] == ours and tokenizer.decode(ours).startswith("The capital of France is Paris")
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """scripts/parity_kept.py, which imports kvpress_parity from scripts/."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    loaded = importlib.util.spec_from_file_location("parity_kept", ROOT / "scripts" / "parity_kept.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+def test_kept_tokens_are_read_from_the_keys_a_press_returns(kept):
+    import torch
+
+    keys = torch.randn(1, 3, 10, 4)
+    indices = torch.tensor([[0, 2, 7], [1, 2, 9], [4, 5, 6]])
+    held = kept.kept_by_match(keys, keys.gather(2, indices[None, :, :, None].expand(1, 3, 3, 4)))
+    assert held.shape == (3, 10) and [row.nonzero().flatten().tolist() for row in held] == indices.tolist()
+
+
+def test_kvlabs_kept_tokens_are_the_context_positions_its_caches_hold_and_differences_list_each_side(kept, tiny_model):
+    import torch
+
+    from conftest import spec_for
+
+    prompt = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    generate(tiny_model, [prompt], 3, spec_for(tiny_model, "heavy_hitter", 12, global_tokens=2, recent_window=2, prompt_compression_strategy="snapkv"))
+    ours = kept.kvlab_kept(tiny_model, 20)
+    for layer, held in zip(tiny_model.layers, ours, strict=True):
+        pos = layer.attention.kv_cache.pos[0]
+        assert [row.nonzero().flatten().tolist() for row in held] == [sorted(p for p in r.tolist() if 0 <= p < 20) for r in pos]
+    theirs = [h.clone() for h in ours]
+    theirs[1][0, 5], theirs[1][1, 3] = ~theirs[1][0, 5], ~theirs[1][1, 3]
+    rows = kept.differences(theirs, ours)
+    assert [len(r["kvpress_only"]) + len(r["kvlab_only"]) for r in rows] == [0, 2]
+    assert sorted(rows[1]["kvpress_only"] + rows[1]["kvlab_only"]) == [(0, 5), (1, 3)]
