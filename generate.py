@@ -78,7 +78,7 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; CUDA graphs on GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; a C++ wrapper on CPU, CUDA graphs on GPU)")
     p.add_argument(
         "--compile_prefill",
         action="store_true",

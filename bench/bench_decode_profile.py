@@ -44,10 +44,12 @@ from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.model import lay_out_for_matvec
 from kvlab.quantize import Int4Linear, Int8Embedding, Int8Linear
 
-SETTINGS = {
+SETTINGS = {  # None: kvlab's own (compiled_step_options); the others are stock Inductor with these set
     "default": None,
+    "python wrapper": {},
     "freezing": {"freezing": True},
     "cpp_wrapper": {"cpp_wrapper": True},
+    "cpp_wrapper, entry built apart": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True},
     "coordinate_descent_tuning": {"coordinate_descent_tuning": True},
     "freezing + cpp_wrapper": {"freezing": True, "cpp_wrapper": True},
     "max_autotune": {"max_autotune": True},

@@ -170,14 +170,14 @@ def measure(args) -> tuple[Bench, dict]:
     samples: dict = {}
     for group, variants in GROUPS.items():
         torch._dynamo.reset()
-        step = compile_decode_step(torch.device("cpu"))
         model = weights_of(bench, group)
         lay_out_for_matvec(model)
         models = {name: with_x_bits(copy.deepcopy(model), bits) if bits else model for name, (_, bits) in variants.items()}
         llms = load_ggufs(group, max(args.prompt_lengths) + args.new_tokens + 8) if with_llamacpp else {}
         for n in args.prompt_lengths:
             ids = bench.ids[:n]
-            runs = {name: kvlab_run(models[name], step, cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
+            steps = {name: compile_decode_step(torch.device("cpu")) for name in variants}  # each its own graphs: one process, one model, as generate.py
+            runs = {name: kvlab_run(models[name], steps[name], cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
             runs |= {g: llamacpp_run(llm, ids, args.new_tokens) for g, llm in llms.items()}
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)

@@ -15,7 +15,7 @@ import generate as cli
 from conftest import ROOT, run_main
 from kvlab.engine import Sampling, compile_decode_step, generate, sample
 from kvlab.hybrid import HybridCache
-from kvlab.model import ModelArgs
+from kvlab.model import ModelArgs, Transformer
 from kvlab.textgen import read_prompts
 
 
@@ -62,9 +62,28 @@ def test_compiled_decode_equals_eager(smollm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inductor", [{"freezing": True}, {"coordinate_descent_tuning": True}], ids=["freezing", "coordinate_descent"])
+def test_decode_steps_compiled_apart_keep_their_own_graphs(tiny_model):
+    """Two compiled steps, each serving its own model (of different widths): each compiles its own copy of
+    decode_one_token, so neither checks the other's graph on its calls, and both keep eager's tokens."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from kvlab.engine import decode_one_token
+
+    torch.manual_seed(1)
+    wide = Transformer(dataclasses.replace(tiny_model.config, dim=48)).eval()
+    prompts = [[1, 2, 3, 4, 5, 6]]
+    eager = [generate(m, prompts, 8).tokens for m in (tiny_model, wide)]
+    torch._dynamo.reset()
+    steps = [compile_decode_step(torch.device("cpu")) for _ in range(2)]
+    assert [generate(m, prompts, 8, decode_step=s).tokens for m, s in zip((tiny_model, wide), steps, strict=True)] == eager
+    assert _debug_get_cache_entry_list(decode_one_token.__code__) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inductor", [{}, {"freezing": True}, {"coordinate_descent_tuning": True}], ids=["python_wrapper", "freezing", "coordinate_descent"])
 def test_decode_compiled_with_inductor_settings_equals_eager(tiny_model, inductor):
-    """A step compiled with bench_decode_profile's Inductor settings (options, not a mode) keeps eager's tokens."""
+    """A step compiled with bench_decode_profile's Inductor settings (options, not a mode) keeps eager's
+    tokens; `{}` is stock Inductor, whose Python wrapper the CPU default replaces with a C++ one."""
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     eager = generate(tiny_model, prompts, 12).tokens
     torch._dynamo.reset()
