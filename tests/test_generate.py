@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import generate as cli
 from conftest import ROOT, run_main
-from kvlab.engine import Sampling, compile_decode_step, generate, sample
+from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.model import ModelArgs, Transformer
 from kvlab.textgen import read_prompts
@@ -65,10 +66,6 @@ def test_compiled_decode_equals_eager(smollm):
 def test_decode_steps_compiled_apart_keep_their_own_graphs(tiny_model):
     """Two compiled steps, each serving its own model (of different widths): each compiles its own copy of
     decode_one_token, so neither checks the other's graph on its calls, and both keep eager's tokens."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from kvlab.engine import decode_one_token
-
     torch.manual_seed(1)
     wide = Transformer(dataclasses.replace(tiny_model.config, dim=48)).eval()
     prompts = [[1, 2, 3, 4, 5, 6]]
