@@ -75,7 +75,7 @@ def compiled_step_options(device: torch.device) -> dict[str, Any]:
     """Inductor settings of the compiled decode step on `device` (bench/bench_decode_profile.py measures
     the alternatives). A GPU replays the step as a CUDA graph ("reduce-overhead"). A CPU step gets a C++
     wrapper: the ~5 native-op calls and ~3 fused kernels per layer are called from C++ rather than Python,
-    0.35-0.45 ms of a 7 ms int4 step at 512. The wrapper's entry is compiled apart from its kernels, which
+    0.2-0.45 ms of a 7 ms int4 step at 512 (4-5%). The wrapper's entry is compiled apart from its kernels, which
     keeps the first compile no slower than a Python wrapper's (a 30-layer step's entry at -O1 otherwise
     adds ~90 s). Inductor's size and stride checks on the graph's inputs are off: Dynamo's guards
     already check them, and at SmolLM2's size the 600 checks cost 0.5 ms of a 10 ms CPU step."""
