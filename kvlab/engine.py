@@ -77,11 +77,10 @@ def compiled_step_options(device: torch.device) -> dict[str, Any]:
     wrapper: the ~5 native-op calls and ~3 fused kernels per layer are called from C++ rather than Python,
     0.2-0.45 ms of a 7 ms int4 step at 512 (4-5%). The wrapper's entry is compiled apart from its kernels, which
     keeps the first compile no slower than a Python wrapper's (a 30-layer step's entry at -O1 otherwise
-    adds ~90 s). Inductor's size and stride checks on the graph's inputs are off: Dynamo's guards
-    already check them, and at SmolLM2's size the 600 checks cost 0.5 ms of a 10 ms CPU step."""
+    adds ~90 s)."""
     if device.type == "cuda":
-        return {"size_asserts": False, "triton.cudagraphs": True}
-    return {"size_asserts": False, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        return {"triton.cudagraphs": True}
+    return {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 def with_own_code(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -99,9 +98,11 @@ def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = deco
     dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. Guards skip the module trees
     whose attribute dicts are unchanged since the last call (recursive dict tags: a CPU decode step's
     guard check goes from 1.06 to 0.38 ms). Both settings apply to this step's calls only, not to the
-    importing program. Compiled graphs persist in `compile_cache_dir()`. Each call compiles its own copy of
-    `step` (`with_own_code`), so steps compiled apart keep apart the graphs they compile."""
-    options = compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor}
+    importing program. Inductor's size and stride checks on the graph's inputs are off: Dynamo's guards
+    already check them, and at SmolLM2's size the 600 checks cost 0.5 ms of a 10 ms CPU step. Compiled
+    graphs persist in `compile_cache_dir()`. Each call compiles its own copy of `step` (`with_own_code`),
+    so steps compiled apart keep apart the graphs they compile."""
+    options = {"size_asserts": False, **(compiled_step_options(device) if inductor is None else inductor)}
     compiled = torch.compile(with_own_code(step), options=options, fullgraph=True)
 
     @functools.wraps(step)
