@@ -298,15 +298,16 @@ def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: i
         (2, 4, 2, 3, 257, 64, False),
         (3, 8, 8, 8, 33, 40, True),
         (1, 2, 1, 1, 1, 16, False),
+        (1, 4, 4, 1, 101, 32, False),
         (1, 2, 1, 2, 40, 272, False),
     ],
 )
 def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, slots, dim, per_head, kv_dtype):
     """Decode attention over a cache's slots (shared or per-head positions, empty and future slots masked;
-    one or several runs of 256 slots merged; blocks of 16 and 8 keys with a tail; head_dim 64 (four vectors a
-    step), 16 and 40 (one at a time; 40 is no whole number of AVX-512's vectors: the scalar path there), or
-    wider than the SIMD paths take (272: the scalar path); up to 8 query
-    positions, so up to 8 rows per KV head in blocks of four; keys and
+    one or several runs of 256 slots merged; blocks of 16 keys (AVX-512) and 4 (AVX2) with a tail; head_dim 64
+    (four vectors a step), 32 and 16 (AVX2: two), 40 (one at a time; no whole number of AVX-512's vectors: the
+    scalar path there), or wider than the SIMD paths take (272: the scalar path); up to 8 query positions, so
+    1 to 8 rows per KV head, in groups of three for AVX2's scores and four for the weighted sums; keys and
     values float32 or float16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
     under attention_mask over the widened keys and values, within the bound `attention_reference` derives."""
     q, k, v, key_pos, query_pos = attention_inputs(batch, heads, kv_heads, steps, slots, dim, per_head)
