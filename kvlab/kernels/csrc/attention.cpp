@@ -124,15 +124,10 @@ __attribute__((target("avx512f"))) static const float* key_block_avx512(const T*
 }
 
 // s[r * n + j] = scale * q_r . k_j for R query rows, -inf where slot j is not visible to row r (at
-// query_pos[r]); lane_max [R, W] gets the maximum of each row's lanes.
-//
-// AVX2 has 16 vector registers: RB <= 3 query rows (a KV group's heads) against 4 keys at a time keep 12
-// sums, each key vector widened in a register as it is loaded and taken by every row, each query vector a
-// multiply-add's memory operand. Four keys' sums of each row reduce to one 4-lane vector (three hadds and
-// a 128-bit add). A block past the last key reads the last key again; its lanes are masked (the slots'
-// padding is never visible) and not stored. Keys are asked for kPrefetchRows rows ahead, and each block's
-// value rows as its keys are read, so the weighted sum that follows finds them in cache: two streams from
-// memory at once, where one pass each left a core waiting on one (20-30% faster over caches in memory).
+// query_pos[r]); lane_max [R, W] gets the maximum of each row's lanes. AVX2 (16 registers): RB <= 3 rows
+// against 4 keys keep 12 sums, each key widened in a register and taken by every row, the query vectors
+// memory operands; a block past the last key rereads it, its lanes masked and not stored. Each block's value
+// rows are asked for with its keys: the weighted sum then finds them in cache (20-30% faster from memory).
 template <int RB, typename T>
 __attribute__((target("avx2,fma,f16c"))) static void scores_rows_avx2(const float* q, const T* k, const T* v, const int32_t* slot, const int64_t* query_pos, float* s,
                                                                      float* lane_max, int64_t n, int64_t D, float scale, int32_t last) {
