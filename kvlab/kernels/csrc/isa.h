@@ -68,17 +68,6 @@ __attribute__((target("avx512f"))) inline __m512 load16(const at::Half* p) {
 }
 
 // Lane i of the result is the sum of v[i]'s lanes: a transpose-and-add tree, three instructions per sum.
-__attribute__((target("avx2,fma"))) inline __m256 sum_lanes8(const __m256* v) {
-  __m256 x[2];
-  for (int g = 0; g < 2; ++g) {
-    const __m256* a = v + 4 * g;
-    const __m256d u0 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1])));
-    const __m256d u1 = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3])));
-    x[g] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u0, u1)), _mm256_castpd_ps(_mm256_unpackhi_pd(u0, u1)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
-}
-
 __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* v) {
   __m512 x[4];
   for (int g = 0; g < 4; ++g) {
