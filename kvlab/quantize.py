@@ -8,7 +8,9 @@ biases stay in the model's dtype, and so do activations, but for the inputs of a
     int4   w ~ (q - 8) * scale + zero,       q in [0, 15], one (scale, zero) per `groupsize` inputs of a row
                                              (asymmetric: 16 levels span each group's [min, max], none wasted
                                              on a side the group does not reach; the zero is free in the
-                                             fused kernels, whose format this is)
+                                             fused kernels, whose format this is); the group's minimum
+                                             (zero - 8 scale) and scale are float16 values, as in llama.cpp's
+                                             Q4_1 (the native tiled kernel reads them in float16)
 
 Rows whose length is not a multiple of the group (SmolLM2's dim 576 with g=128) are zero-padded to one.
 
@@ -35,6 +37,7 @@ bfloat16 (the CPU kernels' fast path; their float32 path is 10x slower).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -114,14 +117,24 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
 
 
 def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
-    """w [N, K] -> packed codes uint8 [N, K_pad / 2], scales and zeros [N, K_pad / groupsize]."""
+    """w [N, K] -> packed codes uint8 [N, K_pad / 2], scales and zeros [N, K_pad / groupsize]. Each group's
+    minimum and scale are float16 values (llama.cpp Q4_1's numerics; the native tiled kernel reads them as
+    float16, so every path dequantizes the same weights): the minimum rounded down and the scale up, so the
+    group's range still spans codes 0 to 15."""
     N, K = w.shape
     groups = F.pad(w.float(), (0, -K % groupsize)).view(N, -1, groupsize)
-    lo, hi = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scales = (hi - lo).clamp(min=1e-6) / 15
+    lo = float16_toward(groups.amin(dim=-1, keepdim=True), -math.inf)
+    scales = float16_toward((groups.amax(dim=-1, keepdim=True) - lo).clamp(min=1e-6) / 15, math.inf)
     q = ((groups - lo) / scales).round().clamp(0, 15).to(torch.uint8).view(N, -1)
     zeros = lo + 8 * scales
     return q[:, ::2] << 4 | q[:, 1::2], scales.squeeze(-1).to(w.dtype), zeros.squeeze(-1).to(w.dtype)
+
+
+def float16_toward(t: Tensor, direction: float) -> Tensor:
+    """t's float32 values rounded to the nearest float16 value toward `direction` (-inf or inf), as float32."""
+    half = t.half()
+    past = half.float() < t if direction > 0 else half.float() > t
+    return torch.where(past, torch.nextafter(half, torch.full_like(half, direction)), half).float()
 
 
 def int4_codes(packed: Tensor) -> Tensor:

@@ -53,7 +53,7 @@ def test_tiled_int4_operands_that_do_not_fit_are_one_line_errors():
     x, vectors = torch.randn(1, 32), torch.zeros(2, 1, 16)
     with pytest.raises(RuntimeError, match="2 tiles do not hold 40 rows"):
         torch.ops.kvlab.linear_int4_tiled(x, codes, vectors, vectors, 40, 32, None)
-    with pytest.raises(RuntimeError, match=r"scales and offsets must be contiguous float32 \[2, 1, 16\], got \[20, 1\]"):
+    with pytest.raises(RuntimeError, match=r"scales and offsets must be contiguous float16 \[2, 1, 16\] \(kvlab.kernels.tile_rows.\), got Float \[20, 1\]"):
         torch.ops.kvlab.linear_int4_tiled(x, codes, torch.zeros(20, 1), vectors, 20, 32, None)
     with pytest.raises(RuntimeError, match=r"takes contiguous uint8 \[tiles, blocks \* 256\] codes"):
         torch.ops.kvlab.linear_int4_tiled(x, torch.zeros(20, 16, dtype=torch.uint8), vectors, vectors, 20, 32, None)

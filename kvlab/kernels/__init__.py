@@ -145,11 +145,11 @@ def int4_x_bits() -> int:
 
 
 def tile_rows(t: Tensor) -> Tensor:
-    """Per-row values [N, G] of an int4 weight as kvlab::int4_tile's tiles take them: [ceil(N / 16), G, 16],
-    rows past N zero."""
+    """Per-row values [N, G] of an int4 weight (scales or offsets) as kvlab::int4_tile's tiles take them:
+    float16 [ceil(N / 16), G, 16], rows past N zero. kvlab.quantize's values are float16 already (exact here)."""
     n, g = t.shape
     tiles = -(-n // INT4_TILE)
-    return F.pad(t, (0, 0, 0, tiles * INT4_TILE - n)).view(tiles, INT4_TILE, g).transpose(1, 2).contiguous()
+    return F.pad(t, (0, 0, 0, tiles * INT4_TILE - n)).view(tiles, INT4_TILE, g).transpose(1, 2).to(torch.float16).contiguous()
 
 
 def path() -> str:
@@ -165,8 +165,10 @@ def takes(x: Tensor) -> bool:
 
 def takes_weight(x: Tensor, *tensors: Tensor) -> bool:
     """Whether the native kernels run x against a weight stored as `tensors`: `takes(x)`, and every one of
-    them a contiguous tensor on the CPU (float ones in float32), as the ops read them."""
-    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+    them a contiguous tensor on the CPU (float ones in float32, or float16: the tiled int4 scales), as the
+    ops read them."""
+    floats = (torch.float32, torch.float16)
+    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype in floats or not t.is_floating_point()) for t in tensors)
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -9,7 +9,8 @@
 // chunk's low nibbles widen (vpunpcklbw, vpunpckhbw) to the row-lanes' input pairs (8c, 8c+1) and (8c+2, 8c+3),
 // its high nibbles to (8c+4, 8c+5) and (8c+6, 8c+7); `tiled_position` says where each code goes. The same bytes
 // serve both widths: a 64-byte chunk's first 32 bytes are rows 0-7 (AVX2's first half), the rest rows 8-15.
-// Scales and offsets are tiled [tiles, G, 16]: one vector per tile and group.
+// Scales and offsets are float16 (llama.cpp Q4_1's numerics: kvlab.quantize rounds them so), tiled
+// [tiles, G, 16]: one vector per tile and group, half the bytes of float32 (0.625 bytes a weight at g32).
 #include <torch/library.h>
 
 #include "int4.h"
@@ -27,8 +28,8 @@ inline std::pair<int64_t, int> tiled_position(int64_t r, int64_t i) {
 
 struct TiledInt4 {
   const uint8_t* codes;  // [T, blocks * 256]
-  const float* scales;   // [T, G, 16]
-  const float* offsets;  // [T, G, 16]
+  const at::Half* scales;   // [T, G, 16]
+  const at::Half* offsets;  // [T, G, 16]
   int64_t N, Kp, G, groupsize;
 };
 
@@ -40,9 +41,10 @@ static TiledInt4 tiled_weight(const char* op, const at::Tensor& codes, const at:
   TORCH_CHECK(N > 0 && (N + kTile - 1) / kTile == T, op, ": ", T, " tiles do not hold ", N, " rows");
   TORCH_CHECK(Kp % groupsize == 0, op, ": rows of ", Kp, " codes are not whole groups of ", groupsize);
   for (const at::Tensor* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({T, Kp / groupsize, kTile}), op,
-                ": scales and offsets must be contiguous float32 [", T, ", ", Kp / groupsize, ", 16], got ", t->sizes());
-  return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), N, Kp, Kp / groupsize, groupsize};
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->sizes() == at::IntArrayRef({T, Kp / groupsize, kTile}), op,
+                ": scales and offsets must be contiguous float16 [", T, ", ", Kp / groupsize, ", 16] (kvlab.kernels.tile_rows'), got ",
+                t->scalar_type(), " ", t->sizes());
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), N, Kp, Kp / groupsize, groupsize};
 }
 
 // Plain codes [N, Kp / 2] (int4.h's: the even input in the high nibble) -> tiled [T, blocks * 256]; rows past N are zeros.
@@ -76,9 +78,9 @@ static void tiles_scalar(const QuantizedInput<int16_t>& in, const TiledInt4& w, 
           const uint8_t byte = w.codes[(t * blocks + b) * kTileBlockBytes + at];
           dot += (high ? byte >> 4 : byte & 15) * in.codes[m * w.Kp + 32 * b + i];
         }
-        acc += static_cast<float>(dot) * (w.scales[(t * w.G + 32 * b / w.groupsize) * kTile + r] * in.steps[m * blocks + b]);
+        acc += static_cast<float>(dot) * (static_cast<float>(w.scales[(t * w.G + 32 * b / w.groupsize) * kTile + r]) * in.steps[m * blocks + b]);
       }
-      for (int64_t g = 0; g < w.G; ++g) acc += w.offsets[(t * w.G + g) * kTile + r] * in.group_sums[m * w.G + g];
+      for (int64_t g = 0; g < w.G; ++g) acc += static_cast<float>(w.offsets[(t * w.G + g) * kTile + r]) * in.group_sums[m * w.G + g];
       y[m * w.N + n] = acc;
     }
   }
@@ -103,7 +105,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni"))) static void tile
         lo[c] = _mm512_and_si512(v, low_nibble);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
       }
-      const __m512 scale = _mm512_loadu_ps(w.scales + (t * w.G + 32 * b / w.groupsize) * kTile);
+      const __m512 scale = load16(w.scales + (t * w.G + 32 * b / w.groupsize) * kTile);
       for (int i = 0; i < MB; ++i) {
         const int32_t* pairs = reinterpret_cast<const int32_t*>(in.codes.data() + (m + i) * w.Kp + 32 * b);
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -120,7 +122,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni"))) static void tile
     const int64_t rows = std::min(kTile, w.N - t * kTile);
     for (int i = 0; i < MB; ++i) {
       for (int64_t g = 0; g < w.G; ++g)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(w.offsets + (t * w.G + g) * kTile), _mm512_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i]);
+        acc[i] = _mm512_fmadd_ps(load16(w.offsets + (t * w.G + g) * kTile), _mm512_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i]);
       _mm512_mask_storeu_ps(y + (m + i) * w.N + t * kTile, static_cast<__mmask16>((1u << rows) - 1), acc[i]);
     }
   }
@@ -128,7 +130,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni"))) static void tile
 
 // The AVX2 twin: each chunk's two 32-byte halves (rows 0-7, 8-15) as above, vpmaddwd and an add per pair.
 template <int MB>
-__attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<int16_t>& in, const TiledInt4& w, float* y, int64_t m, int64_t t0, int64_t t1) {
+__attribute__((target("avx2,fma,f16c"))) static void tiles_avx2(const QuantizedInput<int16_t>& in, const TiledInt4& w, float* y, int64_t m, int64_t t0, int64_t t1) {
   const int64_t blocks = w.Kp / 32;
   const __m256i low_nibble = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
   for (int64_t t = t0; t < t1; ++t) {
@@ -143,7 +145,7 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<
           lo[c] = _mm256_and_si256(v, low_nibble);
           hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
         }
-        const __m256 scale = _mm256_loadu_ps(w.scales + (t * w.G + 32 * b / w.groupsize) * kTile + 8 * h);
+        const __m256 scale = load8(w.scales + (t * w.G + 32 * b / w.groupsize) * kTile + 8 * h);
         for (int i = 0; i < MB; ++i) {
           const int32_t* pairs = reinterpret_cast<const int32_t*>(in.codes.data() + (m + i) * w.Kp + 32 * b);
           __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -161,7 +163,7 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<
       float out[kTile];
       for (int h = 0; h < 2; ++h) {
         for (int64_t g = 0; g < w.G; ++g)
-          acc[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(w.offsets + (t * w.G + g) * kTile + 8 * h), _mm256_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i][h]);
+          acc[i][h] = _mm256_fmadd_ps(load8(w.offsets + (t * w.G + g) * kTile + 8 * h), _mm256_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i][h]);
         _mm256_storeu_ps(out + 8 * h, acc[i][h]);
       }
       std::copy(out, out + std::min(kTile, w.N - t * kTile), y + (m + i) * w.N + t * kTile);
