@@ -85,6 +85,17 @@ def test_quantize_dequantize_error_is_at_most_half_a_step():
     assert (error <= scales.repeat_interleave(32, dim=1)[:, :80] / 2 + 1e-6).all()
 
 
+def test_int4_scales_and_minimums_are_float16_values():
+    """Each int4 group's scale and minimum (zero - 8 scale) are float16 values (llama.cpp Q4_1's numerics), as
+    the native tiled kernel reads them: the minimum at or below the group's, its range within 15 steps."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 96) * torch.rand(48, 1) * 3
+    _, scales, zeros = quantize_int4(w, 32)
+    minimums, groups = zeros - 8 * scales, w.view(48, 3, 32)
+    assert torch.equal(scales.half().float(), scales) and torch.equal(minimums.half().float(), minimums)
+    assert (minimums <= groups.amin(-1)).all() and (groups.amax(-1) <= minimums + 15 * scales).all()
+
+
 def test_int8_logits_stay_close_to_float32(smollm, float_logits, essay_ids):
     """int8 per-channel weights, 256 essay tokens. Measured: mean |logit change| 0.20 against a logit
     spread (std) of 5.9, max 1.43, correlation 0.9991, perplexity -0.03%. Bounds: mean < 0.3, max < 2.5,
