@@ -249,12 +249,13 @@ class Int4Linear(nn.Module):
 
     def tiled_operands(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """The tiled codes, scales and offsets that the int16-x native kernel reads, where prepare() made them
-        and x is still taken in int16."""
+        and x is still taken in int16. The scales and offsets are float16 and contiguous as tile_rows made them,
+        on the codes' device: `kernels.takes_weight` checks the codes."""
         return (self.tiled, self.tiled_scales, self.tiled_offsets) if self.x_bits == 16 and self.tiled is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
         tiled = self.tiled_operands()
-        if tiled is not None and kernels.takes_weight(x, *tiled):
+        if tiled is not None and kernels.takes_weight(x, tiled[0]):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
         if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
             return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
@@ -272,7 +273,7 @@ class Int4Linear(nn.Module):
     def gated(self, up: Int4Linear, x: Tensor) -> Tensor:
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
         gate_tiled, up_tiled = self.tiled_operands(), up.tiled_operands() if isinstance(up, Int4Linear) else None
-        if gate_tiled is not None and up_tiled is not None and self.groupsize == up.groupsize and kernels.takes_weight(x, *gate_tiled, *up_tiled):
+        if gate_tiled is not None and up_tiled is not None and self.groupsize == up.groupsize and kernels.takes_weight(x, gate_tiled[0], up_tiled[0]):
             return torch.ops.kvlab.gated_int4_tiled(x, *gate_tiled, *up_tiled, self.out_features, self.groupsize)
         if (
             isinstance(up, Int4Linear)

@@ -165,10 +165,8 @@ def takes(x: Tensor) -> bool:
 
 def takes_weight(x: Tensor, *tensors: Tensor) -> bool:
     """Whether the native kernels run x against a weight stored as `tensors`: `takes(x)`, and every one of
-    them a contiguous tensor on the CPU (float ones in float32, or float16: the tiled int4 scales), as the
-    ops read them."""
-    floats = (torch.float32, torch.float16)
-    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype in floats or not t.is_floating_point()) for t in tensors)
+    them a contiguous tensor on the CPU (float ones in float32), as the ops read them."""
+    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
