@@ -120,7 +120,7 @@ def test_int4_top1_agrees_with_float32(smollm, float_logits, essay_ids):
 
 @pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 @pytest.mark.parametrize("x_bits,top1,ppl", [(32, 0.95, 0.02), (16, 0.95, 0.02), (8, 0.90, 0.05)], ids=["x-float32", "x-int16", "x-int8"])
-def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, long_essay, x_bits, top1, ppl, monkeypatch):
+def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, x_bits, top1, ppl, monkeypatch, request):
     """int4 g=32 decode steps on the native kernels, the essay's positions fed one token per step. x in
     float32 or rounded to int16 per block of 32 (the default, on the tiled layout), 256 positions: the
     prefill's bounds above (measured: top-1 98.4%, perplexity -0.1%, the same on every ISA path). x rounded to
@@ -129,10 +129,11 @@ def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, l
     own order) draws its own rounding noise. Over 256 positions the rates spread wide (16 draws, inputs
     perturbed by 1e-6: top-1 90.2-93.4%, perplexity +0.8 to +4.4%; the AVX2 path 89.5%), so this case
     decodes 1,024 positions: 8 draws top-1 91.6-93.2% (mean 92.6, sd 0.55), perplexity +0.3 to +1.7% (scalar,
-    AVX2, AVX-512 paths: 92.7, 92.1, 93.3%); bounds >= 90% and the issue's 5% for int4, 4.7 and 7 sd away. SmolLM2's normalized inputs have outlier
-    channels that coarsen their blocks' steps (wqkv and w1/w3 lose the most)."""
+    AVX2, AVX-512 paths: 92.7, 92.1, 93.3%); bounds >= 90% and the issue's 5% for int4, 4.7 and 7 sd away.
+    SmolLM2's normalized inputs have outlier channels that coarsen their blocks' steps (wqkv and w1/w3 lose
+    the most)."""
     if x_bits == 8:
-        essay_ids, float_logits = long_essay
+        essay_ids, float_logits = request.getfixturevalue("long_essay")
     model = quantize_model(copy.deepcopy(smollm[0]), Quantization("int4", 32))
     for module in model.modules():
         if isinstance(module, Int4Linear):
