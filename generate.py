@@ -25,10 +25,11 @@ with interrupts_quietly():  # Ctrl-C while torch loads: one line, not a tracebac
     from kvlab.checkpoint import load_checkpoint
     from kvlab.chunked import prefill_chunk_step
     from kvlab.cli import ArgumentParser, positive_int, resolve_device_dtype, run_cli
+    from kvlab.compiled import compile_cache_dir
     from kvlab.config import CACHE_KEYS, add_cache_flags, cache_spec, config_path, load_cache_config, resolve_settings
     from kvlab.convert import default_checkpoint
     from kvlab.duo import with_default_gates
-    from kvlab.engine import Sampling, compile_cache_dir, compile_decode_step, decode_one_token, prefill
+    from kvlab.engine import Sampling, compile_decode_step, decode_one_token, prefill
     from kvlab.memory import check_fits
     from kvlab.strategies import CACHE_STRATEGIES
 

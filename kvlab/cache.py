@@ -117,6 +117,12 @@ class KVCache(nn.Module):
     def maintain(self) -> None:
         """Host-side upkeep after each decode step (most caches need none)."""
 
+    @property
+    def upkept_between_steps(self) -> bool:
+        """Whether `maintain` works between decode steps: it may change the tensors or Python state a compiled
+        step reads, so the engine does not replay the step's graph (`CompiledStep.replaying`)."""
+        return type(self).maintain is not KVCache.maintain
+
     def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
         """Slots each sequence may fill, [B] (<= capacity); only caches that evict use it. `decode_room`
         [B]: of those, the slots left empty at prefill for the tokens decoded after it (kvpress's

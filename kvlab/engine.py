@@ -7,13 +7,10 @@ shapes) and `generate` for a batch of prompts through the caches a `CacheSpec` d
 
 from __future__ import annotations
 
-import functools
-import os
+import contextlib
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ from kvlab import parallel
 from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_over_model
 from kvlab.cache import KVCache
 from kvlab.chunked import chunk_length, chunk_ready, first_chunk, prefill_chunk_step, prefill_rest
+from kvlab.compiled import CompiledStep, compiled_step_options
 from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe
 from kvlab.generation import Generation, summarize
@@ -66,51 +64,11 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, tempe
     return sample(logits[:, -1], temperature, top_k)
 
 
-def compile_cache_dir() -> Path:
-    """Where compiled graphs persist between processes (chosen when kvlab is imported: kvlab/__init__.py)."""
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-
-
-def compiled_step_options(device: torch.device) -> dict[str, Any]:
-    """Inductor settings of the compiled decode step on `device` (bench/bench_decode_profile.py measures
-    the alternatives). A GPU replays the step as a CUDA graph ("reduce-overhead"). A CPU step gets a C++
-    wrapper: the ~5 native-op calls and ~3 fused kernels per layer are called from C++ rather than Python,
-    0.2-0.45 ms of a 7 ms int4 step at 512 (4-5%). The wrapper's entry is compiled apart from its kernels, which
-    keeps the first compile no slower than a Python wrapper's (a 30-layer step's entry at -O1 otherwise
-    adds ~90 s)."""
-    if device.type == "cuda":
-        return {"triton.cudagraphs": True}
-    return {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-
-
-def with_own_code(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """`function` with a code object of its own. Dynamo keeps compiled graphs per code object and checks
-    their guards in turn on every call, so a step compiled for one model would otherwise check the graphs
-    of every other step compiled from the same function in the process (three int4 variants in one process:
-    each ran 8-10% slower)."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__, function.__closure__)
-
-
-def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> Callable[..., Tensor]:
-    """`step` compiled whole (fullgraph) with `compiled_step_options`, or with stock Inductor and the
-    settings `inductor` names when it is given. Dynamo treats every module buffer as
-    static-shape unless force_parameter_static_shapes is off; planned caches mark their slot axis
-    dynamic (`mark_slots_dynamic`) so one compiled step serves every plan. Guards skip the module trees
-    whose attribute dicts are unchanged since the last call (recursive dict tags: a CPU decode step's
-    guard check goes from 1.06 to 0.38 ms). Both settings apply to this step's calls only, not to the
-    importing program. Inductor's size and stride checks on the graph's inputs are off: Dynamo's guards
-    already check them, and at SmolLM2's size the 600 checks cost 0.5 ms of a 10 ms CPU step. Compiled
-    graphs persist in `compile_cache_dir()`. Each call compiles its own copy of `step` (`with_own_code`),
-    so steps compiled apart keep apart the graphs they compile."""
-    options = {"size_asserts": False, **(compiled_step_options(device) if inductor is None else inductor)}
-    compiled = torch.compile(with_own_code(step), options=options, fullgraph=True)
-
-    @functools.wraps(step)
-    def run(*args: Any) -> Tensor:
-        with torch._dynamo.config.patch(force_parameter_static_shapes=False, use_recursive_dict_tags_for_guards=True):
-            return compiled(*args)
-
-    return run
+def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> CompiledStep:
+    """`step` compiled whole with `compiled_step_options`, or with stock Inductor and the settings
+    `inductor` names when it is given (size checks off either way). Each call compiles its own copy of
+    `step`, so steps compiled apart keep apart the graphs they compile."""
+    return CompiledStep(step, compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor})
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -307,18 +265,19 @@ def decode_rest(
     check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
     n, first_step_seconds = 1, 0.0
     t0 = time.perf_counter()
-    while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
-        c = forced + n
-        out[:, c] = decode_step(model, out[:, c - 1 : c].clone(), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
-        maintain(caches)
-        stopped |= torch.isin(out[:, c], stop)
-        n += 1
-        if on_token is not None:
-            on_token(out[:, c].tolist())
-        if n == 2:
-            sync(device)
-            first_step_seconds = time.perf_counter() - t0
-            t0 = time.perf_counter()
+    with replayed(decode_step, caches) as step:
+        while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
+            c = forced + n
+            out[:, c] = step(model, out[:, c - 1 : c].clone(), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
+            maintain(caches)
+            stopped |= torch.isin(out[:, c], stop)
+            n += 1
+            if on_token is not None:
+                on_token(out[:, c].tolist())
+            if n == 2:
+                sync(device)
+                first_step_seconds = time.perf_counter() - t0
+                t0 = time.perf_counter()
     sync(device)
     return n, first_step_seconds, time.perf_counter() - t0 if n > 2 else 0.0
 
@@ -368,6 +327,14 @@ def generate(
     rows = [cut_at_stop(row[s : min(s + max_new_tokens, batch.forced + n)], stop_ids) for row, s in zip(out.tolist(), batch.suffix, strict=True)]
     seconds = (prefill_seconds, first_step_seconds, decode_seconds)
     return summarize(model, rows, batch.lens, n - 1, seconds, ready.caches, ready.probes, ready.budgets, ready.similarity, spec)
+
+
+def replayed(decode_step: Callable[..., Tensor], caches: Sequence[KVCache]) -> contextlib.AbstractContextManager[Callable[..., Tensor]]:
+    """The step for a decode loop: a compiled step replaying its graph (`CompiledStep.replaying`) unless a cache
+    is upkept between steps, else the step as given."""
+    if isinstance(decode_step, CompiledStep) and not any(cache.upkept_between_steps for cache in caches):
+        return decode_step.replaying()
+    return contextlib.nullcontext(decode_step)
 
 
 def maintain(caches: Sequence[KVCache]) -> None:
