@@ -237,7 +237,7 @@ def prefill_batch(
     first = torch.tensor(batch.suffix, device=device)
     out[:, 0] = torch.where(first == 0, next_token, out[:, 0])
     for c in range(1, forced + 1):  # the rest of each prompt through the compressed cache
-        next_token = decode_step(model, out[:, c - 1 : c].clone(), (prefill_lens + c - 1)[:, None], temperature, top_k)
+        next_token = decode_step(model, token_column(out, c - 1), (prefill_lens + c - 1)[:, None], temperature, top_k)
         maintain(ready.caches)
         out[:, c] = torch.where(first <= c, next_token, out[:, c])
     return out
@@ -268,7 +268,7 @@ def decode_rest(
     with replayed(decode_step, caches) as step:
         while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
             c = forced + n
-            out[:, c] = step(model, out[:, c - 1 : c].clone(), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
+            out[:, c] = step(model, token_column(out, c - 1), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
             maintain(caches)
             stopped |= torch.isin(out[:, c], stop)
             n += 1
@@ -327,6 +327,12 @@ def generate(
     rows = [cut_at_stop(row[s : min(s + max_new_tokens, batch.forced + n)], stop_ids) for row, s in zip(out.tolist(), batch.suffix, strict=True)]
     seconds = (prefill_seconds, first_step_seconds, decode_seconds)
     return summarize(model, rows, batch.lens, n - 1, seconds, ready.caches, ready.probes, ready.budgets, ready.similarity, spec)
+
+
+def token_column(tokens: Tensor, c: int) -> Tensor:
+    """Column c of tokens [B, L] as a [B, 1] tensor with standard strides: a step's input never carries L in its
+    strides (a [1, 1] slice keeps stride L, so each max_new_tokens would compile a step of its own)."""
+    return tokens[:, c : c + 1].clone(memory_format=torch.contiguous_format)
 
 
 def replayed(decode_step: Callable[..., Tensor], caches: Sequence[KVCache]) -> contextlib.AbstractContextManager[Callable[..., Tensor]]:

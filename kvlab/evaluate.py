@@ -29,7 +29,7 @@ from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
 from kvlab.config import CacheSpec, model_scored
 from kvlab.convert import default_checkpoint
-from kvlab.engine import compile_decode_step, decode_one_token, generate, maintain, replayed
+from kvlab.engine import compile_decode_step, decode_one_token, generate, maintain, replayed, token_column
 from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
 from kvlab.model import ModelArgs, Transformer
 from kvlab.recording import RecordedPrefill
@@ -122,7 +122,7 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
     with replayed(step, caches) as call:
         for p in range(P, L - 1):
-            losses.append(call(model, tokens[:, p : p + 1], torch.full((B, 1), p, device=device), tokens[:, p + 1])[:, None])
+            losses.append(call(model, token_column(tokens, p), torch.full((B, 1), p, device=device), token_column(tokens, p + 1)[:, 0])[:, None])
             maintain(caches)
     return torch.cat(losses, dim=1), rows_held(model)
 

@@ -39,6 +39,21 @@ def test_a_decode_loop_goes_through_dynamo_once_and_replays_the_rest(tiny_model)
         assert step.recorded is None  # dropped after the loop: no cache kept alive
 
 
+def test_one_graph_serves_every_max_new_tokens_and_replays(tiny_model):
+    """The step's token is a column of the output buffer, whose row length is max_new_tokens: it is passed
+    with standard strides, so another max_new_tokens neither recompiles nor leaves a graph that takes the
+    stride as an input (which replay could not fill in)."""
+    prompts = [[1, 2, 3, 4, 5, 6]]
+    eager = {n: generate(tiny_model, prompts, n, max_seq_length=24).tokens for n in (4, 9)}
+    torch._dynamo.reset()
+    step = Counting(decode_one_token, compiled_step_options(CPU))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for i, n in enumerate((4, 9)):
+        assert generate(tiny_model, prompts, n, decode_step=step, max_seq_length=24).tokens == eager[n]
+        assert step.dynamo_calls == i + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
 def test_caches_upkept_between_steps_are_not_replayed(tiny_model):
     """ClusterKV clusters between steps (`maintain`), changing what the step reads: its loop goes through Dynamo
     every step (tests/test_recall.py checks its compiled tokens); a full cache's loop replays."""
