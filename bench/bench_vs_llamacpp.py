@@ -2,13 +2,15 @@
 
     pip install -e ".[bench]"          # llama-cpp-python, built from source with this CPU's flags (~5 min)
     python bench/bench_vs_llamacpp.py  # prompts of 512 and 2048 tokens, 64 new tokens, 5 interleaved rounds
+    python bench/bench_vs_llamacpp.py --groups bf16 --out /tmp/bf16.md   # some groups of weights only
 
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
 and the shipped Q4_1 itself), cached in ~/.cache/kvlab/gguf. kvlab runs its float32 checkpoint and that
 checkpoint quantized as scripts/quantize.py writes it (int8 per channel, int4 in groups of 32, its products
 taking x rounded to int16 per block of 32, the default), and the int4 one twice more: x in float32
-(KVLAB_INT4_X=float32) and x rounded to int8 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics).
+(KVLAB_INT4_X=float32) and x rounded to int8 (KVLAB_INT4_X=int8: llama.cpp's Q4 x Q8_0 numerics). The bf16
+group runs the float32 checkpoint cast to bfloat16 (a bfloat16 cache) against a BF16 GGUF.
 
 The cache: llama.cpp's default is F16 keys and values; kvlab's rows use the same, a float16 cache
 (`--cache_bits 16`), which its native attention reads as it is. One more row runs kvlab's float32 weights
@@ -19,7 +21,7 @@ default batches of 512; kvlab eager, as generate.py runs it). Decode: tok/s over
 first, kvlab's compiled (generate.py --compile). Without llama-cpp-python the bench says so and measures
 kvlab alone.
 
-Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32>_<n>" and
+Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32|bf16>_<n>" and
 "prefill_fp32_<n>": {"kvlab": tok/s, "llamacpp": tok/s (null without it), "ratio"}, "cpu", "threads",
 "load", "isa", "llamacpp_int4": the GGUF of the int4 row, "same_greedy_tokens_fp32": how many leading
 greedy tokens kvlab float32 and llama.cpp F32 share, "rounds": every round's (prefill, decode) tok/s}.
@@ -42,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import QUANTIZATIONS, Bench, bench_parser, load_bench, machine, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, Bench, bench_parser, interleaved, load_bench, machine, parse_bench_args, row, table, write_results
 from kvlab import kernels
 from kvlab.config import cache_spec
 from kvlab.convert import default_gguf_path
@@ -52,15 +54,16 @@ from kvlab.quantize import Int4Linear, quantize_model
 
 HALF_CACHE = {"cache_strategy": "full", "cache_bits": 16}  # llama.cpp's default cache type, F16
 FLOAT_CACHE = {"cache_strategy": "full"}
-GGUF_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
+GGUF_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}  # llama.cpp's LLAMA_FTYPE_* values
 # kvlab's variants per group of weights: name -> (cache settings, the bits x takes in the int4 products: None for
 # the default, int16)
 GROUPS = {
     "fp32": {"fp32": (HALF_CACHE, None), "fp32_kv32": (FLOAT_CACHE, None)},
     "int8": {"int8": (HALF_CACHE, None)},
     "int4": {"int4": (HALF_CACHE, None), "int4_x32": (HALF_CACHE, 32), "int4_x8": (HALF_CACHE, 8)},
+    "bf16": {"bf16": (FLOAT_CACHE, None)},  # a bfloat16 model's cache is bfloat16: 16 bits, as llama.cpp's F16
 }
-LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"]}  # kvlab weights -> the GGUFs it is measured against
+LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"], "bf16": ["BF16"]}  # kvlab weights -> the GGUFs it is measured against
 
 
 def gguf_file(kind: str) -> Path:
@@ -113,19 +116,6 @@ def kvlab_run(model, step, cache: dict, ids: list[int], new_tokens: int) -> Call
     return run
 
 
-def interleaved(runs: dict[str, Callable[[], tuple[float, float]]], repeats: int) -> dict[str, list[tuple[float, float]]]:
-    """Each run once to warm up (and compile), then `repeats` rounds of every run in turn, the order reversed
-    every other round: the machine's memory bandwidth moves between rounds (other tenants), and each round's
-    runs see the same machine, so ratios are taken within a round."""
-    for run in runs.values():
-        run()
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
-    for i in range(repeats):
-        for name in list(runs)[:: 1 if i % 2 == 0 else -1]:
-            results[name].append(runs[name]())
-    return results
-
-
 def same_greedy_tokens(model, prompt: list[int], new_tokens: int) -> int:
     """How many of `new_tokens` greedy tokens kvlab's float32 model and llama.cpp's F32 GGUF, each over a float16 cache,
     agree on, from the start."""
@@ -151,7 +141,9 @@ def llamacpp_available() -> bool:
 
 
 def weights_of(bench: Bench, group: str) -> torch.nn.Module:
-    """The float32 model, or a copy quantized as scripts/quantize.py writes it."""
+    """The float32 model, a bfloat16 copy, or a copy quantized as scripts/quantize.py writes it."""
+    if group == "bf16":
+        return copy.deepcopy(bench.model).to(torch.bfloat16)
     return bench.model if group == "fp32" else quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[group])
 
 
@@ -168,7 +160,8 @@ def measure(args) -> tuple[Bench, dict]:
     bench = load_bench("cpu", "float32")
     with_llamacpp = llamacpp_available()
     samples: dict = {}
-    for group, variants in GROUPS.items():
+    for group in args.groups:
+        variants = GROUPS[group]
         torch._dynamo.reset()
         model = weights_of(bench, group)
         lay_out_for_matvec(model)
@@ -182,7 +175,7 @@ def measure(args) -> tuple[Bench, dict]:
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)
         del llms
-    if with_llamacpp:
+    if with_llamacpp and "fp32" in args.groups:
         samples["same_greedy_tokens"] = same_greedy_tokens(bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens)
     return bench, samples
 
@@ -212,20 +205,26 @@ def results_of(args, samples: dict) -> dict:
     """The JSON record: the issue's keys (and the extra rows'), then the machine, llama.cpp's details and every round's rates."""
     results: dict = {}
     lengths = args.prompt_lengths
-    by_gguf = {
-        g: {n: [median_of(samples[group, n][g], 0), median_of(samples[group, n][g], 1)] for n in lengths} for group, gs in LLAMA_WEIGHTS.items() for g in gs
-    }
-    best = {group: max(gs, key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group, gs in LLAMA_WEIGHTS.items()}
-    with_llamacpp = "same_greedy_tokens" in samples
-    for group, variants in GROUPS.items():
-        for name in variants:
+    with_llamacpp = all(g in samples[group, lengths[0]] for group in args.groups for g in LLAMA_WEIGHTS[group])
+    by_gguf = (
+        {
+            g: {n: [median_of(samples[group, n][g], 0), median_of(samples[group, n][g], 1)] for n in lengths}
+            for group in args.groups
+            for g in LLAMA_WEIGHTS[group]
+        }
+        if with_llamacpp
+        else {}
+    )
+    best = {group: max(LLAMA_WEIGHTS[group], key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group in args.groups} if with_llamacpp else {}
+    for group in args.groups:
+        for name in GROUPS[group]:
             for n in lengths:
                 results[f"decode_{name}_{n}"] = cell(samples[group, n][name], samples[group, n][best[group]] if with_llamacpp else None, 1)
-    for n in lengths:
+    for n in lengths if "fp32" in args.groups else ():
         results[f"prefill_fp32_{n}"] = cell(samples["fp32", n]["fp32"], samples["fp32", n]["F32"] if with_llamacpp else None, 0)
     results |= {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "load": os.getloadavg(), "isa": kernels.REASON}
     if with_llamacpp:
-        results |= {"llamacpp_int4": best["int4"], "llamacpp_by_gguf": by_gguf, "same_greedy_tokens_fp32": samples["same_greedy_tokens"]}
+        results |= {"llamacpp_int4": best.get("int4"), "llamacpp_by_gguf": by_gguf, "same_greedy_tokens_fp32": samples.get("same_greedy_tokens")}
     results["rounds"] = {f"{group}@{n}": runs for (group, n), runs in ((k, v) for k, v in samples.items() if isinstance(k, tuple))}
     return results
 
@@ -236,8 +235,14 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
 
 def report_lines(args, bench, results: dict) -> list[str]:
     int4 = results.get("llamacpp_int4") or "Q4_0/Q4_1"
-    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x32": int4, "int4_x8": int4, "fp32_kv32": "F32"}
-    weights_of = {"int4": "int4, x int16", "int4_x32": "int4, x float32", "int4_x8": "int4, x int8", "fp32_kv32": "fp32, float32 cache"}
+    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x32": int4, "int4_x8": int4, "fp32_kv32": "F32", "bf16": "BF16"}
+    weights_of = {
+        "int4": "int4, x int16",
+        "int4_x32": "int4, x float32",
+        "int4_x8": "int4, x int8",
+        "fp32_kv32": "fp32, float32 cache",
+        "bf16": "bf16, bfloat16 cache",
+    }
     cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
@@ -254,11 +259,14 @@ def report_lines(args, bench, results: dict) -> list[str]:
             align="---:",
         ),
     ]
-    if "same_greedy_tokens_fp32" in results:
+    if results.get("same_greedy_tokens_fp32") is not None:
         lines += [
             f"kvlab float32 and llama.cpp F32 agree on the first {results['same_greedy_tokens_fp32']} of {args.new_tokens} greedy tokens "
             f"from the {min(args.prompt_lengths)}-token prompt.",
             "",
+        ]
+    if results.get("llamacpp_by_gguf"):
+        lines += [
             "llama.cpp per GGUF (prefill / decode tok/s):",
             "",
             *table(
@@ -274,6 +282,13 @@ def main() -> None:
     p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per run (default: 64)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up; medians over them are reported (default: 5)")
+    p.add_argument(
+        "--groups",
+        nargs="+",
+        default=list(GROUPS),
+        choices=list(GROUPS),
+        help=f"groups of weights to run (default: all: {' '.join(GROUPS)}); prefill rows come with fp32",
+    )
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()
     bench, samples = measure(args)

@@ -118,6 +118,19 @@ def after_warmup(run: Callable[[], T], repeats: int) -> list[T]:
     return [run() for _ in range(repeats)]
 
 
+def interleaved(runs: dict[str, Callable[[], T]], repeats: int) -> dict[str, list[T]]:
+    """Each run once to warm up (and compile), then `repeats` rounds of every run in turn, the order reversed
+    every other round: the machine's memory bandwidth moves between rounds (other tenants), and each round's
+    runs see the same machine, so ratios are taken within a round."""
+    for run in runs.values():
+        run()
+    results: dict[str, list[T]] = {name: [] for name in runs}
+    for i in range(repeats):
+        for name in list(runs)[:: 1 if i % 2 == 0 else -1]:
+            results[name].append(runs[name]())
+    return results
+
+
 def median_decode_rate(runs: Iterable[Generation]) -> float:
     return statistics.median(decode_rate(r) for r in runs)
 

@@ -7,10 +7,10 @@ every op runs torch's kernels instead, and one line says so. `python -m kvlab.ke
 is active and checks it against torch.
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
-call for both) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
+call for both; float32, or bfloat16 weights and x with float32 sums) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
 layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp). The native ops run a CPU float32 decode step
-of at most MAX_ROWS rows; torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
+of at most MAX_ROWS rows (its products also in bfloat16); torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -99,6 +99,14 @@ def register_fakes() -> None:
     def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("kvlab::linear_bf16")
+    def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("kvlab::gated_bf16")
+    def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], gate.shape[0])
+
     @torch.library.register_fake("kvlab::linear_int8")
     def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty(*x.shape[:-1], q.shape[0])
@@ -157,16 +165,22 @@ def path() -> str:
     return f"native {REASON}" if NATIVE else f"torch ({REASON})"
 
 
-def takes(x: Tensor) -> bool:
-    """Whether the native matrix-vector kernels run this input: a CPU float32 decode step (at most MAX_ROWS
+def takes(x: Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the native matrix-vector kernels run this input: a CPU decode step in `dtype` (at most MAX_ROWS
     rows) outside autograd. Its shape is static, so a compiled step decides once."""
-    return NATIVE and x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.numel() <= MAX_ROWS * x.shape[-1]
+    return NATIVE and x.device.type == "cpu" and x.dtype == dtype and not x.requires_grad and x.numel() <= MAX_ROWS * x.shape[-1]
 
 
 def takes_weight(x: Tensor, *tensors: Tensor) -> bool:
     """Whether the native kernels run x against a weight stored as `tensors`: `takes(x)`, and every one of
     them a contiguous tensor on the CPU (float ones in float32), as the ops read them."""
     return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
+
+
+def takes_bfloat16(x: Tensor, *weights: Tensor) -> bool:
+    """Whether the native bfloat16 products run x against `weights`: `takes(x, torch.bfloat16)`, and every weight
+    a contiguous bfloat16 tensor on the CPU."""
+    return takes(x, torch.bfloat16) and all(w.device.type == "cpu" and w.is_contiguous() and w.dtype == torch.bfloat16 for w in weights)
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -178,15 +192,19 @@ def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias: the native kernel where it `takes_weight`, else F.linear."""
+    """x @ weight.T + bias: the native kernel where it `takes_weight` (float32) or `takes_bfloat16`, else F.linear."""
     if takes_weight(x, weight):
         return torch.ops.kvlab.linear_fp32(x, weight, bias)
+    if takes_bfloat16(x, weight) and (bias is None or bias.dtype == torch.bfloat16):
+        return torch.ops.kvlab.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
     """silu(x @ gate.T) * (x @ up.T), SwiGLU's gate and up projections: one native call where it
-    `takes_weight`, else torch's three ops."""
+    `takes_weight` or `takes_bfloat16`, else torch's three ops."""
     if takes_weight(x, gate, up):
         return torch.ops.kvlab.gated_fp32(x, gate, up)
+    if takes_bfloat16(x, gate, up):
+        return torch.ops.kvlab.gated_bf16(x, gate, up)
     return F.silu(F.linear(x, gate)) * F.linear(x, up)

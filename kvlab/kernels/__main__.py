@@ -13,9 +13,11 @@ from kvlab.model import attention_mask, grouped_attention
 from kvlab.quantize import GROUPSIZES, dequantize_int4, int4_codes, quantize_int4, quantize_int8
 
 
-def mismatch(op: str, got: Tensor, want: Tensor, terms: int, magnitude: float) -> list[str]:
-    """A failure line where `got` is further from `want` than summation order explains."""
-    error, bound = (got - want).abs().max().item(), kernels.reordering_atol(terms, magnitude)
+def mismatch(op: str, got: Tensor, want: Tensor, terms: int, magnitude: float, rounded: float = 0.0) -> list[str]:
+    """A failure line where `got` is further from `want` than summation order explains, beyond `rounded` x |want|
+    (an output rounded to bfloat16 once more: 2^-8, half its last place)."""
+    error = ((got.float() - want).abs() - rounded * want.abs()).max().item()
+    bound = kernels.reordering_atol(terms, magnitude)
     return [f"{op} {tuple(got.shape)} K={terms}: off by {error:.2e} > {bound:.2e}"] if error > bound else []
 
 
@@ -72,7 +74,18 @@ def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
     failures += mismatch("gated_int8", torch.ops.kvlab.gated_int8(x, q, scales, q_up, s_up), want, k, gated_magnitude)
     for groupsize in GROUPSIZES:
         failures += check_int4(x, w, up, b, groupsize)
-    return failures
+    return failures + check_bfloat16(x, w, b, up)
+
+
+def check_bfloat16(x: Tensor, w: Tensor, b: Tensor, up: Tensor) -> list[str]:
+    """The bfloat16 product and gated projection against torch's float32 ones on the same bfloat16 values:
+    float32 sums in another order, then one rounding of the output to bfloat16."""
+    x, w, b, up = (t.bfloat16() for t in (x, w, b, up))
+    xf, wf, uf = x.float(), w.float(), up.float()
+    magnitude, k = max((xf.abs() @ wf.abs().T).max().item(), (xf.abs() @ uf.abs().T).max().item()), x.shape[-1]
+    failures = mismatch("linear_bf16", torch.ops.kvlab.linear_bf16(x, w, b), F.linear(xf, wf, b.float()), k, magnitude, 2.0**-8)
+    gated_want = F.silu(F.linear(xf, wf)) * F.linear(xf, uf)
+    return failures + mismatch("gated_bf16", torch.ops.kvlab.gated_bf16(x, w, up), gated_want, k, 2.1 * magnitude**2, 2.0**-8)
 
 
 def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> list[str]:

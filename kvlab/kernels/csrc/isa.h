@@ -2,6 +2,7 @@
 // has (AVX-512F, else AVX2 with FMA and F16C, else scalar C++), or KVLAB_KERNEL_ISA=scalar|avx2|avx512 where the CPU
 // has it (tests run each path on one machine); plus helpers the SIMD paths share.
 #pragma once
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -57,14 +58,21 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Float32 or float16 elements as float32 vectors: 8 (AVX2, F16C converting float16) or 16 (AVX-512) at a time.
+// Float32, float16 or bfloat16 elements as float32 vectors: 8 (AVX2, F16C converting float16) or 16 (AVX-512) at a time.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// bfloat16 elements are a float32's upper 16 bits: widened by a shift.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f"))) inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
 // Lane i of the result is the sum of v[i]'s lanes: a transpose-and-add tree, three instructions per sum.
