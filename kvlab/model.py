@@ -250,9 +250,10 @@ def attention_mask(key_pos: Tensor, query_pos: Tensor) -> Tensor:
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention over the cache's slots (`grouped_attention` under `attention_mask`): kvlab's
     native kernel, with the mask and softmax fused, where it runs and no probabilities are wanted. Keys and
-    values in another dtype than q (a 16-bit cache's) are read as they are by the kernel, else widened to q's."""
+    values in another dtype than q (a 16-bit cache's) are read as they are by the kernel, else widened to q's. The
+    kernel's queries and output are float32: a bfloat16 model's are widened and rounded back."""
     if not return_probs and kernels.takes_attention(q, k, v):
-        return torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos), None
+        return torch.ops.kvlab.attend_fp32(q.float(), k, v, key_pos, query_pos).to(q.dtype), None
     return grouped_attention(q, k.to(q.dtype), v.to(q.dtype), attention_mask(key_pos, query_pos), return_probs)
 
 

@@ -327,7 +327,7 @@ def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: i
 
 
 @native
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,steps,slots,dim,per_head",
     [
@@ -346,7 +346,7 @@ def test_attention_equals_torch_over_any_slots(batch, heads, kv_heads, steps, sl
     (four vectors a step), 32 and 16 (AVX2: two), 40 (one at a time; no whole number of AVX-512's vectors: the
     scalar path there), or wider than the SIMD paths take (272: the scalar path); up to 8 query positions, so
     1 to 8 rows per KV head, in groups of three for AVX2's scores and four for the weighted sums; keys and
-    values float32 or float16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
+    values float32, float16 or bfloat16, a 16-bit cache's, which widen to float32 exactly) against grouped_attention
     under attention_mask over the widened keys and values, within the bound `attention_reference` derives."""
     q, k, v, key_pos, query_pos = attention_inputs(batch, heads, kv_heads, steps, slots, dim, per_head)
     k, v = k.to(kv_dtype), v.to(kv_dtype)
@@ -364,7 +364,7 @@ def test_attention_that_ignores_the_mask_is_caught():
 
 
 @native
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_an_empty_slot_holding_nan_adds_nothing(kv_dtype):
     """An empty slot (-1) may hold anything, NaN included (a slot never written, a block of a pool): the rows
     that do not see it get what torch gives over the cache with that slot zeroed. Slots 5 and 37 sit inside

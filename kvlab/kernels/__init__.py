@@ -184,10 +184,10 @@ def takes_bfloat16(x: Tensor, *weights: Tensor) -> bool:
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the native decode attention runs: CPU tensors outside autograd, float32 q with k and v both float32
-    or both float16 (a 16-bit cache), at most MAX_ROWS query positions."""
+    """Whether the native decode attention runs: CPU tensors outside autograd, float32 or bfloat16 q (a bfloat16
+    one widened) with k and v both float32, float16 or bfloat16, at most MAX_ROWS query positions."""
     tensors = (q, k, v)
-    dtypes = q.dtype == torch.float32 and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
+    dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
     return NATIVE and dtypes and q.shape[2] <= MAX_ROWS and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
 
 

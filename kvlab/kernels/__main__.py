@@ -123,7 +123,7 @@ def check_attention(
     g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, slots: int, dim: int, per_head: bool, kv_dtype: torch.dtype
 ) -> list[str]:
     """Decode attention over `slots` slots, some empty (-1), positions shared or per KV head, keys and values
-    float32 or float16 (against torch over them widened to float32, exactly)."""
+    float32, float16 or bfloat16 (against torch over them widened to float32, exactly)."""
     q, (k, v) = torch.randn(batch, heads, steps, dim, generator=g), torch.randn(2, batch, kv_heads, slots, dim, generator=g).to(kv_dtype)
     key_pos = torch.randint(-1, slots, (batch, kv_heads, slots) if per_head else (batch, slots), generator=g)
     query_pos = torch.arange(slots - steps, slots).expand(batch, steps)
@@ -138,7 +138,12 @@ def check() -> list[str]:
     failures = []
     for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5)]:
         failures += check_matvec(g, rows, k, n)
-    for shape in [(1, 9, 3, 1, 600, 64, False, torch.float32), (2, 4, 2, 3, 70, 64, True, torch.float16), (1, 8, 8, 5, 37, 40, False, torch.float16)]:
+    for shape in [
+        (1, 9, 3, 1, 600, 64, False, torch.float32),
+        (2, 4, 2, 3, 70, 64, True, torch.float16),
+        (1, 8, 8, 5, 37, 40, False, torch.float16),
+        (1, 9, 3, 1, 300, 64, True, torch.bfloat16),
+    ]:
         failures += check_attention(g, *shape)
     return failures
 

@@ -2,8 +2,8 @@
 // p = softmax_j(q[b, h, t] . k[b, h_kv, j] / sqrt(D)) over the slots j whose position is filled (>= 0)
 // and no later than the query's (key_pos [B, S] shared by the KV heads, or [B, H_kv, S] per head, -1 for
 // an empty slot), h_kv = h / (H / H_kv). The same mask as kvlab.model.attention_mask, so it serves the
-// static cache and every compressed cache's slots alike. Keys and values are float32, or float16 (a
-// 16-bit cache: half the bytes to read, widened to float32 as they are loaded); the arithmetic is float32.
+// static cache and every compressed cache's slots alike. Keys and values are float32, float16 or bfloat16
+// (16-bit caches: half the bytes, widened to float32 as they load); the arithmetic is float32.
 //
 // Each (sequence, KV head, run of kChunk slots) is one task: the query heads sharing the KV head read
 // each key and value row once. A task keeps its rows' maximum score, sum of exponentials and weighted
@@ -75,7 +75,7 @@ static void weighted_sum_scalar(const float* p, const T* v, float* acc, int64_t 
 }
 
 // The SIMD paths take heads of whole vectors (D a multiple of 16 on AVX-512, of 8 on AVX2: every model's
-// head size; others take the scalar path). Scores on AVX-512: a task's keys in blocks of 16 rows, float16
+// head size; others take the scalar path). Scores on AVX-512: a task's keys in blocks of 16 rows, 16-bit
 // ones widened once into a float32 block (float32 ones read in place), each query row's 16 products
 // accumulated in registers, summed by one transpose-and-add tree and masked, each row's maximum kept per
 // lane; on AVX2 (scores_rows_avx2) up to 3 query rows against 4 keys at a time. Weighted sums: each value
@@ -354,12 +354,12 @@ static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tens
   return y;
 }
 
-// y [B, H, T, D] for q [B, H, T, D] float32, k and v [B, H_kv, S, D] float32 or float16 (both alike), key_pos
+// y [B, H, T, D] for q [B, H, T, D] float32, k and v [B, H_kv, S, D] float32, float16 or bfloat16 (both alike), key_pos
 // [B, S] or [B, H_kv, S] and query_pos [B, T] int64. A query that sees no slot gets zeros, as torch's attention gives it.
 at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos, const at::Tensor& query_pos) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "kvlab::attend_fp32: q [B, H, T, D], k and v [B, H_kv, S, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) && v.scalar_type() == k.scalar_type(),
-              "kvlab::attend_fp32 takes float32 q, and k and v both float32 or both float16");
+  const bool kv_dtype = k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf || k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype && v.scalar_type() == k.scalar_type(), "kvlab::attend_fp32 takes float32 q, and k and v of one of float32, float16, bfloat16");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0, "kvlab::attend_fp32: q ", q.sizes(), " does not match k ", k.sizes());
   const bool per_head = key_pos.dim() == 3;
@@ -376,7 +376,7 @@ at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   for (const int64_t p : row_pos) TORCH_CHECK(p < kNever, "kvlab::attend_fp32: query positions must be below 2^31 - 1, got ", p);
   const Isa isa = kernel_isa();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  auto run = [&](const auto* keys, const auto* values) {  // float or at::Half
+  auto run = [&](const auto* keys, const auto* values) {  // float, at::Half or at::BFloat16
     at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t b = task / (Hkv * chunks), h = task / chunks % Hkv, c = task % chunks, j0 = c * kChunk, n = std::min(kChunk, S - j0);
@@ -387,10 +387,9 @@ at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       }
     });
   };
-  if (kc.scalar_type() == at::kHalf)
-    run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
-  else
-    run(kc.data_ptr<float>(), vc.data_ptr<float>());
+  if (kc.scalar_type() == at::kHalf) run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
+  if (kc.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
+  if (kc.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return merge(m, l, acc).view({B, H, T, D});
 }
 }  // namespace kvlab
