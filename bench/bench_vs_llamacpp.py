@@ -2,7 +2,7 @@
 
     pip install -e ".[bench]"          # llama-cpp-python, built from source with this CPU's flags (~5 min)
     python bench/bench_vs_llamacpp.py  # prompts of 512 and 2048 tokens, 64 new tokens, 5 interleaved rounds
-    python bench/bench_vs_llamacpp.py --groups bf16 --out /tmp/bf16.md   # some groups of weights only
+    python bench/bench_vs_llamacpp.py --groups bf16 --out bench/results/vs_llamacpp_bf16_cpu.md   # some groups of weights only
 
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
