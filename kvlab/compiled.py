@@ -61,16 +61,18 @@ class GraphCall:
 
 def argument_slots(gm: torch.fx.GraphModule, parameters: list[str]) -> dict[int, int] | None:
     """For a graph Dynamo captured from a step with these parameters: input slot -> position of the step
-    argument it is. None when the graph cannot be replayed: it returns more than the step's one tensor (the
-    rest are Python side effects that only Dynamo's code applies), or an input derives from an argument (a
-    size, a view), which replay would not recompute."""
+    argument it is; inputs under the first argument (the model: weights, buffers, their sizes) stay as recorded.
+    None when the graph cannot be replayed: it returns more than the step's one tensor (the rest are Python
+    side effects that only Dynamo's code applies), or an input derives from another argument (a size, a
+    stride), which replay would not recompute."""
     outputs = next(node for node in gm.graph.nodes if node.op == "output").args[0]
     if not isinstance(outputs, tuple | list) or len(outputs) != 1:
         return None
     sources = [node.meta["grapharg"].source.name for node in gm.graph.nodes if node.op == "placeholder"]
     direct = {f"L[{name!r}]": position for position, name in enumerate(parameters)}
     slots = {slot: direct[source] for slot, source in enumerate(sources) if source in direct}
-    derived = [s for s in sources if s not in direct and any(s.startswith(name) for name in direct) and not s.startswith("L['model']")]
+    model = f"L[{parameters[0]!r}]"
+    derived = [s for s in sources if s not in direct and any(s.startswith(name) for name in direct) and not s.startswith(model)]
     return None if derived else slots
 
 
