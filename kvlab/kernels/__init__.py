@@ -171,16 +171,11 @@ def takes(x: Tensor, dtype: torch.dtype = torch.float32) -> bool:
     return NATIVE and x.device.type == "cpu" and x.dtype == dtype and not x.requires_grad and x.numel() <= MAX_ROWS * x.shape[-1]
 
 
-def takes_weight(x: Tensor, *tensors: Tensor) -> bool:
-    """Whether the native kernels run x against a weight stored as `tensors`: `takes(x)`, and every one of
-    them a contiguous tensor on the CPU (float ones in float32), as the ops read them."""
-    return takes(x) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == torch.float32 or not t.is_floating_point()) for t in tensors)
-
-
-def takes_bfloat16(x: Tensor, *weights: Tensor) -> bool:
-    """Whether the native bfloat16 products run x against `weights`: `takes(x, torch.bfloat16)`, and every weight
-    a contiguous bfloat16 tensor on the CPU."""
-    return takes(x, torch.bfloat16) and all(w.device.type == "cpu" and w.is_contiguous() and w.dtype == torch.bfloat16 for w in weights)
+def takes_weight(x: Tensor, *tensors: Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the native kernels run x against a weight stored as `tensors`: `takes(x, dtype)`, and every one of
+    them a contiguous tensor on the CPU (float ones in `dtype`: float32, or bfloat16 for the bfloat16 products),
+    as the ops read them."""
+    return takes(x, dtype) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == dtype or not t.is_floating_point()) for t in tensors)
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -192,19 +187,19 @@ def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias: the native kernel where it `takes_weight` (float32) or `takes_bfloat16`, else F.linear."""
+    """x @ weight.T + bias: the native float32 or bfloat16 kernel where it `takes_weight`, else F.linear."""
     if takes_weight(x, weight):
         return torch.ops.kvlab.linear_fp32(x, weight, bias)
-    if takes_bfloat16(x, weight) and (bias is None or bias.dtype == torch.bfloat16):
+    if takes_weight(x, weight, *([] if bias is None else [bias]), dtype=torch.bfloat16):
         return torch.ops.kvlab.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
     """silu(x @ gate.T) * (x @ up.T), SwiGLU's gate and up projections: one native call where it
-    `takes_weight` or `takes_bfloat16`, else torch's three ops."""
+    `takes_weight` (float32 or bfloat16), else torch's three ops."""
     if takes_weight(x, gate, up):
         return torch.ops.kvlab.gated_fp32(x, gate, up)
-    if takes_bfloat16(x, gate, up):
+    if takes_weight(x, gate, up, dtype=torch.bfloat16):
         return torch.ops.kvlab.gated_bf16(x, gate, up)
     return F.silu(F.linear(x, gate)) * F.linear(x, up)
