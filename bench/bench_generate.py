@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, time_hf, write_results
 from kvlab.convert import default_gguf_path
-from kvlab.engine import compile_decode_step, decode_one_token, generate, sync
+from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.quantize import FUSED, quantize_model, weight_bytes
 
 
@@ -31,25 +31,6 @@ def time_kvlab(model, prompt: list[int], new_tokens: int, decode_step, repeats: 
     runs = after_warmup(lambda: generate(model, [prompt], new_tokens, decode_step=decode_step), repeats)
     prefill = statistics.median(len(prompt) / r.prefill_seconds for r in runs)
     return prefill, median_decode_rate(runs)
-
-
-def time_hf(hf_model, prompt: list[int], new_tokens: int, repeats: int) -> tuple[float, float]:
-    """HF generate, greedy with its default dynamic cache: prefill from a 1-token generate, decode from
-    the extra time of `new_tokens` tokens."""
-    ids = torch.tensor([prompt], device=hf_model.device)
-
-    def seconds(n: int) -> float:
-        sync(hf_model.device)
-        t0 = time.perf_counter()
-        out = hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync(hf_model.device)
-        assert out.shape[1] == len(prompt) + n
-        return time.perf_counter() - t0
-
-    seconds(new_tokens)
-    one = statistics.median(seconds(1) for _ in range(repeats))
-    full = statistics.median(seconds(new_tokens) for _ in range(repeats))
-    return len(prompt) / one, (new_tokens - 1) / (full - one)
 
 
 def kernel_path(device: torch.device, mode: str) -> str:
@@ -90,7 +71,7 @@ def main() -> None:
         t0 = time.perf_counter()
         _, compiled_decode = time_kvlab(bench.model, prompt, new_tokens, compiled_step, args.repeats)
         compile_run_seconds = time.perf_counter() - t0
-        hf_prefill, hf_decode = time_hf(hf_model, prompt, new_tokens, args.repeats) if hf_model is not None else (float("nan"), float("nan"))
+        hf_prefill, hf_decode, _ = time_hf(hf_model, prompt, new_tokens, args.repeats) if hf_model is not None else (float("nan"), float("nan"))
         rows.append((n, eager_prefill, hf_prefill, eager_decode, compiled_decode, hf_decode, compile_run_seconds))
         print(
             f"prompt {n}: prefill {eager_prefill:.0f} tok/s (HF {hf_prefill:.0f}); decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s",

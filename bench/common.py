@@ -23,6 +23,7 @@ from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec
 from kvlab.convert import default_checkpoint
+from kvlab.engine import sync
 from kvlab.generation import Generation
 from kvlab.model import Transformer
 from kvlab.quantize import Quantization, quantize_model
@@ -133,6 +134,30 @@ def interleaved(runs: dict[str, Callable[[], T]], repeats: int) -> dict[str, lis
 
 def median_decode_rate(runs: Iterable[Generation]) -> float:
     return statistics.median(decode_rate(r) for r in runs)
+
+
+def time_hf(hf_model: torch.nn.Module, prompt: list[int], new_tokens: int, repeats: int, **generate_kwargs: Any) -> tuple[float, float, list[int]]:
+    """HF `generate`, greedy (with its default dynamic cache unless `generate_kwargs` say otherwise), after
+    a warm-up call: prefill tokens/s from a 1-token generate, decode tokens/s from the extra time of
+    `new_tokens` tokens (medians of `repeats`), and the tokens it generated."""
+    ids = torch.tensor([prompt], device=hf_model.device)
+    mask = torch.ones_like(ids)  # else HF takes each pad id (0) in the prompt for padding
+    generated: list[int] = []
+
+    def seconds(n: int) -> float:
+        nonlocal generated
+        sync(hf_model.device)
+        t0 = time.perf_counter()
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **generate_kwargs)
+        sync(hf_model.device)
+        assert out.shape[1] == len(prompt) + n
+        generated = out[0, len(prompt) :].tolist()
+        return time.perf_counter() - t0
+
+    seconds(new_tokens)
+    one = statistics.median(seconds(1) for _ in range(repeats))
+    full = statistics.median(seconds(new_tokens) for _ in range(repeats))
+    return len(prompt) / one, (new_tokens - 1) / (full - one), generated
 
 
 def seconds_per_call(fn: Callable[[], object], repeats: int = 20) -> float:

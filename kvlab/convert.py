@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from kvlab.checkpoint import CHECKPOINTS_DIR, DEFAULT_MODEL, CheckpointError, check_destination, contained, save_checkpoint
-from kvlab.model import ConfigError, ModelArgs
+from kvlab.model import ConfigError, ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer import GGUF_PRE_PATTERNS
 from kvlab.tokenizer_files import chat_config, pattern_from_pre_tokenizer
 
@@ -171,9 +172,19 @@ def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) 
         raise CheckpointError(f"{config_path}: {e}") from e
     except KeyError as e:
         raise CheckpointError(f"{config_path}: no {e.args[0]!r}, which a {cfg['model_type']} config.json gives") from None
+    state = kvlab_state_from_hf(read_hf_safetensors(hf_dir), str(hf_dir))
+    name = name or hf_dir.name
+    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_hf(hf_dir, d), {"hf_dir": str(hf_dir)})
+    return Path(out_dir)
+
+
+def kvlab_state_from_hf(hf_state: Mapping[str, Tensor], source: str) -> dict[str, Tensor]:
+    """A Hugging Face model's tensors under kvlab's names, q, k and v fused into `wqkv` (the others are
+    the same tensors, not copies). `source` names where they came from in the error for a tensor kvlab
+    has no place for."""
     state: dict[str, Tensor] = {}
     qkv: dict[tuple[str, str], dict[str, Tensor]] = {}
-    for hf_name, tensor in read_hf_safetensors(hf_dir).items():
+    for hf_name, tensor in hf_state.items():
         if HF_IGNORED.fullmatch(hf_name):
             continue
         m = HF_QKV.fullmatch(hf_name)
@@ -185,12 +196,32 @@ def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) 
                 state[re.sub(pattern, target, hf_name)] = tensor
                 break
         else:
-            raise CheckpointError(f"{hf_dir}: unexpected tensor {hf_name!r}")
+            raise CheckpointError(f"{source}: unexpected tensor {hf_name!r}")
     for (layer, part), proj in qkv.items():
         state[f"layers.{layer}.attention.wqkv.{part}"] = torch.cat([proj["q"], proj["k"], proj["v"]])
-    name = name or hf_dir.name
-    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_hf(hf_dir, d), {"hf_dir": str(hf_dir)})
-    return Path(out_dir)
+    return state
+
+
+def model_from_hf(hf_model: torch.nn.Module) -> Transformer:
+    """A kvlab model on a loaded transformers causal LM's own tensors, on its device and in its dtype (the
+    fused `wqkv` is the one copy): the two run side by side on one set of weights, with no files between
+    them (bench/bench_cuda_vs_hf.py)."""
+    args = hf_model_args(hf_model.config.to_dict())
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = kvlab_state_from_hf(hf_model.state_dict(), type(hf_model).__name__)
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - ({"output.weight"} if args.tie_embeddings else set()):
+        raise CheckpointError(f"{type(hf_model).__name__}: tensors do not match its config (missing {missing}, unexpected {unexpected})")
+    if args.tie_embeddings:
+        model.tie_weights()
+    device = model.tok_embeddings.weight.device
+    if device.type == "cpu":
+        lay_out_for_matvec(model)
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
+    return model.eval()
 
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # qwen2 covers Qwen2.5 too

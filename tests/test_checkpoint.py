@@ -14,7 +14,7 @@ import torch
 
 from conftest import write_tiny_checkpoint
 from kvlab.checkpoint import CheckpointError, load_checkpoint
-from kvlab.convert import convert_hf_checkpoint, unpermute_rope_rows
+from kvlab.convert import convert_hf_checkpoint, model_from_hf, unpermute_rope_rows
 from kvlab.model import ModelArgs
 
 transformers = pytest.importorskip("transformers")
@@ -48,14 +48,20 @@ TINY_MODELS = {
 }
 
 
-def write_tiny_hf_model(kind: str, hf_dir, tokenizer_json) -> torch.nn.Module:
-    config_cls, model_cls, extra, shard = TINY_MODELS[kind]
+def tiny_hf_model(kind: str) -> torch.nn.Module:
+    config_cls, model_cls, extra, _ = TINY_MODELS[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**TINY, **extra)).eval()
     with torch.no_grad():  # random norms and biases, so a wrong mapping cannot hide behind ones and zeros
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.copy_(torch.rand_like(p) + 0.5 if name.endswith("weight") else torch.randn_like(p))
+    return model
+
+
+def write_tiny_hf_model(kind: str, hf_dir, tokenizer_json) -> torch.nn.Module:
+    shard = TINY_MODELS[kind][3]
+    model = tiny_hf_model(kind)
     model.save_pretrained(hf_dir, max_shard_size=shard) if shard else model.save_pretrained(hf_dir)
     shutil.copy(tokenizer_json, hf_dir / "tokenizer.json")
     return model
@@ -72,16 +78,31 @@ def test_hf_conversion_reproduces_source_logits(kind, tmp_path, smollm_dir):
     assert config["model"]["qk_norm"] == (kind == "qwen3")
     assert config["model"]["head_dim"] == (32 if kind == "qwen3" else 16)
     assert tokenizer.encode("hello world") == [28120, 905]
+    assert_same_logits(model, hf_model, seed=1)
 
+
+def assert_same_logits(model, hf_model, seed: int) -> None:
+    """kvlab's prefill logits equal the HF model's on 2 random sequences of 100 tokens (float32 sums in
+    another order: 1e-4)."""
     from kvlab.build import make_caches
 
     a = model.config
     model.setup_caches(make_caches("full", a.n_layer, 2, a.n_local_heads, 100, a.head_dim, torch.float32))
-    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ref = hf_model(tokens).logits
         ours = model(tokens, torch.arange(100).expand(2, 100), prefill=True)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope-scaling", "qwen2-bias-tied"])
+def test_model_from_hf_runs_the_same_tensors(kind):
+    """In memory, with no files: the HF model's own weight tensors (the tied head too), and its logits."""
+    hf_model = tiny_hf_model(kind)
+    model = model_from_hf(hf_model)
+    assert model.layers[1].feed_forward.w2.weight.data_ptr() == hf_model.model.layers[1].mlp.down_proj.weight.data_ptr()
+    assert (model.output.weight is model.tok_embeddings.weight) == (kind == "qwen2-bias-tied")
+    assert_same_logits(model, hf_model, seed=2)
 
 
 def test_gguf_unpermute_inverts_llama_cpp_permutation():

@@ -43,7 +43,6 @@ class MaskedFull(FullCache):
 
 def teacher_forced_logits(model, caches, tokens: list[int], prompt: int) -> torch.Tensor:
     model.setup_caches(caches)
-    model.cache_key = None
     with torch.no_grad():
         model(torch.tensor([tokens[:prompt]]), torch.arange(prompt)[None], prefill=True)
         return torch.stack([model(torch.tensor([[tokens[p]]]), torch.tensor([[p]]))[0, -1] for p in range(prompt, len(tokens))])

@@ -100,12 +100,10 @@ def test_full_cache_perplexity_equals_one_forward_pass(smollm):
     doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
     spec = cache_spec({}, model.config.n_layer, tokenizer)
     losses, held = evaluate.document_nll(model, [doc], spec, evaluate.score_one_token)
-    model.cache_key = None
     with torch.no_grad():
         a = model.config
         model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 96, a.head_dim, torch.float32))
         logits = model(torch.tensor([doc]), torch.arange(96)[None], prefill=True, logits_at=torch.arange(95)[None])
-    model.cache_key = None
     torch.testing.assert_close(losses[0], F.cross_entropy(logits[0], torch.tensor(doc[1:]), reduction="none"), atol=2e-4, rtol=1e-4)
     assert held.tolist() == [95.0]  # the last token is predicted, never inserted
     compressed, held = evaluate.document_nll(

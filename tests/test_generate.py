@@ -14,6 +14,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import generate as cli
 from conftest import ROOT, run_main
+from kvlab.build import make_caches
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.model import ModelArgs, Transformer
@@ -60,6 +61,16 @@ def test_compiled_decode_equals_eager(smollm):
     assert graphs >= 1
     assert generate(model, others, 16, decode_step=compiled_step, max_seq_length=40).tokens == eager[1]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_caches_attached_by_hand_are_not_reused_as_the_built_ones(tiny_model):
+    """generate reuses the caches it built for the same spec; caches a caller attached in between (here
+    smaller than the next prompt) are not taken for them."""
+    prompt = list(range(1, 20))
+    expected = generate(tiny_model, [prompt], 4, max_seq_length=32).tokens
+    a = tiny_model.config
+    tiny_model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 8, a.head_dim, torch.float32))
+    assert generate(tiny_model, [prompt], 4, max_seq_length=32).tokens == expected
 
 
 @pytest.mark.slow
