@@ -139,12 +139,13 @@ def quiet_notices() -> Iterator[None]:
 
 def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacities: list[int], history: int) -> list[KVCache]:
     """Attach one cache per layer (strategies per layer; each layer takes the options its strategy declares).
-    Reuses the model's caches when they were built for the same spec, so a compiled decode step is not
-    recompiled between calls."""
+    Reuses the model's caches when they were built for the same spec and are still the ones attached (not
+    caches a caller attached since), so a compiled decode step is not recompiled between calls."""
     weight, attention = model.norm.weight, model.layers[0].attention  # the model's dtype (quantized weights are integers); this rank's heads
     key = (tuple(spec.strategies), batch_size, tuple(capacities), history, weight.dtype, sorted(spec.options.items()), sorted(spec.token_classes.items()))
     current = [layer.attention.kv_cache for layer in model.layers]
-    if getattr(model, "cache_key", None) == key:
+    built = getattr(model, "cache_key", None)
+    if built is not None and built[0] == key and all(c is b for c, b in zip(current, built[1], strict=True)):
         for c in current:
             c.reset()
         return current
@@ -162,7 +163,7 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":  # CriticalKV weighs values through the layer's output projection
                 cache.output_weight = model.layers[i].attention.wo.dequantize()
     model.setup_caches(caches)
-    model.cache_key = key
+    model.cache_key = (key, caches)
     return caches
 
 

@@ -109,11 +109,9 @@ class Transformer(nn.Module):
             setattr(self.output, name, tensor)
 
     def setup_caches(self, caches: list[KVCache]) -> None:
-        """Attach one cache per layer (see `cache.make_caches`). The caches are no longer those that
-        `build.setup_caches` keyed for reuse, so its key is dropped (it sets its own after calling this)."""
+        """Attach one cache per layer (see `cache.make_caches`)."""
         for layer, kv_cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = kv_cache
-        self.cache_key = None
 
     def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None, chunk: bool = False, probe: int = 0) -> Tensor:
         """tokens, input_pos: [B, T]. input_pos is each token's position in its own sequence, -1 for

@@ -63,14 +63,22 @@ def test_compiled_decode_equals_eager(smollm):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def test_caches_attached_by_hand_are_not_reused_as_the_built_ones(tiny_model):
-    """generate reuses the caches it built for the same spec; caches a caller attached in between (here
-    smaller than the next prompt) are not taken for them."""
+def test_generate_reuses_its_caches_but_not_caches_attached_since(tiny_model):
+    """generate reuses the caches it built for the same spec, also after a caller swapped others in and
+    back (as recorded prefills do); caches a caller left attached (here smaller than the next prompt)
+    are not taken for them."""
     prompt = list(range(1, 20))
     expected = generate(tiny_model, [prompt], 4, max_seq_length=32).tokens
+    built = [layer.attention.kv_cache for layer in tiny_model.layers]
     a = tiny_model.config
-    tiny_model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 8, a.head_dim, torch.float32))
+    by_hand = make_caches("full", a.n_layer, 1, a.n_local_heads, 8, a.head_dim, torch.float32)
+    tiny_model.setup_caches(by_hand)
+    tiny_model.setup_caches(built)
     assert generate(tiny_model, [prompt], 4, max_seq_length=32).tokens == expected
+    assert all(layer.attention.kv_cache is c for layer, c in zip(tiny_model.layers, built, strict=True))
+    tiny_model.setup_caches(by_hand)
+    assert generate(tiny_model, [prompt], 4, max_seq_length=32).tokens == expected
+    assert not any(layer.attention.kv_cache is c for layer in tiny_model.layers for c in built + by_hand)
 
 
 @pytest.mark.slow
