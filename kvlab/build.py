@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -145,7 +146,7 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
     key = (tuple(spec.strategies), batch_size, tuple(capacities), history, weight.dtype, sorted(spec.options.items()), sorted(spec.token_classes.items()))
     current = [layer.attention.kv_cache for layer in model.layers]
     built = getattr(model, "cache_key", None)
-    if built is not None and built[0] == key and all(c is b for c, b in zip(current, built[1], strict=True)):
+    if built is not None and built[0] == key and all(c is b() for c, b in zip(current, built[1], strict=True)):
         for c in current:
             c.reset()
         return current
@@ -163,7 +164,7 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":  # CriticalKV weighs values through the layer's output projection
                 cache.output_weight = model.layers[i].attention.wo.dequantize()
     model.setup_caches(caches)
-    model.cache_key = (key, caches)
+    model.cache_key = (key, [weakref.ref(c) for c in caches])  # weak: a key keeps no replaced cache alive
     return caches
 
 
