@@ -8,7 +8,7 @@ tensors kvlab runs too (`kvlab.convert.model_from_hf`).
 
 Decode tokens/s: the median of --repeats runs after a warm-up run that compiles; HF's from the extra time of
 N tokens over 1 (as bench_generate.py measures it). Beside them, the bytes a step reads (the weights but the
-embedding table, as GPT-Fast counts them, and the cache up to the context) per second, against the device's
+embedding table, as GPT-Fast counts them, and every slot of the static cache) per second, against the device's
 copy bandwidth measured in the same run. The reference is GPT-Fast's published figure for Llama-3.1-8B in
 bfloat16 (93.89 tok/s, 1,411 GB/s on an A100-80GB: 69% of its 2,039 GB/s; 5-token prompts), as a share of
 bandwidth, since it was measured on another card. Writes bench/results/cuda_vs_hf_<device>.md and .json.
