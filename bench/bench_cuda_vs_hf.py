@@ -73,15 +73,15 @@ def copy_bandwidth(device: torch.device, gigabytes: float) -> float:
 def bytes_per_step(model: Transformer, context: int) -> int:
     """What one decode step must read: every weight but the embedding table (one row of it is read), and
     the keys and values of `context` slots (a static cache's attention reads all of them, masked)."""
-    a = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
-    return weights + 2 * a.n_layer * a.n_local_heads * a.head_dim * context * model.tok_embeddings.weight.element_size()
+    a, table = model.config, model.tok_embeddings.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - table.numel() * table.element_size()
+    return weights + 2 * a.n_layer * a.n_local_heads * a.head_dim * context * table.element_size()
 
 
 def logits_error(model: Transformer, hf: torch.nn.Module, prompt: list[int]) -> float:
     """||kvlab - HF|| / ||HF|| of the prompt's logits in one prefill: that both sides compute the same model
     (bfloat16 rounding lands near 1e-2), which near-tied random logits keep greedy tokens from showing."""
-    a, tokens = model.config, torch.tensor([prompt], device=model.tok_embeddings.weight.device)
+    a, tokens = model.config, torch.tensor([prompt], device=step_device(model))
     model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(prompt), a.head_dim, model.tok_embeddings.weight.dtype, tokens.device))
     ours = model(tokens, torch.arange(len(prompt), device=tokens.device)[None], prefill=True).float()
     ref = hf(tokens).logits.float()
@@ -92,9 +92,11 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def measure(model: Transformer, step: CompiledStep, hf: torch.nn.Module, prompt: list[int], args: argparse.Namespace, hf_compile: Any) -> dict:
-    """kvlab's compiled decode and HF's compiled static-cache decode on one prompt, each side's cache
-    `args.cache_length` slots long."""
+def measure(
+    model: Transformer, step: CompiledStep, tuned: CompiledStep | None, hf: torch.nn.Module, prompt: list[int], args: argparse.Namespace, hf_compile: Any
+) -> dict:
+    """kvlab's compiled decode (and with `tuned`, the step compiled with coordinate-descent tuning) and HF's
+    compiled static-cache decode on one prompt, each side's cache `args.cache_length` slots long."""
     new_tokens, repeats = args.new_tokens, args.repeats
     t0 = time.perf_counter()
     generate(model, [prompt], new_tokens, decode_step=step, max_seq_length=args.cache_length)  # warm-up: compiles
@@ -102,8 +104,7 @@ def measure(model: Transformer, step: CompiledStep, hf: torch.nn.Module, prompt:
     runs = [generate(model, [prompt], new_tokens, decode_step=step, max_seq_length=args.cache_length) for _ in range(repeats)]
     kvlab_rate = median_decode_rate(runs)
     tuned_rate = float("nan")
-    if args.coordinate_descent:
-        tuned = compile_decode_step(step_device(model), inductor={**compiled_step_options(step_device(model)), "coordinate_descent_tuning": True})
+    if tuned is not None:
         tuned_rate = median_decode_rate(
             after_warmup(lambda: generate(model, [prompt], new_tokens, decode_step=tuned, max_seq_length=args.cache_length), repeats)
         )
@@ -214,11 +215,12 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     args.cache_length = max(args.prompt_lengths) + args.new_tokens  # one size for every prompt: each side compiles once
     step = compile_decode_step(device)
+    tuned = compile_decode_step(device, inductor={**compiled_step_options(device), "coordinate_descent_tuning": True}) if args.coordinate_descent else None
     rows = []
     with torch.no_grad():
         for n in args.prompt_lengths:
             prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            rows.append(measure(model, step, hf, prompt, args, hf_compile))
+            rows.append(measure(model, step, tuned, hf, prompt, args, hf_compile))
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
             report(args, device, model, rows, bandwidth)  # after each prompt length: a cut-off run keeps what it measured
         if args.profile:
