@@ -70,7 +70,7 @@ def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear | Int4Linear) and not isinstance(m, Int8Embedding)]
     x = {m: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
     weights = sum(read_bytes(m) for m in linears)
-    pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears])
+    pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears], device=device)
     return pass_seconds, read_bandwidth(device), weights
 
 

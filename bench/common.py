@@ -160,19 +160,23 @@ def time_hf(hf_model: torch.nn.Module, prompt: list[int], new_tokens: int, repea
     return len(prompt) / one, (new_tokens - 1) / (full - one), generated
 
 
-def seconds_per_call(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Mean seconds of `fn()` over `repeats` calls, after one untimed call."""
+def seconds_per_call(fn: Callable[[], object], repeats: int = 20, device: torch.device | str = "cpu") -> float:
+    """Mean seconds of `fn()` over `repeats` calls, after one untimed call; on a GPU `device`, until the
+    work the calls queued there is done."""
+    device = torch.device(device)
     fn()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
+    sync(device)
     return (time.perf_counter() - t0) / repeats
 
 
 def read_bandwidth(device: torch.device | str = "cpu") -> float:
     """GB/s of summing a 1 GiB float32 tensor: the rate at which streaming weights can be read here."""
     big = torch.ones(2**28, device=device)
-    return big.nbytes / seconds_per_call(big.sum, 10) / 1e9
+    return big.nbytes / seconds_per_call(big.sum, 10, big.device) / 1e9
 
 
 def mean(values: Sequence[float]) -> float:
