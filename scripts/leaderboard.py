@@ -5,6 +5,7 @@ kvpress's default) and query-aware. Each cell is the mean RULER score over the t
 
     python scripts/leaderboard.py --checkpoint_path checkpoints/Llama-3.1-8B-Instruct --context_length 4096
     python scripts/leaderboard.py --methods snapkv kvzip --ratios 0.5 --tasks niah_single_1 vt --num_samples 10
+    python scripts/leaderboard.py --context_length 1024 --processes 2   # a 2-core CPU: one process per core
 
 The runs are ordinary eval.py sweeps under --out_dir (resumable: rerun the command after an interruption);
 this script then writes leaderboard.md, leaderboard.csv, leaderboard.json and leaderboard.png there.
@@ -22,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kvlab.cli import ArgumentParser, run_cli
+from kvlab.cli import ArgumentParser, positive_int, run_cli
 from kvlab.config import load_cache_config
 from kvlab.jobs import parse_ratio
 from kvlab.results import FULL
@@ -75,7 +76,20 @@ def build_parser() -> ArgumentParser:
     for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
         p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
     p.add_argument("--compile", action="store_true", help="passed to eval.py")
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        help="run each sweep as N processes sharing its batches (eval.py under `python -m kvlab.launch --standalone`), each with "
+        "its share of the cores or one GPU each; on a 2-core CPU, 2 processes took 0.87x the time of one, with the same predictions (docs/scaling.md) (default: 1)",
+    )
     return p
+
+
+def sweep_command(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
+    """The command of one protocol's sweep: eval.py, launched as --processes ranks when more than one."""
+    launch = ["-m", "kvlab.launch", "--standalone", "--nproc_per_node", str(args.processes)] if args.processes > 1 else []
+    return [sys.executable, *launch, str(EVAL), *sweep_args(args, query_agnostic)]
 
 
 def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
@@ -193,7 +207,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace) -> None:
     if not args.table_only:
         for mode in args.modes:
-            if subprocess.run([sys.executable, str(EVAL), *sweep_args(args, MODES[mode])]).returncode:
+            if subprocess.run(sweep_command(args, MODES[mode])).returncode:
                 raise ValueError(f"the {mode} sweep stopped (eval.py's error above); rerun to resume it")
     summary = args.out_dir / "summary.csv"
     if not summary.is_file():

@@ -296,6 +296,9 @@ def test_leaderboard_checks_its_ratios_before_any_sweep(capsys):
     with pytest.raises(SystemExit):
         leaderboard.main(["--ratios", "0.5", "1"])
     assert "a compression ratio is the share of the prompt removed, in [0, 1), got '1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        leaderboard.main(["--processes", "0"])
+    assert "argument --processes: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_out_of_memory_is_one_line_naming_what_to_lower(capsys):

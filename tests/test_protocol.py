@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 import pytest
 import torch
@@ -330,3 +331,8 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     assert colours[0]["kvzip"] == colours[1]["kvzip"]  # a method keeps its colour when another panel has fewer methods
     args = leaderboard.build_parser().parse_args(["--methods", "kvzip", "--ratios", "0.5", "--num_samples", "3"])
     assert leaderboard.sweep_args(args, True)[-1] == "--query_agnostic" and "--compression_ratios" in leaderboard.sweep_args(args, False)
+    eval_py = str(ROOT / "eval.py")
+    assert leaderboard.sweep_command(args, True) == [sys.executable, eval_py, *leaderboard.sweep_args(args, True)]
+    args.processes = 2
+    launched = [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", eval_py, *leaderboard.sweep_args(args, False)]
+    assert leaderboard.sweep_command(args, False) == launched
