@@ -21,14 +21,16 @@ __version__ = "0.2.0"
 # Set on import, before torch settles on its default (a temporary directory). kvlab's own directories hold
 # one folder per version of the native kernels' sources: the generated code calls their ops by their
 # schemas, and Inductor's cache key does not see a schema change.
-def _kernels_version() -> str:
+def kernel_sources_digest() -> str:
+    """A digest of the native kernels' sources (csrc/), by content: what their builds and the compiled
+    graphs that call them are keyed by, whichever checkout they are in."""
     sources = sorted((Path(__file__).parent / "kernels" / "csrc").glob("*"))
     return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
 
 
 if "KVLAB_COMPILE_CACHE" in os.environ or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _cache_root = os.environ.get("KVLAB_COMPILE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(_cache_root) / f"kernels-{_kernels_version()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(_cache_root) / f"kernels-{kernel_sources_digest()}")
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:

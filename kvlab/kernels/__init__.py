@@ -1,7 +1,7 @@
 """Native CPU kernels for the decode step, or torch's own: decided here, once per process.
 
-`load()` builds the C++ operators in csrc/ with the compiler on this machine (once: the build is cached
-in a per-user directory, `KVLAB_KERNELS_DIR` to move it) and registers them as `torch.ops.kvlab.*`, so
+`load()` builds the C++ operators in csrc/ with the compiler on this machine (once per machine: the build is
+cached in a per-user directory by the sources' content, `KVLAB_KERNELS_DIR` to move it; build.py) and registers them as `torch.ops.kvlab.*`, so
 torch.compile keeps them inside the compiled graph. Without a compiler, or with `KVLAB_KERNELS=torch`,
 every op runs torch's kernels instead, and one line says so. `python -m kvlab.kernels` prints which path
 is active and checks it against torch.
@@ -56,14 +56,6 @@ def reordering_atol(terms: int, magnitude: float, chain: int = 1, dtype: torch.d
     return chain * 2 * LAMBDA * math.sqrt(terms) * UNIT_ROUNDOFF[dtype] * magnitude
 
 
-def build_dir() -> Path:
-    """Where the compiled library lives: KVLAB_KERNELS_DIR, else ~/.cache/kvlab/kernels/torch-<version>."""
-    root = os.environ.get("KVLAB_KERNELS_DIR") or Path.home() / ".cache" / "kvlab" / "kernels"
-    path = Path(root) / f"torch-{torch.__version__}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def load(quiet: bool = False) -> bool:
     """Build (first time) and load the native kernels; False, with one line on stderr, where they cannot run."""
     global NATIVE, REASON
@@ -73,16 +65,9 @@ def load(quiet: bool = False) -> bool:
         REASON = "KVLAB_KERNELS=torch"
     else:
         try:
-            from torch.utils import cpp_extension
+            from kvlab.kernels.build import load_library
 
-            cpp_extension.load(
-                "kvlab_kernels",
-                [str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir()),
-                is_python_module=False,
-            )
+            load_library(SOURCES)
             register_fakes()
             REASON, NATIVE = torch.ops.kvlab.isa(), True
         except Exception as e:  # no compiler, a failed build, an unknown KVLAB_KERNEL_ISA: torch's kernels still run
