@@ -1,5 +1,5 @@
 """Generate text through a (compressed) KV cache, GPT-Fast style: prefill, then a small decode step
-that `--compile` compiles with static shapes.
+that `--compile` compiles once for every prompt length (static shapes but the caches' slot axis).
 
     python generate.py --prompt "The history of printing" --max_new_tokens 100
     python generate.py --chat --prompt "What is the capital of France?"
@@ -79,7 +79,11 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph, static shapes; a C++ wrapper on CPU, CUDA graphs on GPU)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (fullgraph, one graph for every prompt length; a C++ wrapper on CPU, CUDA graphs on GPU)",
+    )
     p.add_argument(
         "--compile_prefill",
         action="store_true",
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = textgen.encode_prompts(tokenizer, texts, args.chat, args.system_prompt)
     batch_size = args.batch_size or len(prompts)
     prompts = prompts * batch_size if len(prompts) == 1 else prompts
+    textgen.check_fits_context(prompts, args.max_new_tokens, model.config.block_size)
     common = dict(stop_ids=() if args.ignore_eos else tokenizer.stop_ids, sampling=Sampling(args.temperature, args.top_k))
     common["decode_step"] = compile_decode_step(device) if args.compile else decode_one_token
     if args.compile:

@@ -161,6 +161,7 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
             built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, first_layer=i, **common)[0] for i in layers]
         for i, cache in zip(layers, built, strict=True):
             caches[i] = cache
+            mark_slots_dynamic(cache)
             if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":  # CriticalKV weighs values through the layer's output projection
                 cache.output_weight = model.layers[i].attention.wo.dequantize()
     model.setup_caches(caches)
@@ -201,7 +202,6 @@ def build_caches(
     caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
     for layer, (cache, strategy, length, most) in enumerate(zip(caches, spec.strategies, spec.lengths, slots, strict=True)):
         if budgets is not None and length is not None:
-            mark_slots_dynamic(cache)
             own = budgets[:, layer].tolist()
         elif budgets is not None:
             own = [most] * len(prompt_lengths)
@@ -233,7 +233,6 @@ def ratio_caches(
         if length is None:
             cache.limit_rows(torch.tensor([max_seq_length] * len(own), device=device))
         else:
-            mark_slots_dynamic(cache)
             cache.limit_rows(torch.tensor([row[layer] for row in own], device=device), torch.tensor(room, device=device))
     return caches
 
@@ -291,14 +290,17 @@ def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
 
 
 def mark_slots_dynamic(cache: KVCache) -> None:
-    """Planned capacities change with every prompt: let the compiler treat the slot axis (dim 2 of every
-    per-slot buffer) as symbolic, so one compiled decode step serves every plan instead of recompiling
-    for each (tested: one graph for several plans)."""
-    if cache.shares_pool:  # block tables: no slot axis sized by the plan
+    """Let the compiler treat a cache's slot axis (dim 2 of every [B, H, slots, ...] buffer, dim 1 of a
+    [B, slots] one) as symbolic, so one compiled decode step serves every prompt length and every plan instead
+    of compiling again for each (tested: one graph for several lengths and plans). A strategy whose step
+    reads its slot count as a number is specialized to it, as before, rather than refused."""
+    if cache.shares_pool or cache.capacity < 2:  # block tables: no slot axis sized by the plan; 0 and 1 are specialized
         return
     for buffer in cache.buffers():
         if buffer.dim() >= 3 and buffer.shape[2] == cache.capacity:
-            torch._dynamo.mark_dynamic(buffer, 2)
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
+        elif buffer.dim() == 2 and buffer.shape[1] == cache.capacity:
+            torch._dynamo.maybe_mark_dynamic(buffer, 1)
 
 
 def layer_floor(strategy: str, options: dict[str, Any]) -> int:

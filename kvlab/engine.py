@@ -302,8 +302,8 @@ def generate(
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions)
     through the caches `spec` describes (default: a full cache).
     `on_token` receives each step's new token ids, one per row, as they are produced (for streaming).
-    `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); keeping it fixed
-    across calls keeps every shape static, so compiled steps are reused instead of recompiled.
+    `max_seq_length` sizes the caches (default: longest prompt + max_new_tokens); their slot axis is dynamic
+    in a compiled step (`build.mark_slots_dynamic`), so another size reuses its graph.
     With `spec.compress_first_token`, the prompt's last token is decoded through the compressed cache
     rather than prefilled, so even the first generated token sees only what compression kept.
     `decoded_prompt_tokens` (per prompt) decodes that many of its last tokens so: the query-agnostic

@@ -112,6 +112,18 @@ def check_generate_args(args: argparse.Namespace, settings: dict, tensor_paralle
         raise ValueError("--attention_loss measures every head of one process; run it without torchrun")
 
 
+def check_fits_context(prompts: list[list[int]], max_new_tokens: int, context: int) -> None:
+    """The longest prompt and --max_new_tokens against the model's context: one error naming the flag to change."""
+    longest = max(map(len, prompts))
+    if longest >= context:
+        raise ValueError(f"a prompt of {longest} tokens leaves no room in the model's context of {context} tokens; shorten it")
+    if longest + max_new_tokens > context:
+        raise ValueError(
+            f"--max_new_tokens {max_new_tokens} with a prompt of {longest} tokens exceeds the model's context of {context} tokens; "
+            f"give --max_new_tokens <= {context - longest}"
+        )
+
+
 def check_servable(args: argparse.Namespace, spec: CacheSpec, tensor_parallel: bool) -> None:
     """Several prompts with kvcompress go to continuous batching, which takes one process and none of these flags."""
     if tensor_parallel:

@@ -3,6 +3,7 @@ call's own arguments, and never replays what only Dynamo's code would get right.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -102,3 +103,22 @@ def test_replay_puts_each_calls_arguments_in_their_slots_and_keeps_in_place_writ
         for a, b in zip(got, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)  # float32 sums of 4 products, any order
         torch.testing.assert_close(compiled_model.total, eager_model.total, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, length, settings",
+    [("full", None, {}), ("tova", 0.5, {"recent_window": 4}), ("keydiff", 24, {"recent_window": 4, "cache_bits": 4})],
+)
+def test_one_graph_serves_every_prompt_length(tiny_model, strategy, length, settings):
+    """Caches sized by each prompt (its length + max_new_tokens, the default) mark their slot axis dynamic: prompts
+    of three lengths run one compiled graph, replayed, with eager's tokens."""
+    spec = spec_for(tiny_model, strategy, length, **settings)
+    g = torch.Generator().manual_seed(1)
+    prompts = [[torch.randint(0, 64, (n,), generator=g).tolist()] for n in (40, 52, 67)]
+    eager = [generate(tiny_model, p, 8, spec).tokens for p in prompts]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = Counting(decode_one_token, compiled_step_options(CPU))
+    assert [generate(tiny_model, p, 8, spec, decode_step=step).tokens for p in prompts] == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 and step.dynamo_calls == 3

@@ -252,7 +252,18 @@ BAD_INPUTS = {
         "error: argument --snapkv_pooling: snapkv_pooling must be max or avg, got 'median'",
     ),
     "attention loss compiled": (["--attention_loss", "--compile"], "error: --attention_loss runs eagerly (it records every step); drop --compile"),
-    "longer than context": (["--max_new_tokens", "9000"], "error: prompt of 7 tokens + max_new_tokens=9000 exceeds the model's context length of 8192 tokens"),
+    "longer than context": (
+        ["--max_new_tokens", "9000"],
+        "error: --max_new_tokens 9000 with a prompt of 7 tokens exceeds the model's context of 8192 tokens; give --max_new_tokens <= 8185",
+    ),
+    "huge max_new_tokens": (
+        ["--max_new_tokens", "1000000000000"],
+        "error: --max_new_tokens 1000000000000 with a prompt of 7 tokens exceeds the model's context of 8192 tokens; give --max_new_tokens <= 8185",
+    ),
+    "prompt fills the context": (
+        ["--prompt", "word " * 8200],
+        "error: a prompt of 8201 tokens leaves no room in the model's context of 8192 tokens; shorten it",
+    ),
 }
 
 
