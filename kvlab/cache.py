@@ -177,11 +177,19 @@ class FullCache(KVCache):
 
     def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
         """Stored at their positions, as decoded tokens are; padding goes to the last slot, which no prompt token
-        reaches (the context keeps room for a generated token), and stays marked empty."""
+        reaches (the context keeps room for a generated token), and stays marked empty. Eager, the chunk attends over
+        the slots filled so far only (every later slot is empty): a long prompt's chunks then cost what its causal
+        attention does, not chunks x capacity; compiled, over every slot, in one static shape."""
         slots = torch.where(input_pos >= 0, input_pos, self.capacity - 1)
         self.storage.write(slots[:, None, :].expand(k.shape[:3]), k, v)
         self.pos.scatter_(1, slots, input_pos)
-        return attend(*self.storage.read(), self.pos)
+        keys, values = self.storage.read()
+        if torch.compiler.is_compiling():
+            return attend(keys, values, self.pos)
+        filled, start = int(input_pos.max()) + 1, int(input_pos.masked_fill(input_pos < 0, self.capacity).min())
+        aligned = start < self.capacity and bool((input_pos[:, 0] == start).all())  # every row's chunk starts at `start`
+        held = {"own_from": start} if aligned else {}
+        return attend(keys[:, :, :filled], values[:, :, :filled], self.pos[:, :filled], **held)
 
 
 @contextmanager

@@ -257,11 +257,34 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos
     return grouped_attention(q, k.to(q.dtype), v.to(q.dtype), attention_mask(key_pos, query_pos), return_probs)
 
 
-def chunk_attention(q: Tensor, query_pos: Tensor, k: Tensor, v: Tensor, key_pos: Tensor) -> Tensor:
+def chunk_attention(
+    q: Tensor, query_pos: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, own_from: int | None = None
+) -> Tensor:
     """A prefill chunk's queries q [B, H, N, D] at query_pos [B, N] over keys at key_pos ([B, S] or [B, H_kv, S]),
-    causal by position; a padding query (-1) attends to every real key, a finite output that nothing keeps."""
+    causal by position; a padding query (-1) attends to every real key, a finite output that nothing keeps.
+    `own_from`: the keys before it are earlier tokens that every real query sees, and from it on each row's chunk
+    holds its own keys in query order (its padding's slots after them): both parts then run the CPU flash kernel
+    without a mask (`split_chunk_attention`), as a one-shot prefill does."""
+    if own_from is not None and own_from > 0 and k.device.type == "cpu":
+        return split_chunk_attention(q, k, v, own_from)
     seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)
     return grouped_attention(q, k, v, attention_mask(key_pos, seeing), False)[0]
+
+
+def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, own_from: int) -> Tensor:
+    """Attention of q [B, H, N, D] over keys [:own_from] (all seen; GQA folded into the query axis) and keys
+    [own_from:] (causal from the first: query i sees own keys <= i, a padding query every one), the two softmaxes
+    merged by their log-sum-exps into the one softmax over every key."""
+    B, H, N, D = q.shape
+    group = H // k.shape[1]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    y_held, lse_held = flash(q.reshape(B, H // group, group * N, D), k[:, :, :own_from], v[:, :, :own_from])[:2]
+    own_k, own_v = (t[:, :, own_from:].repeat_interleave(group, 1) for t in (k, v))
+    y_own, lse_own = flash(q, own_k, own_v, is_causal=True)[:2]
+    lse_held = lse_held.reshape(B, H, N)
+    lse = torch.logaddexp(lse_held, lse_own)
+    y = y_held.reshape(B, H, N, D) * (lse_held - lse).exp()[..., None] + y_own * (lse_own - lse).exp()[..., None]
+    return y.to(q.dtype)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:

@@ -269,3 +269,32 @@ def test_chunked_vs_oneshot_pairs_the_examples_both_runs_finished(tmp_path):
         {"config": "keydiff", "size": "ratio0.5+query_agnostic", "chunk": 512, "task": "vt@2048", "measure": "score", "n": 2}
         | {"oneshot": 100.0, "chunked": 50.0, "diff": -50.0, "se": pytest.approx(50.0)}  # diffs -1, 0: stdev 0.707 / sqrt 2
     ]
+
+
+def test_a_full_cache_chunk_attends_over_the_filled_slots_eager_and_every_slot_compiled(tiny_model, monkeypatch):
+    """The full cache's chunks: eager, each attends over the slots filled so far (32, 48, ..., the prompt), never
+    the empty rest of the buffer, the held ones apart from its own (`own_from`); compiled, over every slot in one
+    static shape. Both give the one-shot tokens."""
+    from kvlab.cache import FullCache
+
+    prompt = torch.randint(0, 64, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    spec = cache_spec({"cache_strategy": "full", "prefill_chunk": 16}, tiny_model.config.n_layer)
+    one_shot = generate(tiny_model, [prompt], 6, cache_spec({"cache_strategy": "full"}, tiny_model.config.n_layer))
+    attended = []
+    chunk = FullCache.prefill_chunk
+
+    def spy(self, input_pos, k, v, q, attend):
+        def seen(keys, *rest, **held):
+            attended.append((keys.shape[2], held.get("own_from")))
+            return attend(keys, *rest, **held)
+
+        return chunk(self, input_pos, k, v, q, seen)
+
+    monkeypatch.setattr(FullCache, "prefill_chunk", spy)
+    assert generate(tiny_model, [prompt], 6, spec).tokens == one_shot.tokens
+    chunks = [(32, 16), (48, 32), (64, 48), (70, 64)]  # (slots filled, where the chunk's own keys start)
+    assert attended == [c for c in chunks for _ in range(tiny_model.config.n_layer)]
+    monkeypatch.setattr(FullCache, "prefill_chunk", chunk)
+    torch._dynamo.reset()
+    compiled = generate(tiny_model, [prompt], 6, spec, chunk_step=torch.compile(prefill_chunk_step, fullgraph=True))
+    assert compiled.tokens == one_shot.tokens

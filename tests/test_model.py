@@ -16,7 +16,7 @@ from kvlab.cache import FullCache
 from kvlab.checkpoint import KNOWN_MODELS, known_model_name
 from kvlab.convert import default_gguf_path, hf_model_args
 from kvlab.engine import generate
-from kvlab.model import ModelArgs, attention_mask, grouped_attention, lay_out_for_matvec
+from kvlab.model import ModelArgs, attention_mask, chunk_attention, grouped_attention, lay_out_for_matvec
 from tolerance import assert_reordered_close
 
 
@@ -283,3 +283,24 @@ def test_unknown_model_family_and_config_keys_are_rejected():
         hf_model_args({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match=r"unknown model config keys \['n_embd'\]"):
         ModelArgs.from_dict(dict(KNOWN_MODELS["SmolLM2-135M"].args, n_embd=3))
+
+
+def test_a_chunk_split_into_held_and_own_keys_equals_the_masked_attention():
+    """chunk_attention with own_from (the held keys seen by every real query, the chunk's own causal, both by the flash
+    kernel, merged by log-sum-exps) against the one masked softmax, for every real query: a row ending mid-chunk (its
+    padding queries' outputs are kept by nothing), GQA. Tolerance: the output sums S products of weights and values
+    (terms S, magnitude max |v|), after the scores' own sums (each score's error moves a weight by that much
+    relative) and the softmax: a chain of 3."""
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, N, D, held = 2, 4, 2, 8, 16, 20
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, N), (n_kv, held + N), (n_kv, held + N)))
+    query_pos = torch.arange(held, held + N).repeat(B, 1)
+    query_pos[1, 5:] = -1
+    key_pos = torch.cat([torch.arange(held).repeat(B, 1), query_pos], dim=1)
+    real = (query_pos >= 0)[:, None, :, None].expand(q.shape)
+    split = chunk_attention(q, query_pos, k, v, key_pos, own_from=held)[real]
+    masked = chunk_attention(q, query_pos, k, v, key_pos)[real]
+    scores = (q.reshape(B, n_kv, -1, D) @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(D)
+    assert_reordered_close(split, masked, terms=held + N, chain=3, magnitude=v.abs().max().item() * (1 + scores))
+    future = chunk_attention(q, query_pos, k, v, key_pos, own_from=held + 2)[real]  # two own keys taken as held
+    assert not torch.allclose(future, masked, atol=1e-3)
