@@ -1,10 +1,10 @@
 """Native CPU kernels for the decode step, or torch's own: decided here, once per process.
 
-`load()` builds the C++ operators in csrc/ with the compiler on this machine (once per machine: the build is
-cached in a per-user directory by the sources' content, `KVLAB_KERNELS_DIR` to move it; build.py) and registers them as `torch.ops.kvlab.*`, so
-torch.compile keeps them inside the compiled graph. Without a compiler, or with `KVLAB_KERNELS=torch`,
-every op runs torch's kernels instead, and one line says so. `python -m kvlab.kernels` prints which path
-is active and checks it against torch.
+`load()` builds the C++ operators in csrc/ with the compiler on this machine (once per machine: build.py
+keys the build by the sources' content and keeps it in a per-user directory, `KVLAB_KERNELS_DIR` to move it)
+and registers them as `torch.ops.kvlab.*`, so torch.compile keeps them inside the compiled graph. Without a
+compiler, or with `KVLAB_KERNELS=torch`, every op runs torch's kernels instead, and one line says so.
+`python -m kvlab.kernels` prints which path is active and checks it against torch.
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
 call for both; float32, or bfloat16 weights and x with float32 sums) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
