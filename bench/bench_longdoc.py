@@ -181,9 +181,12 @@ def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
     """llama.cpp's row, kvlab's full cache, the compressing methods until one answers right, and memory."""
     new, threads = args.new_tokens, torch.get_num_threads()
     results: dict = {"prompt_tokens": len(ids), "new_tokens": new, "threads": threads, "compile": args.compile}
-    results["llamacpp"] = llamacpp_row(ids, new, threads)
-    results["llamacpp_flash_off"] = llamacpp_row(ids, new, threads, flash=False)
-    print("llama.cpp:", results["llamacpp"], results["llamacpp_flash_off"], file=sys.stderr, flush=True)
+    from bench_vs_llamacpp import llamacpp_available
+
+    if llamacpp_available():  # else it says so, and kvlab is measured alone
+        results["llamacpp"] = llamacpp_row(ids, new, threads)
+        results["llamacpp_flash_off"] = llamacpp_row(ids, new, threads, flash=False)
+        print("llama.cpp:", results["llamacpp"], results["llamacpp_flash_off"], file=sys.stderr, flush=True)
     results["kvlab_full"] = kvlab_row(prompt_file, new, [], args.compile)
     print("kvlab full:", results["kvlab_full"], file=sys.stderr, flush=True)
     results["tried"] = {}
@@ -230,6 +233,8 @@ def write(results: dict, args) -> None:
     labels = {"llamacpp": "llama.cpp F32, flash attention", "llamacpp_flash_off": "llama.cpp F32, flash attention off"}
     labels["kvlab_full"] = "kvlab fp32, full cache"
     for name in ("llamacpp", "llamacpp_flash_off", "kvlab_full", "kvlab_compressed"):
+        if name not in results:
+            continue
         r = results[name]
         label = labels.get(name, " ".join(r.get("flags", [])))
         cells = [f"{r.get(k, float('nan')):.1f}" for k in ("load_s", "prefill_s", "decode_tok_s", "wall_s")]
