@@ -1,6 +1,7 @@
 """The first compiled decode step, cold and warm: how long a new user waits for `generate.py --compile`.
 
-    python bench/bench_first_compile.py   # 2 processes on an empty compile cache, 2 on the warm one, 2 with another prompt length
+    python bench/bench_first_compile.py   # 2 processes on an empty compile cache, 2 on the warm one,
+                                          # 2 on the warm one with a prompt of another length
 
 Each run is `python generate.py --compile --max_new_tokens 16` as a new process. The first runs on an
 empty compile cache (a new $KVLAB_COMPILE_CACHE directory): Dynamo traces, Inductor generates and builds

@@ -279,8 +279,7 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, own_from: int) -> Ten
     group = H // k.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     y_held, lse_held = flash(q.reshape(B, H // group, group * N, D), k[:, :, :own_from], v[:, :, :own_from])[:2]
-    own_k, own_v = (t[:, :, own_from:].repeat_interleave(group, 1) for t in (k, v))
-    y_own, lse_own = flash(q, own_k, own_v, is_causal=True)[:2]
+    y_own, lse_own = causal_attention_lse(q, k[:, :, own_from:], v[:, :, own_from:])
     lse_held = lse_held.reshape(B, H, N)
     lse = torch.logaddexp(lse_held, lse_own)
     y = y_held.reshape(B, H, N, D) * (lse_held - lse).exp()[..., None] + y_own * (lse_own - lse).exp()[..., None]
