@@ -16,15 +16,20 @@ The cache: llama.cpp's default is F16 keys and values; kvlab's rows use the same
 (`--cache_bits 16`), which its native attention reads as it is. One more row runs kvlab's float32 weights
 over a float32 cache (`fp32_kv32`), kvlab's default.
 
-Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp in its
-default batches of 512; kvlab eager, as generate.py runs it). Decode: tok/s over the steps after the
-first, kvlab's compiled (generate.py --compile). Without llama-cpp-python the bench says so and measures
-kvlab alone.
+llama.cpp runs with flash attention on (`flash_attn=True`: what its own tools do on a CPU; llama-cpp-python's
+default is off, 7-20% slower); the float32 rows are measured against it with flash attention off as well,
+labelled so. Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp
+in its default batches of 512; kvlab eager, as generate.py runs it), for every group of weights. Decode: tok/s
+over the steps after the first, kvlab's compiled (generate.py --compile). A long prompt (--long_prompt, 8,192
+tokens by default) is prefilled alone: kvlab float32 at once and in chunks of 512 (--prefill_chunk 512), against
+llama.cpp F32, in --long_repeats rounds. Without llama-cpp-python the bench says so and measures kvlab alone.
 
-Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32|bf16>_<n>" and
-"prefill_fp32_<n>": {"kvlab": tok/s, "llamacpp": tok/s (null without it), "ratio"}, "cpu", "threads",
-"load", "isa", "llamacpp_int4": the GGUF of the int4 row, "same_greedy_tokens_fp32": how many leading
-greedy tokens kvlab float32 and llama.cpp F32 share, "rounds": every round's (prefill, decode) tok/s}.
+Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32|bf16>_<n>",
+"prefill_<fp32|int8|int4|bf16>_<n>", "<decode|prefill>_fp32_flash_off_<n>" (against llama.cpp without flash
+attention) and "prefill_fp32_<long>", "prefill_fp32_chunk512_<long>": {"kvlab": tok/s, "llamacpp": tok/s (null
+without it), "ratio"}, "cpu", "threads", "load", "isa", "llamacpp_flash_attn": true, "llamacpp_int4": the GGUF of
+the int4 decode rows, "same_greedy_tokens_fp32": how many leading greedy tokens kvlab float32 and llama.cpp F32
+share, "rounds": every round's (prefill, decode) tok/s}.
 The runs of a row's weights (kvlab's variants and the GGUFs) are interleaved, round by round: this machine's
 memory bandwidth moves with other tenants' work by up to a third between runs, and a ratio is taken within
 a round, where both sides met the same machine.
@@ -63,7 +68,16 @@ GROUPS = {
     "int4": {"int4": (HALF_CACHE, None), "int4_x32": (HALF_CACHE, 32), "int4_x8": (HALF_CACHE, 8)},
     "bf16": {"bf16": (FLOAT_CACHE, None)},  # a bfloat16 model's cache is bfloat16: 16 bits, as llama.cpp's F16
 }
-LLAMA_WEIGHTS = {"fp32": ["F32"], "int8": ["Q8_0"], "int4": ["Q4_0", "Q4_1"], "bf16": ["BF16"]}  # kvlab weights -> the GGUFs it is measured against
+# kvlab weights -> llama.cpp's runs it is measured against: name -> (GGUF, flash attention); the first is the
+# prefill rows' anchor, the fastest decoding one with flash attention on the decode rows'
+LLAMA_RUNS = {
+    "fp32": {"F32": ("F32", True), "F32 flash off": ("F32", False)},
+    "int8": {"Q8_0": ("Q8_0", True)},
+    "int4": {"Q4_0": ("Q4_0", True), "Q4_1": ("Q4_1", True)},
+    "bf16": {"BF16": ("BF16", True)},
+}
+FLASH_OFF = "F32 flash off"
+LONG_CHUNK = 512  # the long prompt's chunked row: --prefill_chunk 512
 
 
 def gguf_file(kind: str) -> Path:
@@ -88,8 +102,8 @@ def greedy(llm) -> int:
     return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
 
 
-def llamacpp_run(llm, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float]]:
-    """One llama.cpp run over `ids`: (prefill tok/s, decode tok/s after the first step)."""
+def llamacpp_run(llm, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float | None]]:
+    """One llama.cpp run over `ids`: (prefill tok/s, decode tok/s after the first step; None for one new token)."""
 
     def run() -> tuple[float, float]:
         llm.reset()
@@ -100,18 +114,19 @@ def llamacpp_run(llm, ids: list[int], new_tokens: int) -> Callable[[], tuple[flo
         t2 = time.perf_counter()
         for _ in range(new_tokens - 1):
             llm.eval([greedy(llm)])
-        return len(ids) / (t1 - t0), (new_tokens - 1) / (time.perf_counter() - t2)
+        return len(ids) / (t1 - t0), (new_tokens - 1) / (time.perf_counter() - t2) if new_tokens > 1 else None
 
     return run
 
 
-def kvlab_run(model, step, cache: dict, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float]]:
-    """One kvlab run over `ids` with `cache`'s settings: (prefill tok/s, compiled decode tok/s after the first step)."""
+def kvlab_run(model, step, cache: dict, ids: list[int], new_tokens: int) -> Callable[[], tuple[float, float | None]]:
+    """One kvlab run over `ids` with `cache`'s settings: (prefill tok/s, decode tok/s after the first step, compiled
+    with a `step`; None for one new token)."""
     spec = cache_spec(cache, model.config.n_layer)
 
     def run() -> tuple[float, float]:
-        r = generate(model, [ids], new_tokens, spec, decode_step=step)
-        return len(ids) / r.prefill_seconds, (r.decode_steps - 1) / r.decode_seconds
+        r = generate(model, [ids], new_tokens, spec, **({"decode_step": step} if step else {}))
+        return len(ids) / r.prefill_seconds, (r.decode_steps - 1) / r.decode_seconds if r.decode_steps > 1 else None
 
     return run
 
@@ -121,7 +136,8 @@ def same_greedy_tokens(model, prompt: list[int], new_tokens: int) -> int:
     agree on, from the start."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(gguf_file("F32")), n_ctx=len(prompt) + new_tokens + 8, n_threads=torch.get_num_threads(), verbose=False)
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(str(gguf_file("F32")), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, flash_attn=True, verbose=False)
     llm.eval(prompt)
     theirs = []
     for _ in range(new_tokens):
@@ -148,11 +164,15 @@ def weights_of(bench: Bench, group: str) -> torch.nn.Module:
 
 
 def load_ggufs(group: str, n_ctx: int) -> dict:
-    """llama.cpp's models for a group of weights, on as many threads as kvlab's."""
+    """llama.cpp's models for a group of weights, on as many threads as kvlab's, flash attention on or off as
+    LLAMA_RUNS says."""
     import llama_cpp
 
     threads = torch.get_num_threads()
-    return {g: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False) for g in LLAMA_WEIGHTS[group]}
+    return {
+        name: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash, verbose=False)
+        for name, (g, flash) in LLAMA_RUNS[group].items()
+    }
 
 
 def measure(args) -> tuple[Bench, dict]:
@@ -175,9 +195,27 @@ def measure(args) -> tuple[Bench, dict]:
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)
         del llms
+    if args.long_prompt:
+        samples["long", args.long_prompt] = measure_long_prompt(bench, args, with_llamacpp)
     if with_llamacpp and "fp32" in args.groups:
         samples["same_greedy_tokens"] = same_greedy_tokens(bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens)
     return bench, samples
+
+
+def measure_long_prompt(bench: Bench, args, with_llamacpp: bool) -> dict:
+    """The long prompt's prefill, one new token: kvlab float32 at once and in chunks of LONG_CHUNK, llama.cpp F32."""
+    ids = bench.ids[: args.long_prompt]
+    if len(ids) < args.long_prompt:
+        raise SystemExit(f"error: --long_prompt {args.long_prompt}: the bench text has only {len(ids)} tokens")
+    lay_out_for_matvec(bench.model)
+    runs = {
+        "fp32": kvlab_run(bench.model, None, FLOAT_CACHE, ids, 1),
+        f"fp32_chunk{LONG_CHUNK}": kvlab_run(bench.model, None, FLOAT_CACHE | {"prefill_chunk": LONG_CHUNK}, ids, 1),
+    }
+    if with_llamacpp:
+        runs["F32"] = llamacpp_run(load_ggufs("fp32", len(ids) + 8)["F32"], ids, 1)
+    print(f"long prompt @{len(ids)}: {', '.join(runs)} interleaved, {args.long_repeats} rounds", file=sys.stderr, flush=True)
+    return interleaved(runs, args.long_repeats)
 
 
 def with_x_bits(model: torch.nn.Module, bits: int) -> torch.nn.Module:
@@ -202,29 +240,32 @@ def cell(ours: list[tuple[float, float]], theirs: list[tuple[float, float]] | No
 
 
 def results_of(args, samples: dict) -> dict:
-    """The JSON record: the issue's keys (and the extra rows'), then the machine, llama.cpp's details and every round's rates."""
-    results: dict = {}
+    """The JSON record: the issue's keys (and the extra rows'), then the machine, llama.cpp's details and every round's
+    rates."""
     lengths = args.prompt_lengths
-    with_llamacpp = all(g in samples[group, lengths[0]] for group in args.groups for g in LLAMA_WEIGHTS[group])
-    by_gguf = (
-        {
-            g: {n: [median_of(samples[group, n][g], 0), median_of(samples[group, n][g], 1)] for n in lengths}
-            for group in args.groups
-            for g in LLAMA_WEIGHTS[group]
-        }
-        if with_llamacpp
-        else {}
-    )
-    best = {group: max(LLAMA_WEIGHTS[group], key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group in args.groups} if with_llamacpp else {}
+    with_llamacpp = all(g in samples[group, lengths[0]] for group in args.groups for g in LLAMA_RUNS[group])
+    by_gguf = {g: {n: [median_of(samples[group, n][g], w) for w in (0, 1)] for n in lengths} for group in args.groups for g in LLAMA_RUNS[group]}
+    flash_on = {group: [g for g, (_, flash) in LLAMA_RUNS[group].items() if flash] for group in args.groups}
+    best = {group: max(flash_on[group], key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group in args.groups} if with_llamacpp else {}
+    results: dict = {}
     for group in args.groups:
         for name in GROUPS[group]:
             for n in lengths:
                 results[f"decode_{name}_{n}"] = cell(samples[group, n][name], samples[group, n][best[group]] if with_llamacpp else None, 1)
-    for n in lengths if "fp32" in args.groups else ():
-        results[f"prefill_fp32_{n}"] = cell(samples["fp32", n]["fp32"], samples["fp32", n]["F32"] if with_llamacpp else None, 0)
+        for n in lengths:
+            anchor = flash_on[group][0]
+            results[f"prefill_{group}_{n}"] = cell(samples[group, n][group], samples[group, n][anchor] if with_llamacpp else None, 0)
+    for which, key in ((1, "decode"), (0, "prefill")):
+        for n in lengths if with_llamacpp and "fp32" in args.groups else ():
+            results[f"{key}_fp32_flash_off_{n}"] = cell(samples["fp32", n]["fp32"], samples["fp32", n][FLASH_OFF], which)
+    if args.long_prompt:
+        long = samples["long", args.long_prompt]
+        for name in (n for n in long if n.startswith("fp32")):
+            results[f"prefill_{name}_{args.long_prompt}"] = cell(long[name], long.get("F32"), 0)
     results |= {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "load": os.getloadavg(), "isa": kernels.REASON}
     if with_llamacpp:
-        results |= {"llamacpp_int4": best.get("int4"), "llamacpp_by_gguf": by_gguf, "same_greedy_tokens_fp32": samples.get("same_greedy_tokens")}
+        results |= {"llamacpp_flash_attn": True, "llamacpp_int4": best.get("int4"), "llamacpp_by_gguf": by_gguf}
+        results["same_greedy_tokens_fp32"] = samples.get("same_greedy_tokens")
     results["rounds"] = {f"{group}@{n}": runs for (group, n), runs in ((k, v) for k, v in samples.items() if isinstance(k, tuple))}
     return results
 
@@ -236,7 +277,9 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
 def report_lines(args, bench, results: dict) -> list[str]:
     int4 = results.get("llamacpp_int4") or "Q4_0/Q4_1"
     gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x32": int4, "int4_x8": int4, "fp32_kv32": "F32", "bf16": "BF16"}
+    gguf_of |= {"fp32_flash_off": "F32, flash attention off", f"fp32_chunk{LONG_CHUNK}": "F32"}
     weights_of = {
+        f"fp32_chunk{LONG_CHUNK}": f"fp32, float32 cache, --prefill_chunk {LONG_CHUNK}",
         "int4": "int4, x int16",
         "int4_x32": "int4, x float32",
         "int4_x8": "int4, x int8",
@@ -244,11 +287,13 @@ def report_lines(args, bench, results: dict) -> list[str]:
         "bf16": "bf16, bfloat16 cache",
     }
     cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
+    cells = [(m, "fp32_kv32" if m == "prefill" and kind == "fp32" and n == str(args.long_prompt) else kind, n, v) for m, kind, n, v in cells]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
         "",
         f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy; the same prompt ids on both sides;",
-        "a float16 cache on both sides (llama.cpp's default; kvlab's --cache_bits 16) but in the row marked float32 cache.",
+        "a float16 cache on both sides (llama.cpp's default; kvlab's --cache_bits 16) but in the rows marked float32 cache;",
+        "llama.cpp with flash attention on (flash_attn=True) but in the rows marked off.",
         f"{args.new_tokens} new tokens; {args.repeats} rounds after a warm-up, each running every kvlab variant and GGUF of",
         "a row's weights in turn (this machine's memory bandwidth moves between rounds); rates are medians over the rounds,",
         "ratios the median of the rounds' ratios.",
@@ -287,8 +332,10 @@ def main() -> None:
         nargs="+",
         default=list(GROUPS),
         choices=list(GROUPS),
-        help=f"groups of weights to run (default: all: {' '.join(GROUPS)}); prefill rows come with fp32",
+        help=f"groups of weights to run (default: all: {' '.join(GROUPS)})",
     )
+    p.add_argument("--long_prompt", type=int, default=8192, help="the long prompt's tokens, prefilled alone (default: 8192; 0: none)")
+    p.add_argument("--long_repeats", type=int, default=2, help="timed rounds of the long prompt after a warm-up (default: 2)")
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()
     bench, samples = measure(args)
