@@ -38,6 +38,7 @@ a round, where both sides met the same machine.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
 import statistics
@@ -49,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import QUANTIZATIONS, Bench, bench_parser, interleaved, load_bench, machine, parse_bench_args, row, table, write_results
+from common import QUANTIZATIONS, RESULTS, Bench, bench_parser, interleaved, load_bench, machine, parse_bench_args, row, table, write_results
 from kvlab import kernels
 from kvlab.config import cache_spec
 from kvlab.convert import default_gguf_path
@@ -78,6 +79,7 @@ LLAMA_RUNS = {
 }
 FLASH_OFF = "F32 flash off"
 LONG_CHUNK = 512  # the long prompt's chunked row: --prefill_chunk 512
+OTHER_SECTIONS = ("longdoc",)  # keys other benches write into this bench's JSON
 
 
 def gguf_file(kind: str) -> Path:
@@ -322,6 +324,12 @@ def report_lines(args, bench, results: dict) -> list[str]:
     return lines
 
 
+def sections_of_other_benches(out: Path) -> dict:
+    """What other benches keep in the same JSON (bench_longdoc.py's "longdoc"), carried over when it is rewritten."""
+    path = out.with_suffix(".json")
+    return {k: v for k, v in json.loads(path.read_text()).items() if k in OTHER_SECTIONS} if path.exists() else {}
+
+
 def main() -> None:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
@@ -339,7 +347,7 @@ def main() -> None:
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()
     bench, samples = measure(args)
-    results = results_of(args, samples)
+    results = results_of(args, samples) | sections_of_other_benches(args.out or RESULTS / "vs_llamacpp_cpu.md")
     write_results(report_lines(args, bench, results), args.out, "vs_llamacpp", bench.device, results=results)
 
 

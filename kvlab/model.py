@@ -190,16 +190,31 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
     def exact_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The prompt's causal attention over itself (DuoAttention's calibration mixes another pattern in: duo.py)."""
+        """The prompt's causal attention over itself (DuoAttention's calibration mixes another pattern in: duo.py):
+        kvlab's native prefill attention where it runs, else torch's."""
+        if kernels.takes_prefill_attention(q, k, v):
+            return causal_attention_lse(q, k, v)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def causal_attention_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact causal attention [B, H, T, D] and each query's log-sum-exp of its scaled logits [B, H, T] (float32)
-    from the CPU flash kernel: the same kernel, and so the same output, as `scaled_dot_product_attention`
-    there, at the same cost. H2O's prompt scores reuse the log-sum-exp (`scores.received_from_lse`)."""
+    """Exact causal attention [B, H, T, D] and each query's log-sum-exp of its scaled logits [B, H, T] (float32), on
+    the CPU: kvlab's native prefill attention where it runs, else torch's flash kernel (the kernel, and so the output,
+    of `scaled_dot_product_attention` there), as `exact_attention` takes them. H2O's prompt scores reuse the
+    log-sum-exp (`scores.received_from_lse`)."""
+    if kernels.takes_prefill_attention(q, k, v):  # query i sees keys 0..i, as torch's is_causal
+        key_pos, query_pos = (torch.arange(n, device=q.device).expand(q.shape[0], -1) for n in (k.shape[2], q.shape[2]))
+        return prefill_attention(q, k, v, key_pos, query_pos)
     group = q.shape[1] // k.shape[1]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
+    """kvlab's native prefill attention (`kernels.takes_prefill_attention`): y [B, H, T, D] in q's dtype and the
+    log-sum-exps [B, H, T] (float32) of q at query_pos [B, T] over keys at key_pos ([B, S] or [B, H_kv, S]), by
+    `attention_mask`'s rule; a padding query (-1) sees every filled slot."""
+    y, lse = torch.ops.kvlab.attend_prefill(q.float(), k, v, key_pos, query_pos)
+    return y.to(q.dtype), lse
 
 
 class Linear(nn.Linear):
@@ -264,7 +279,10 @@ def chunk_attention(
     causal by position; a padding query (-1) attends to every real key, a finite output that nothing keeps.
     `own_from`: the keys before it are earlier tokens that every real query sees, and from it on each row's chunk
     holds its own keys in query order (its padding's slots after them): both parts then run the CPU flash kernel
-    without a mask (`split_chunk_attention`), as a one-shot prefill does."""
+    without a mask (`split_chunk_attention`), as a one-shot prefill does. kvlab's native prefill attention takes
+    every case where it runs."""
+    if kernels.takes_prefill_attention(q, k, v):
+        return prefill_attention(q, k, v, key_pos, query_pos)[0]
     if own_from is not None and own_from > 0 and k.device.type == "cpu":
         return split_chunk_attention(q, k, v, own_from)
     seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)

@@ -16,7 +16,7 @@ from kvlab.cache import FullCache
 from kvlab.checkpoint import KNOWN_MODELS, known_model_name
 from kvlab.convert import default_gguf_path, hf_model_args
 from kvlab.engine import generate
-from kvlab.model import ModelArgs, attention_mask, chunk_attention, grouped_attention, lay_out_for_matvec
+from kvlab.model import ModelArgs, attention_mask, chunk_attention, grouped_attention, lay_out_for_matvec, split_chunk_attention
 from tolerance import assert_reordered_close
 
 
@@ -298,9 +298,9 @@ def test_a_chunk_split_into_held_and_own_keys_equals_the_masked_attention():
     query_pos[1, 5:] = -1
     key_pos = torch.cat([torch.arange(held).repeat(B, 1), query_pos], dim=1)
     real = (query_pos >= 0)[:, None, :, None].expand(q.shape)
-    split = chunk_attention(q, query_pos, k, v, key_pos, own_from=held)[real]
+    split = split_chunk_attention(q, k, v, own_from=held)[real]
     masked = chunk_attention(q, query_pos, k, v, key_pos)[real]
     scores = (q.reshape(B, n_kv, -1, D) @ k.transpose(-1, -2)).abs().max().item() / math.sqrt(D)
     assert_reordered_close(split, masked, terms=held + N, chain=3, magnitude=v.abs().max().item() * (1 + scores))
-    future = chunk_attention(q, query_pos, k, v, key_pos, own_from=held + 2)[real]  # two own keys taken as held
+    future = split_chunk_attention(q, k, v, own_from=held + 2)[real]  # two own keys taken as held
     assert not torch.allclose(future, masked, atol=1e-3)

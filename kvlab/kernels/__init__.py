@@ -7,10 +7,12 @@ compiler, or with `KVLAB_KERNELS=torch`, every op runs torch's kernels instead, 
 `python -m kvlab.kernels` prints which path is active and checks it against torch.
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
-call for both; float32, or bfloat16 weights and x with float32 sums) and `attend_fp32` for a decode step's attention where `takes_attention`; kvlab.quantize's
+call for both; float32, or bfloat16 weights and x with float32 sums), `attend_fp32` for a decode step's attention where
+`takes_attention` and `attend_prefill` for a prompt's or a chunk's where `takes_prefill_attention`; kvlab.quantize's
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
 layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp). The native ops run a CPU float32 decode step
-of at most MAX_ROWS rows (its products also in bfloat16); torch's kernels run everything else (prefill, GPUs, other dtypes, autograd).
+of at most MAX_ROWS rows (its products also in bfloat16) and the CPU prefill's attention; torch's kernels run everything
+else (prefill's products, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
 INT4_TILE = 16  # weight rows per tile of the int16-x products' layout (csrc/gemv_int4_tiled.cpp)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "attention.cpp")
+    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "attention.cpp", "attention_prefill.cpp")
 ]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
@@ -116,6 +118,11 @@ def register_fakes() -> None:
     def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("kvlab::attend_prefill")
+    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H, D, dtype=torch.float32).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
+
     @torch.library.register_fake("kvlab::gated_fp32")
     def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
         return x.new_empty(*x.shape[:-1], gate.shape[0])
@@ -150,17 +157,19 @@ def path() -> str:
     return f"native {REASON}" if NATIVE else f"torch ({REASON})"
 
 
-def takes(x: Tensor, dtype: torch.dtype = torch.float32) -> bool:
+def takes(x: Tensor, dtype: torch.dtype = torch.float32, any_rows: bool = False) -> bool:
     """Whether the native matrix-vector kernels run this input: a CPU decode step in `dtype` (at most MAX_ROWS
-    rows) outside autograd. Its shape is static, so a compiled step decides once."""
-    return NATIVE and x.device.type == "cpu" and x.dtype == dtype and not x.requires_grad and x.numel() <= MAX_ROWS * x.shape[-1]
+    rows, unless `any_rows`: the int4 products with x in int16 beat dequantize-then-matmul at every row count)
+    outside autograd. Its shape is static, so a compiled step decides once."""
+    rows = any_rows or x.numel() <= MAX_ROWS * x.shape[-1]
+    return NATIVE and x.device.type == "cpu" and x.dtype == dtype and not x.requires_grad and rows
 
 
-def takes_weight(x: Tensor, *tensors: Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the native kernels run x against a weight stored as `tensors`: `takes(x, dtype)`, and every one of
-    them a contiguous tensor on the CPU (float ones in `dtype`: float32, or bfloat16 for the bfloat16 products),
+def takes_weight(x: Tensor, *tensors: Tensor, dtype: torch.dtype = torch.float32, any_rows: bool = False) -> bool:
+    """Whether the native kernels run x against a weight stored as `tensors`: `takes(x, dtype, any_rows)`, and every
+    one of them a contiguous tensor on the CPU (float ones in `dtype`: float32, or bfloat16 for the bfloat16 products),
     as the ops read them."""
-    return takes(x, dtype) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == dtype or not t.is_floating_point()) for t in tensors)
+    return takes(x, dtype, any_rows) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == dtype or not t.is_floating_point()) for t in tensors)
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -169,6 +178,13 @@ def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
     tensors = (q, k, v)
     dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
     return NATIVE and dtypes and q.shape[2] <= MAX_ROWS and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+
+
+def takes_prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the native prefill attention (`attend_prefill`) runs: as `takes_attention`, for any number of query
+    positions."""
+    dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return NATIVE and dtypes and all(t.device.type == "cpu" and not t.requires_grad for t in (q, k, v))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -57,6 +57,20 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_
     )
 
 
+def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor, float, float]:
+    """torch's masked attention for `attend_prefill` (a padding query, -1, sees every filled slot), each query's
+    log-sum-exp of its scaled scores, and the bounds on a different order's rounding: the output's as
+    `attention_reference` derives it; the log-sum-exp's one score's error and a few units of roundoff of it."""
+    seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)
+    want, atol = attention_reference(q, k, v, key_pos, seeing)
+    B, H, T, D = q.shape
+    scores = (q.reshape(B, k.shape[1], -1, D) @ k.transpose(-1, -2) / D**0.5).reshape(B, k.shape[1], H // k.shape[1], T, -1)
+    mask = attention_mask(key_pos, seeing).unsqueeze(2)
+    lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1).reshape(B, H, T)
+    score_error = kernels.reordering_atol(D, (q.abs().amax() * k.abs().amax() * D**0.5).item())
+    return want, lse, atol, score_error + 8 * 2.0**-24 * lse.abs().nan_to_num(posinf=0, neginf=0).max().item()
+
+
 def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
     """The float32, int8 and int4 products and gated projections on one shape."""
     x, w, b, up = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)
@@ -132,6 +146,20 @@ def check_attention(
     return [f"attend_fp32 {tuple(q.shape)} over {slots} {kv_dtype} slots: off by {error:.2e} > {atol:.2e}"] if error > atol else []
 
 
+def check_prefill_attention(g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, held: int, dim: int, kv_dtype: torch.dtype) -> list[str]:
+    """Prefill attention: `steps` queries (the last one padding) over `held` earlier slots, some empty, and their own."""
+    q, (k, v) = torch.randn(batch, heads, steps, dim, generator=g), torch.randn(2, batch, kv_heads, held + steps, dim, generator=g).to(kv_dtype)
+    query_pos = torch.arange(held, held + steps).repeat(batch, 1)
+    query_pos[:, -1] = -1
+    key_pos = torch.cat([torch.randint(-1, held, (batch, held), generator=g), query_pos], dim=1)
+    want, want_lse, atol, lse_atol = prefill_attention_reference(q, k.float(), v.float(), key_pos, query_pos)
+    y, lse = torch.ops.kvlab.attend_prefill(q, k, v, key_pos, query_pos)
+    error, lse_error = (y - want).abs().max().item(), (lse - want_lse).abs().max().item()
+    if error > atol or lse_error > lse_atol:
+        return [f"attend_prefill {tuple(q.shape)} over {held} + {steps} {kv_dtype} slots: off by {error:.2e} > {atol:.2e} or {lse_error:.2e} > {lse_atol:.2e}"]
+    return []
+
+
 def check() -> list[str]:
     """Every native op against its torch reference; the failures, one line each."""
     g = torch.Generator().manual_seed(0)
@@ -145,6 +173,8 @@ def check() -> list[str]:
         (1, 9, 3, 1, 300, 64, True, torch.bfloat16),
     ]:
         failures += check_attention(g, *shape)
+    for shape in [(1, 9, 3, 100, 70, 64, torch.float32), (2, 4, 2, 33, 0, 64, torch.float16), (1, 4, 4, 9, 20, 40, torch.bfloat16), (1, 2, 1, 40, 30, 32, torch.float32)]:
+        failures += check_prefill_attention(g, *shape)
     return failures
 
 

@@ -32,20 +32,6 @@ static void scores_scalar(const float* q, const T* k, float* s, int64_t R, int64
     }
 }
 
-// e^x for 8 floats (Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, a degree-5 polynomial in f, times 2^n):
-// within 2 ulp over the range; scores are <= 0 here (the row's maximum is subtracted first).
-__attribute__((target("avx2,fma"))) static inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
 // p_j = e^(s_j - m) in place (0 where s_j is -inf: a masked slot); returns sum_j p_j.
 static float exp_scalar(float* s, int64_t n, float m) {
   float sum = 0.f;

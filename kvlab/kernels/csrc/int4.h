@@ -66,6 +66,8 @@ struct QuantizedInput {
 // SSE's conversion, where nearbyint is a library call without SSE4.1, a few microseconds per call's x.
 inline int round_to_int(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
 
+constexpr int64_t kRoundingGrain = 64;  // rows of x per task when x is rounded: a decode step's stay on one thread
+
 template <typename T>
 QuantizedInput<T> quantize_input(const at::Tensor& x, int64_t Kp, int64_t groupsize, bool reordered) {
   constexpr float qmax = std::numeric_limits<T>::max();
@@ -73,22 +75,24 @@ QuantizedInput<T> quantize_input(const at::Tensor& x, int64_t Kp, int64_t groups
   const float* xp = xc.data_ptr<float>();
   const int64_t K = x.size(-1), M = xc.numel() / K, blocks = Kp / 32, G = Kp / groupsize;
   QuantizedInput<T> in{std::vector<T>(M * Kp), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[32], amax = 0.f;
-      float& group_sum = in.group_sums[m * G + b * 32 / groupsize];  // a group is whole blocks
-      for (int64_t i = 0; i < 32; ++i) {
-        v[i] = b * 32 + i < K ? xp[m * K + b * 32 + i] : 0.f;
-        amax = std::max(amax, std::fabs(v[i]));
-        group_sum += v[i];
+  at::parallel_for(0, M, kRoundingGrain, [&](int64_t m0, int64_t m1) {  // a prefill's rows, over the cores
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float v[32], amax = 0.f;
+        float& group_sum = in.group_sums[m * G + b * 32 / groupsize];  // a group is whole blocks
+        for (int64_t i = 0; i < 32; ++i) {
+          v[i] = b * 32 + i < K ? xp[m * K + b * 32 + i] : 0.f;
+          amax = std::max(amax, std::fabs(v[i]));
+          group_sum += v[i];
+        }
+        const float inverse = amax > 0.f ? qmax / amax : 0.f;
+        in.steps[m * blocks + b] = amax / qmax;
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t at = !reordered ? i : i % 2 == 1 ? i / 2 : 16 + i / 2;
+          in.codes[m * Kp + b * 32 + at] = static_cast<T>(round_to_int(v[i] * inverse));
+        }
       }
-      const float inverse = amax > 0.f ? qmax / amax : 0.f;
-      in.steps[m * blocks + b] = amax / qmax;
-      for (int64_t i = 0; i < 32; ++i) {
-        const int64_t at = !reordered ? i : i % 2 == 1 ? i / 2 : 16 + i / 2;
-        in.codes[m * Kp + b * 32 + at] = static_cast<T>(round_to_int(v[i] * inverse));
-      }
-    }
+  });
   return in;
 }
 

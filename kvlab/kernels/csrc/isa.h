@@ -58,6 +58,33 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// e^x for 8 or 16 floats (Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, a degree-5 polynomial in f, times 2^n):
+// within 2 ulp over [-87.3, 88.3], x clamped to that range (e^-87.3 ~ 1e-38 stands for 0, e^88.3 ~ 2e38 for inf).
+#define KVLAB_EXP_BODY(V, SET1, MAX, MIN, MUL, ADD, FMA, FNMA, ROUND, CVT_I, ADD_I, SLLI, CAST_PS, SET1_I)                       \
+  x = MIN(MAX(x, SET1(-87.3f)), SET1(88.3f));                                                                               \
+  const V n = ROUND(MUL(x, SET1(1.44269504088896341f)));                                                                    \
+  V f = FNMA(n, SET1(0.693359375f), x);                                                                                    \
+  f = FNMA(n, SET1(-2.12194440e-4f), f);                                                                                   \
+  V p = SET1(1.9875691500e-4f);                                                                                            \
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) p = FMA(p, f, SET1(c)); \
+  p = FMA(p, MUL(f, f), ADD(f, SET1(1.f)));                                                                               \
+  return MUL(p, CAST_PS(SLLI(ADD_I(CVT_I(n), SET1_I(127)), 23)));
+
+__attribute__((target("avx2,fma"))) inline __m256 round256(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+__attribute__((target("avx512f"))) inline __m512 round512(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  KVLAB_EXP_BODY(__m256, _mm256_set1_ps, _mm256_max_ps, _mm256_min_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, round256,
+                 _mm256_cvtps_epi32, _mm256_add_epi32, _mm256_slli_epi32, _mm256_castsi256_ps, _mm256_set1_epi32)
+}
+
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
+  KVLAB_EXP_BODY(__m512, _mm512_set1_ps, _mm512_max_ps, _mm512_min_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, round512,
+                 _mm512_cvtps_epi32, _mm512_add_epi32, _mm512_slli_epi32, _mm512_castsi512_ps, _mm512_set1_epi32)
+}
+
+#undef KVLAB_EXP_BODY
+
 // Float32, float16 or bfloat16 elements as float32 vectors: 8 (AVX2, F16C converting float16) or 16 (AVX-512) at a time.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const at::Half* p) {
