@@ -20,8 +20,8 @@ llama.cpp runs with flash attention on (`flash_attn=True`: what its own tools do
 default is off, 7-20% slower); the float32 rows are measured against it with flash attention off as well,
 labelled so. Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp
 in its default batches of 512; kvlab eager, as generate.py runs it), for every group of weights. Decode: tok/s
-over the steps after the first, kvlab's compiled (generate.py --compile). A long prompt (--long_prompt, 8,192
-tokens by default) is prefilled alone: kvlab float32 at once and in chunks of 512 (--prefill_chunk 512), against
+over the steps after the first, kvlab's compiled (generate.py --compile). A long prompt (--long_prompt, 8,191
+tokens by default: with the token it answers, SmolLM2's whole context) is prefilled alone: kvlab float32 at once and in chunks of 512 (--prefill_chunk 512), against
 llama.cpp F32, in --long_repeats rounds. Without llama-cpp-python the bench says so and measures kvlab alone.
 
 Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32|bf16>_<n>",
@@ -182,6 +182,8 @@ def measure(args) -> tuple[Bench, dict]:
     bench = load_bench("cpu", "float32")
     with_llamacpp = llamacpp_available()
     samples: dict = {}
+    if args.long_prompt:  # first: a long prompt that does not fit fails before the groups' runs
+        samples["long", args.long_prompt] = measure_long_prompt(bench, args, with_llamacpp)
     for group in args.groups:
         variants = GROUPS[group]
         torch._dynamo.reset()
@@ -197,8 +199,6 @@ def measure(args) -> tuple[Bench, dict]:
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)
         del llms
-    if args.long_prompt:
-        samples["long", args.long_prompt] = measure_long_prompt(bench, args, with_llamacpp)
     if with_llamacpp and "fp32" in args.groups:
         samples["same_greedy_tokens"] = same_greedy_tokens(bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens)
     return bench, samples
@@ -342,7 +342,12 @@ def main() -> None:
         choices=list(GROUPS),
         help=f"groups of weights to run (default: all: {' '.join(GROUPS)})",
     )
-    p.add_argument("--long_prompt", type=int, default=8192, help="the long prompt's tokens, prefilled alone (default: 8192; 0: none)")
+    p.add_argument(
+        "--long_prompt",
+        type=int,
+        default=8191,
+        help="the long prompt's tokens, prefilled alone (default: 8191, with the token it answers the model's whole context; 0: none)",
+    )
     p.add_argument("--long_repeats", type=int, default=2, help="timed rounds of the long prompt after a warm-up (default: 2)")
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()

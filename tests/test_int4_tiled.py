@@ -60,11 +60,12 @@ def test_tiled_int4_operands_that_do_not_fit_are_one_line_errors():
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 70])
 @pytest.mark.parametrize("k,n", [(576, 1536), (65, 300)])
 def test_tiled_gated_int4_equals_the_plain_layouts(rows, k, n, monkeypatch):
-    """An int4 gate and up projection with x in int16 (the default) take the tiled op, in one call, and give the
-    plain layout's int16 result to the reordering of float32 sums (|silu'| <= 1.1, as in the test above)."""
+    """An int4 gate and up projection with x in int16 (the default) take the tiled op, in one call, a decode step's
+    rows and a prefill's (70), and give the plain layout's int16 result to the reordering of float32 sums
+    (|silu'| <= 1.1, as in the test above)."""
     g = torch.Generator().manual_seed(rows + k)
     gate, up = (int4_linear(torch.randn(n, k, generator=g)) for _ in range(2))
     x = torch.randn(rows, 1, k, generator=g)
@@ -76,3 +77,25 @@ def test_tiled_gated_int4_equals_the_plain_layouts(rows, k, n, monkeypatch):
     assert calls == [1]
     plain = torch.ops.kvlab.gated_int4(x, gate.weight, gate.scales, gate.offsets, up.weight, up.scales, up.offsets, 32, 16)
     torch.testing.assert_close(got, plain, rtol=0, atol=reordering_atol(gate.padded_in, 2.1 * magnitude**2))
+
+
+@native
+@pytest.mark.parametrize("rows", [9, 100, 513])
+def test_a_prefills_int4_products_take_the_tiled_op(rows, monkeypatch):
+    """More rows than a decode step has (a prefill's) still take the tiled op with x in int16 (faster than
+    dequantize-then-matmul at every row count: Int4Linear.prepare), within the int16 bound of the product of the
+    dequantized weights; each row's result is the one it gets alone (x is rounded per row, over the cores)."""
+    g = torch.Generator().manual_seed(rows)
+    module = int4_linear(torch.randn(300, 576, generator=g))
+    x = torch.randn(rows, 576, generator=g)
+    calls, op = [], torch.ops.kvlab.linear_int4_tiled
+    monkeypatch.setattr(torch.ops.kvlab, "linear_int4_tiled", lambda *a: calls.append(1) or op(*a))
+    with torch.no_grad():
+        got = module(x)
+    assert calls == [1]
+    want, magnitude = int4_reference(x, module.weight, module.scales, module.zeros)
+    terms = 2 * module.weight.shape[1]
+    bound = int4_rounding_bound(x, module.weight, module.scales, 16) + reordering_atol(terms, magnitude)
+    assert ((got - want).abs() <= bound).all()
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(got[i], op(x[i : i + 1], *module.tiled_operands(), 300, 32, None)[0])

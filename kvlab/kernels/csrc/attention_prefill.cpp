@@ -301,7 +301,10 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
       });
     at::parallel_for(0, B * Hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t task = i0; task < i1; ++task) {
-        const int64_t b = task / (Hkv * blocks), h = task / blocks % Hkv, t0 = task % blocks * kQueryBlock, n_t = std::min(kQueryBlock, T - t0);
+        // Tasks in the order (sequence, query blocks zig-zag: first, last, second, ..., KV head): a causal prompt's
+        // later blocks see more keys, and torch's threads take contiguous runs of tasks, each this way as much work.
+        const int64_t b = task / (Hkv * blocks), z = task % (Hkv * blocks) / Hkv, h = task % Hkv;
+        const int64_t t0 = (z % 2 == 0 ? z / 2 : blocks - 1 - z / 2) * kQueryBlock, n_t = std::min(kQueryBlock, T - t0);
         Rows t(G * n_t, D);
         for (int64_t r = 0; r < t.R; ++r) {
           const int64_t head = h * G + r / n_t, time = t0 + r % n_t, p = qp.data_ptr<int64_t>()[b * T + time];
