@@ -261,11 +261,8 @@ static void attend_task(Isa isa, Rows& t, const T* k, const T* v, int64_t stride
   }
 }
 
-// (y [B, H, T, D] float32, laid out as [B, T, H, D], lse [B, H, T] float32) for q [B, H, T, D] float32 (any strides
-// with D contiguous), k and v [B, H_kv, S, D] float32, float16 or bfloat16 (both alike, D contiguous, a row stride
-// shared), key_pos [B, S] or [B, H_kv, S] and query_pos [B, T] int64. A query that sees no slot gets zeros and -inf.
-std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos,
-                                                  const at::Tensor& query_pos) {
+// The op's operands checked: one line naming what is off.
+static void check_prefill_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos, const at::Tensor& query_pos) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "kvlab::attend_prefill: q [B, H, T, D], k and v [B, H_kv, S, D]");
   const auto kv = k.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && (kv == at::kFloat || kv == at::kHalf || kv == at::kBFloat16) && v.scalar_type() == kv,
@@ -277,6 +274,16 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
               "kvlab::attend_prefill: key_pos must be int64 [B, S] or [B, H_kv, S], got ", key_pos.sizes());
   TORCH_CHECK(query_pos.scalar_type() == at::kLong && query_pos.dim() == 2 && query_pos.size(0) == B && query_pos.size(1) == T,
               "kvlab::attend_prefill: query_pos must be int64 [B, T], got ", query_pos.sizes());
+}
+
+// (y [B, H, T, D] float32, laid out as [B, T, H, D], lse [B, H, T] float32) for q [B, H, T, D] float32 (any strides
+// with D contiguous), k and v [B, H_kv, S, D] float32, float16 or bfloat16 (both alike, D contiguous, a row stride
+// shared), key_pos [B, S] or [B, H_kv, S] and query_pos [B, T] int64. A query that sees no slot gets zeros and -inf.
+std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_pos,
+                                                  const at::Tensor& query_pos) {
+  check_prefill_operands(q, k, v, key_pos, query_pos);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const bool per_head = key_pos.dim() == 3;
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous(), kp = key_pos.contiguous(), qp = query_pos.contiguous();
   const bool shared_rows = k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && k.stride(1) == v.stride(1) && k.stride(0) == v.stride(0);
   const at::Tensor kc = shared_rows ? k : k.contiguous(), vc = shared_rows ? v : v.contiguous();
@@ -325,9 +332,9 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
       }
     });
   };
-  if (kv == at::kHalf) run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
-  if (kv == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
-  if (kv == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
+  if (kc.scalar_type() == at::kHalf) run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
+  if (kc.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
+  if (kc.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return {y.transpose(1, 2), lse};
 }
 }  // namespace kvlab
