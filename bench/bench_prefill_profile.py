@@ -4,7 +4,7 @@ keys and values repeated per query head) and with kvlab's native prefill attenti
 for the products (MKL's rate on the prefill's largest product, measured here).
 
     python bench/bench_prefill_profile.py                       # 2048 tokens
-    python bench/bench_prefill_profile.py --prompt_lengths 512 2048 8192
+    python bench/bench_prefill_profile.py --prompt_lengths 512 2048 8191
 
 Writes bench/results/prefill_profile_cpu.md and .json: {"<n>": {"torch_attention"|"native_attention": {"seconds",
 "tok_s", "products_s", "attention_s", "rest_s", "products_gflop_s", "attention_gflop_s"}}, "mkl_gflop_s", "isa"}.
