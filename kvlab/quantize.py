@@ -221,8 +221,8 @@ class Int4Linear(nn.Module):
 
     def prepare(self, kernel: Kernel | None) -> None:
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
-        model), the plain codes stay: decode steps take the native kernel, larger inputs dequantize. With x
-        in int16 (the default) every product reads a copy tiled 16 rows at a time (kernels.tile_rows), whose
+        model), the plain codes stay: with x in float32 or int8, decode steps take the native kernel and larger
+        inputs dequantize. With x in int16 (the default) every product reads a copy tiled 16 rows at a time (kernels.tile_rows), whose
         products sum 16 rows per vector: 1.8x faster than the plain layout's in the step (docs/results.md), and
         in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282 against 121 GFLOP/s on 2 Zen 4 cores).
         Otherwise repack for torch's fused kernel; the plain codes, scales and zeros are then dropped unless

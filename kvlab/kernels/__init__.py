@@ -173,16 +173,13 @@ def takes_weight(x: Tensor, *tensors: Tensor, dtype: torch.dtype = torch.float32
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the native decode attention runs: CPU tensors outside autograd, float32 or bfloat16 q (a bfloat16
-    one widened) with k and v both float32, float16 or bfloat16, at most MAX_ROWS query positions."""
-    tensors = (q, k, v)
-    dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    return NATIVE and dtypes and q.shape[2] <= MAX_ROWS and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+    """Whether the native decode attention runs: as `takes_prefill_attention`, for at most MAX_ROWS query positions."""
+    return takes_prefill_attention(q, k, v) and q.shape[2] <= MAX_ROWS
 
 
 def takes_prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the native prefill attention (`attend_prefill`) runs: as `takes_attention`, for any number of query
-    positions."""
+    """Whether the native prefill attention (`attend_prefill`) runs: CPU tensors outside autograd, float32 or bfloat16
+    q (a bfloat16 one widened) with k and v both float32, float16 or bfloat16, any number of query positions."""
     dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
     return NATIVE and dtypes and all(t.device.type == "cpu" and not t.requires_grad for t in (q, k, v))
 
