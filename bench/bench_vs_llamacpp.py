@@ -165,15 +165,16 @@ def weights_of(bench: Bench, group: str) -> torch.nn.Module:
     return bench.model if group == "fp32" else quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[group])
 
 
-def load_ggufs(group: str, n_ctx: int) -> dict:
-    """llama.cpp's models for a group of weights, on as many threads as kvlab's, flash attention on or off as
-    LLAMA_RUNS says."""
+def load_ggufs(group: str, n_ctx: int, only: str | None = None) -> dict:
+    """llama.cpp's models for a group of weights (or its run named `only`), on as many threads as kvlab's, flash
+    attention on or off as LLAMA_RUNS says."""
     import llama_cpp
 
     threads = torch.get_num_threads()
     return {
         name: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash, verbose=False)
         for name, (g, flash) in LLAMA_RUNS[group].items()
+        if only in (None, name)
     }
 
 
@@ -215,7 +216,7 @@ def measure_long_prompt(bench: Bench, args, with_llamacpp: bool) -> dict:
         f"fp32_chunk{LONG_CHUNK}": kvlab_run(bench.model, None, FLOAT_CACHE | {"prefill_chunk": LONG_CHUNK}, ids, 1),
     }
     if with_llamacpp:
-        runs["F32"] = llamacpp_run(load_ggufs("fp32", len(ids) + 8)["F32"], ids, 1)
+        runs["F32"] = llamacpp_run(load_ggufs("fp32", len(ids) + 8, only="F32")["F32"], ids, 1)
     print(f"long prompt @{len(ids)}: {', '.join(runs)} interleaved, {args.long_repeats} rounds", file=sys.stderr, flush=True)
     return interleaved(runs, args.long_repeats)
 
