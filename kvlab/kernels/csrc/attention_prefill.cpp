@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "isa.h"
@@ -294,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
   const Isa isa = kernel_isa();
   const bool simd = isa != Isa::scalar && D % (isa == Isa::avx512 ? 64 : 32) == 0;
   const int64_t key_blocks = (S + kKeyBlock - 1) / kKeyBlock;
-  std::vector<float> kt(simd ? B * Hkv * key_blocks * D * kKeyBlock : 0);
+  const std::unique_ptr<float[]> kt(simd ? new float[B * Hkv * key_blocks * D * kKeyBlock] : nullptr);  // transpose_keys fills it
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   auto run = [&](const auto* keys, const auto* values) {  // float, at::Half or at::BFloat16
     if (simd)
@@ -303,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
           const int64_t b = i / (Hkv * key_blocks), h = i / key_blocks % Hkv, blk = i % key_blocks, j0 = blk * kKeyBlock;
           const Slots& own = slots[per_head ? b * Hkv + h : b];
           transpose_keys(keys + b * kc.stride(0) + h * kc.stride(1) + j0 * stride, stride, own.pos.data() + j0, std::min(kKeyBlock, S - j0), D,
-                         kt.data() + i * D * kKeyBlock);
+                         kt.get() + i * D * kKeyBlock);
         }
       });
     at::parallel_for(0, B * Hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
@@ -320,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill(const at::Tensor& q, const at:
           t.pos[r] = p < 0 ? kSeesAll : static_cast<int32_t>(std::min<int64_t>(p, kSeesAll - 1));
         }
         const int64_t offset = b * kc.stride(0) + h * kc.stride(1);
-        const float* head_kt = simd ? kt.data() + (b * Hkv + h) * key_blocks * D * kKeyBlock : nullptr;
+        const float* head_kt = simd ? kt.get() + (b * Hkv + h) * key_blocks * D * kKeyBlock : nullptr;
         attend_task(isa, t, keys + offset, values + offset, stride, slots[per_head ? b * Hkv + h : b], S, head_kt);
         for (int64_t r = 0; r < t.R; ++r) {
           const int64_t head = h * G + r / n_t, time = t0 + r % n_t;
