@@ -5,7 +5,8 @@ full-precision cache, teacher-forced through the cache), real bytes, and decode 
     python bench/bench_quantization.py --device cuda
 
 Writes bench/results/quantization_<device>.md. Keys quantized per token and per channel (KIVI) are both
-measured at every bit width; the default per bit width follows from this table.
+measured at every bit width; the default per bit width follows from this table. 16 bits is a float16 cache
+(no scales: what llama.cpp keeps by default).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from common import bench_parser, decode_rate, load_bench, machine, parse_bench_a
 from kvlab.build import make_caches
 from kvlab.engine import compile_decode_step, generate
 
-SETTINGS = [(None, None), (8, "token"), (8, "channel"), (4, "token"), (4, "channel"), (2, "token"), (2, "channel")]
+SETTINGS = [(None, None), (16, None), (8, "token"), (8, "channel"), (4, "token"), (4, "channel"), (2, "token"), (2, "channel")]
+
+
+BITS_NAMES = {16: "16 (float16)"}
 
 
 def storage_options(bits: int | None, axis: str | None) -> dict:
@@ -80,7 +84,7 @@ def main() -> None:
         nll = statistics.mean(q[0] for q in quality[bits, axis])
         report(
             rows,
-            f"| {bits or 'none (' + bench.dtype_name + ')'} | {axis or '-'} | {nll:.4f} | {nll - full_nll:+.4f} | "
+            f"| {BITS_NAMES.get(bits, bits) if bits else 'none (' + bench.dtype_name + ')'} | {axis or '-'} | {nll:.4f} | {nll - full_nll:+.4f} | "
             f"{max(q[1] for q in quality[bits, axis]):.3f} | {statistics.mean(q[2] for q in quality[bits, axis]):.3f} | "
             f"{run.full_cache_bytes / run.kv_cache_bytes:.2f}x | {decode_rate(run):.1f} |",
         )

@@ -213,6 +213,11 @@ def run(args: argparse.Namespace) -> None:
     if not summary.is_file():
         raise ValueError(f"no {summary}: run the sweeps first (drop --table_only)")
     rows = leaderboard(summary, args.context_length, args.methods)
+    if all(r["method"] == FULL for r in rows):
+        raise ValueError(
+            f"{summary} holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with --context_length "
+            f"{args.context_length}: nothing to rank; run the sweeps (drop --table_only), or give the methods and length it holds"
+        )
     with (args.out_dir / "leaderboard.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mode", "method", "ratio", "score", "tasks"])
         writer.writeheader()
@@ -220,7 +225,10 @@ def run(args: argparse.Namespace) -> None:
     table = markdown(rows, recallable(args.methods))
     (args.out_dir / "leaderboard.md").write_text(table)
     (args.out_dir / "leaderboard.json").write_text(json.dumps(as_json(complete(rows)), indent=1) + "\n")
-    plot(complete(rows), args.out_dir / "leaderboard.png")
+    if any(r["method"] != FULL for r in complete(rows)):
+        plot(complete(rows), args.out_dir / "leaderboard.png")
+    else:
+        print("no method's cell covers every task the full cache ran yet: no plot", file=sys.stderr)
     print(table, end="")
 
 

@@ -376,6 +376,17 @@ def test_damaged_results_are_one_line_naming_the_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         leaderboard.main(["--table_only", "--out_dir", str(tmp_path)])
     assert "summary.csv: no column(s) size, query_agnostic, context_length, value" in one_line_error(capsys, exit_info)
+    (tmp_path / "summary.csv").write_text("config,size,query_agnostic,context_length,value\nfull,full,False,1024,50\nl2,512,False,1024,40\n")
+    with pytest.raises(SystemExit) as exit_info:  # the full cache and a cache size: no ratio to rank
+        leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
+    assert "summary.csv holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with --context_length 1024" in one_line_error(
+        capsys, exit_info
+    )
+    rows = ["full,full,False,vt,1024,50", "full,full,False,qa_1,1024,60", "kvzip,ratio0.5,True,vt,1024,40"]
+    (tmp_path / "summary.csv").write_text("\n".join(["config,size,query_agnostic,task,context_length,value", *rows]) + "\n")
+    leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024", "--methods", "kvzip"])
+    assert "| kvzip | 40.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()  # a sweep still running: its table
+    assert "no plot" in capsys.readouterr().err and not (tmp_path / "leaderboard.png").exists()  # but no complete cell to plot
     (tmp_path / "summary.csv").write_text("config,task,context_length,metric,value,compression\nl2,vt,512,acc,50,inf\n")
     with pytest.raises(SystemExit) as exit_info:
         plot.main([str(tmp_path)])

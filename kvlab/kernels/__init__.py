@@ -10,9 +10,10 @@ The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and u
 call for both; float32, or bfloat16 weights and x with float32 sums), `attend_fp32` for a decode step's attention where
 `takes_attention` and `attend_prefill` for a prompt's or a chunk's where `takes_prefill_attention`; kvlab.quantize's
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
-layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp). The native ops run a CPU float32 decode step
-of at most MAX_ROWS rows (its products also in bfloat16) and the CPU prefill's attention; torch's kernels run everything
-else (prefill's products, GPUs, other dtypes, autograd).
+layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp; int8 beyond MAX_ROWS rows with x in int16,
+tiled per call: csrc/gemv_int8_tiled.cpp). The native ops run a CPU float32 decode step of at most MAX_ROWS rows (its
+products also in bfloat16), the CPU prefill's attention and its int8 and int4 products; torch's kernels run everything
+else (prefill's float products, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
 INT4_TILE = 16  # weight rows per tile of the int16-x products' layout (csrc/gemv_int4_tiled.cpp)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "attention.cpp", "attention_prefill.cpp")
+    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "gemv_int8_tiled.cpp", "attention.cpp", "attention_prefill.cpp")
 ]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
@@ -81,6 +82,22 @@ def load(quiet: bool = False) -> bool:
 
 def register_fakes() -> None:
     """Shapes without computing, for torch.compile's tracing (meta tensors)."""
+    register_product_fakes()
+    register_attention_fakes()
+
+
+def register_attention_fakes() -> None:
+    @torch.library.register_fake("kvlab::attend_fp32")
+    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("kvlab::attend_prefill")
+    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H, D, dtype=torch.float32).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+def register_product_fakes() -> None:
 
     @torch.library.register_fake("kvlab::linear_fp32")
     def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -98,6 +115,14 @@ def register_fakes() -> None:
     def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
+    @torch.library.register_fake("kvlab::linear_int8_tiled")
+    def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty(*x.shape[:-1], q.shape[0])
+
+    @torch.library.register_fake("kvlab::gated_int8_tiled")
+    def _(x: Tensor, q_gate: Tensor, s_gate: Tensor, q_up: Tensor, s_up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], q_gate.shape[0])
+
     @torch.library.register_fake("kvlab::linear_int4")
     def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, x_bits: int = 32) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
@@ -113,15 +138,6 @@ def register_fakes() -> None:
     @torch.library.register_fake("kvlab::gated_int4_tiled")
     def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, n: int, groupsize: int) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
-
-    @torch.library.register_fake("kvlab::attend_fp32")
-    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kvlab::attend_prefill")
-    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
-        B, H, T, D = q.shape
-        return q.new_empty(B, T, H, D, dtype=torch.float32).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
 
     @torch.library.register_fake("kvlab::gated_fp32")
     def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:

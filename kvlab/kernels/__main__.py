@@ -33,16 +33,26 @@ def int4_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor) -> t
     return F.linear(x, w), sum((x.abs() @ part.flatten(1).abs().T).max().item() for part in parts)
 
 
-def int4_rounding_bound(x: Tensor, codes: Tensor, scales: Tensor, x_bits: int) -> Tensor:
-    """How far the int4 product with x rounded to `x_bits` (16 or 8) may be from the float one, per output:
-    each input is rounded to its block's step (max |x| / (2^(bits - 1) - 1) over 32 inputs), so off by at
-    most half that step (and a few ulps), times the codes' part of each weight, |scale x code|; the offsets'
-    part takes x's exact sums."""
-    x = F.pad(x, (0, 2 * codes.shape[1] - x.shape[-1]))
+def x_rounding_bound(x: Tensor, weights: Tensor, x_bits: int) -> Tensor:
+    """How far a product with x rounded to `x_bits` (16 or 8) may be from the float one, per output, for the part of
+    the weights [N, Kp] that multiplies the rounded x: each input is rounded to its block's step (max |x| /
+    (2^(bits - 1) - 1) over 32 inputs), so off by at most half that step (and a few ulps), times |weight|."""
+    x = F.pad(x, (0, weights.shape[1] - x.shape[-1]))
     qmax = 2 ** (x_bits - 1) - 1
     half_steps = (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / (2 * qmax) * (1 + 2.0**-20)).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    return half_steps @ weights.abs().T
+
+
+def int4_rounding_bound(x: Tensor, codes: Tensor, scales: Tensor, x_bits: int) -> Tensor:
+    """`x_rounding_bound` for an int4 weight: x rounded multiplies the codes' part of each weight, |scale x code|;
+    the offsets' part takes x's exact sums."""
     weights = int4_codes(codes).float().unflatten(-1, (scales.shape[1], -1)) * scales[..., None]
-    return half_steps @ weights.flatten(1).abs().T
+    return x_rounding_bound(x, weights.flatten(1), x_bits)
+
+
+def int8_rounding_bound(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """`x_rounding_bound` for an int8 weight and x in int16 (the tiled op's), its rows padded to whole blocks of 32."""
+    return x_rounding_bound(x, F.pad(q.float() * scales[:, None], (0, -q.shape[1] % 32)), 16)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, float]:
@@ -86,9 +96,32 @@ def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
     q_up, s_up = quantize_int8(up)
     want = F.silu(F.linear(x, q.float()) * scales) * (F.linear(x, q_up.float()) * s_up)
     failures += mismatch("gated_int8", torch.ops.kvlab.gated_int8(x, q, scales, q_up, s_up), want, k, gated_magnitude)
+    failures += check_int8_tiled(x, q, scales, q_up, s_up, b)
     for groupsize in GROUPSIZES:
         failures += check_int4(x, w, up, b, groupsize)
     return failures + check_bfloat16(x, w, b, up)
+
+
+def check_int8_tiled(x: Tensor, q: Tensor, scales: Tensor, q_up: Tensor, s_up: Tensor, b: Tensor) -> list[str]:
+    """The int8 products with x in int16 (a prefill's): within x's rounding (`int8_rounding_bound`) and summation
+    order of the float products of the codes; silu(a) b moves as in `check_int4`."""
+    want, want_up = F.linear(x, q.float()) * scales, F.linear(x, q_up.float()) * s_up
+    magnitude = max((x.abs() @ (q.float().abs() * scales[:, None]).T).max().item(), (x.abs() @ (q_up.float().abs() * s_up[:, None]).T).max().item())
+    da, db = int8_rounding_bound(x, q, scales), int8_rounding_bound(x, q_up, s_up)
+    atol, gated_atol = kernels.reordering_atol(q.shape[1], magnitude), kernels.reordering_atol(q.shape[1], 2.1 * magnitude**2)
+    bounds = {
+        "linear_int8_tiled": (torch.ops.kvlab.linear_int8_tiled(x, q, scales, b), want + b, da + atol),
+        "gated_int8_tiled": (
+            torch.ops.kvlab.gated_int8_tiled(x, q, scales, q_up, s_up),
+            F.silu(want) * want_up,
+            1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + gated_atol,
+        ),
+    }
+    return [
+        f"{op} x int16 {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound"
+        for op, (got, expected, bound) in bounds.items()
+        if ((got - expected).abs() > bound).any()
+    ]
 
 
 def check_bfloat16(x: Tensor, w: Tensor, b: Tensor, up: Tensor) -> list[str]:
@@ -164,7 +197,7 @@ def check() -> list[str]:
     """Every native op against its torch reference; the failures, one line each."""
     g = torch.Generator().manual_seed(0)
     failures = []
-    for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5)]:
+    for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5), (29, 70, 37)]:
         failures += check_matvec(g, rows, k, n)
     for shape in [
         (1, 9, 3, 1, 600, 64, False, torch.float32),

@@ -10,9 +10,8 @@
 // nibble), rows padded to Kp, a multiple of the group size (32, 64 or 128). Every path takes the offsets'
 // part from the exact float32 sums of x per group (one multiply-add per group).
 #pragma once
-#include <limits>
-
 #include "matvec.h"
+#include "xq.h"
 
 namespace kvlab {
 
@@ -50,50 +49,6 @@ __attribute__((target("avx2,fma"))) inline float offset_term_avx2(const Int4Weig
   float total = hsum256(acc);
   for (; g < w.G; ++g) total += offsets[g] * row_sums[g];
   return total;
-}
-
-// x [M, K] rounded: per block of 32 inputs, codes q = round(x / step) with step = max |x| / qmax (0 for a
-// block of zeros), in natural order or, `reordered`, odd inputs first, then even ones (the order a block's
-// 16 bytes of plain weight codes unpack in: low nibbles, then high); and x's exact sums per weight group.
-template <typename T>
-struct QuantizedInput {
-  std::vector<T> codes;           // [M, Kp]
-  std::vector<float> steps;       // [M, Kp / 32]
-  std::vector<float> group_sums;  // [M, G]
-};
-
-// v rounded to the nearest integer, ties to even (std::nearbyint in the default rounding mode), inline:
-// SSE's conversion, where nearbyint is a library call without SSE4.1, a few microseconds per call's x.
-inline int round_to_int(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
-
-constexpr int64_t kRoundingGrain = 64;  // rows of x per task when x is rounded: a decode step's stay on one thread
-
-template <typename T>
-QuantizedInput<T> quantize_input(const at::Tensor& x, int64_t Kp, int64_t groupsize, bool reordered) {
-  constexpr float qmax = std::numeric_limits<T>::max();
-  const at::Tensor xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t K = x.size(-1), M = xc.numel() / K, blocks = Kp / 32, G = Kp / groupsize;
-  QuantizedInput<T> in{std::vector<T>(M * Kp), std::vector<float>(M * blocks), std::vector<float>(M * G, 0.f)};
-  at::parallel_for(0, M, kRoundingGrain, [&](int64_t m0, int64_t m1) {  // a prefill's rows, over the cores
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float v[32], amax = 0.f;
-        float& group_sum = in.group_sums[m * G + b * 32 / groupsize];  // a group is whole blocks
-        for (int64_t i = 0; i < 32; ++i) {
-          v[i] = b * 32 + i < K ? xp[m * K + b * 32 + i] : 0.f;
-          amax = std::max(amax, std::fabs(v[i]));
-          group_sum += v[i];
-        }
-        const float inverse = amax > 0.f ? qmax / amax : 0.f;
-        in.steps[m * blocks + b] = amax / qmax;
-        for (int64_t i = 0; i < 32; ++i) {
-          const int64_t at = !reordered ? i : i % 2 == 1 ? i / 2 : 16 + i / 2;
-          in.codes[m * Kp + b * 32 + at] = static_cast<T>(round_to_int(v[i] * inverse));
-        }
-      }
-  });
-  return in;
 }
 
 // x [..., K] @ w^T with x rounded per block of 32 inputs to `bits` (16 or 8) bits (gemv_int4_xq.cpp).
