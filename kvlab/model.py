@@ -322,6 +322,9 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_prob
     return y.view(B, H, T, D), probs.view(B, n_kv, group, T, S)
 
 
+FFN_ROWS = 1024  # rows (tokens) a feed-forward pass takes at a time: its hidden activations are that many rows long
+
+
 class FeedForward(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
@@ -330,7 +333,12 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.w1.gated(self.w3, x))
+        """SwiGLU, FFN_ROWS rows at a time: each row's result is its own, and a long prompt's prefill holds the
+        hidden activations (gate, up, their product: 3 x intermediate_size wide) for FFN_ROWS rows, not the prompt's."""
+        if x.shape[:-1].numel() <= FFN_ROWS:
+            return self.w2(self.w1.gated(self.w3, x))
+        rows = x.reshape(-1, x.shape[-1]).split(FFN_ROWS)
+        return torch.cat([self.w2(self.w1.gated(self.w3, part)) for part in rows]).view(*x.shape[:-1], -1)
 
 
 class RMSNorm(nn.Module):

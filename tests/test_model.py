@@ -304,3 +304,24 @@ def test_a_chunk_split_into_held_and_own_keys_equals_the_masked_attention():
     assert_reordered_close(split, masked, terms=held + N, chain=3, magnitude=v.abs().max().item() * (1 + scores))
     future = split_chunk_attention(q, k, v, own_from=held + 2)[real]  # two own keys taken as held
     assert not torch.allclose(future, masked, atol=1e-3)
+
+
+def test_a_long_inputs_feed_forward_runs_ffn_rows_at_a_time(monkeypatch):
+    """More rows than FFN_ROWS go through the feed-forward FFN_ROWS at a time (the hidden activations a prefill holds
+    are that many rows long), and give each row the result it gets in one pass, to the order of float32 sums (two
+    sums in sequence: the gate/up product, then the down product over its hidden units)."""
+    import kvlab.model as model_module
+
+    ffn = make_tiny_model().layers[0].feed_forward
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = ffn(x)
+        monkeypatch.setattr(model_module, "FFN_ROWS", 4)
+        seen = []
+        gated = type(ffn.w1).gated
+        monkeypatch.setattr(type(ffn.w1), "gated", lambda self, up, h: seen.append(h.shape[0]) or gated(self, up, h))
+        blocked = ffn(x)
+    assert seen == [4, 4, 4, 4, 2] and blocked.shape == whole.shape
+    rows = x.abs().reshape(-1, 32).T
+    magnitude = (ffn.w2.weight.abs() @ ((ffn.w1.weight.abs() @ rows) * (ffn.w3.weight.abs() @ rows))).max().item()
+    assert_reordered_close(blocked, whole, terms=64, chain=2, magnitude=magnitude)

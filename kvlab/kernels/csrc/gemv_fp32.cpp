@@ -7,9 +7,11 @@
 // kernel reads the weight rows straight through, once each, and multiplies each row with up to four rows
 // of x per pass (further rows of x re-read it from L1). Output rows are split over torch's threads (matvec.h).
 //
-// Three paths compute the same sums: a scalar reference, AVX2/FMA and AVX-512F, picked at run time (isa.h).
+// Three paths compute the same sums: a scalar reference, AVX2/FMA and AVX-512F, picked at run time (isa.h). From
+// kGemmRows rows of x (a prompt's) the SIMD paths run gemm.h's panel product instead.
 #include <torch/library.h>
 
+#include "gemm.h"
 #include "matvec.h"
 
 namespace kvlab {
@@ -104,7 +106,8 @@ __attribute__((target("avx512f"))) static void gemv_rows_avx512(const float* x, 
   }
 }
 
-// The rows of x w^T on the chosen path, for matvec.h: w [N, K] contiguous, of W's dtype (float32 or bfloat16).
+// The rows of x w^T on the chosen path, for matvec.h: w [N, K] contiguous, of W's dtype (float32 or bfloat16); from
+// kGemmRows rows of x, the panel product (gemm.h). The ops split output rows over threads in whole panels.
 template <typename W>
 static auto weight_rows(const char* op, const at::Tensor& weight) {
   constexpr auto dtype = c10::CppTypeToScalarType<W>::value;
@@ -112,7 +115,9 @@ static auto weight_rows(const char* op, const at::Tensor& weight) {
   const W* wp = weight.data_ptr<W>();
   const int64_t N = weight.size(0), K = weight.size(1);
   return [wp, N, K](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
-    if (isa == Isa::avx512)
+    if (isa != Isa::scalar && M >= kGemmRows)
+      gemm_rows(isa == Isa::avx512, xp, wp, yp, M, N, K, n0, n1);
+    else if (isa == Isa::avx512)
       gemv_rows_avx512(xp, wp, yp, M, N, K, n0, n1);
     else if (isa == Isa::avx2)
       gemv_rows_avx2(xp, wp, yp, M, N, K, n0, n1);
@@ -123,7 +128,7 @@ static auto weight_rows(const char* op, const at::Tensor& weight) {
 
 // y [..., N] = x [..., K] @ weight [N, K]^T + bias [N]: float32, weight contiguous.
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  at::Tensor y = matvec("kvlab::linear_fp32", x, weight.size(0), weight.size(1), weight_rows<float>("kvlab::linear_fp32", weight));
+  at::Tensor y = matvec("kvlab::linear_fp32", x, weight.size(0), weight.size(1), weight_rows<float>("kvlab::linear_fp32", weight), kPanel);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -131,7 +136,8 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight, const c10:
 // silu(x gate^T) * (x up^T): SwiGLU's two projections of the same x in one call.
 at::Tensor gated_fp32(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "kvlab::gated_fp32: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
-  return gated_matvec("kvlab::gated_fp32", x, gate.size(0), gate.size(1), weight_rows<float>("kvlab::gated_fp32", gate), weight_rows<float>("kvlab::gated_fp32", up));
+  return gated_matvec("kvlab::gated_fp32", x, gate.size(0), gate.size(1), weight_rows<float>("kvlab::gated_fp32", gate), weight_rows<float>("kvlab::gated_fp32", up),
+                      kPanel);
 }
 
 // The bfloat16 twins: x (bfloat16) widened once, the weights as they stream, the result rounded to bfloat16.
@@ -142,7 +148,7 @@ static at::Tensor widened(const char* op, const at::Tensor& x) {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const char* op = "kvlab::linear_bf16";
-  at::Tensor y = matvec(op, widened(op, x), weight.size(0), weight.size(1), weight_rows<at::BFloat16>(op, weight));
+  at::Tensor y = matvec(op, widened(op, x), weight.size(0), weight.size(1), weight_rows<at::BFloat16>(op, weight), kPanel);
   if (bias.has_value()) y.add_(*bias);
   return y.to(at::kBFloat16);
 }
@@ -150,7 +156,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
 at::Tensor gated_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
   const char* op = "kvlab::gated_bf16";
   TORCH_CHECK(gate.sizes() == up.sizes(), op, ": gate ", gate.sizes(), " and up ", up.sizes(), " differ");
-  return gated_matvec(op, widened(op, x), gate.size(0), gate.size(1), weight_rows<at::BFloat16>(op, gate), weight_rows<at::BFloat16>(op, up)).to(at::kBFloat16);
+  return gated_matvec(op, widened(op, x), gate.size(0), gate.size(1), weight_rows<at::BFloat16>(op, gate), weight_rows<at::BFloat16>(op, up), kPanel)
+      .to(at::kBFloat16);
 }
 
 std::string isa() { return isa_name(kernel_isa()); }

@@ -122,15 +122,6 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<
   }
 }
 
-// f(std::integral_constant<int, rows>()) for rows in [1, MB]: a pass's rows of x as a compile-time count.
-template <int MB, typename F>
-static void with_rows(int64_t rows, F f) {
-  if (rows == MB)
-    f(std::integral_constant<int, MB>());
-  else if constexpr (MB > 1)
-    with_rows<MB - 1>(rows, f);
-}
-
 // Rows [n0, n1) of the output for every row of x: the codes tiled once (into this thread's buffer, reused by later
 // calls: a fresh allocation's page faults cost as much as a 16-row product), then 12 rows of x per pass over them
 // (4 on AVX2, whose 16 registers hold fewer sums): each widened pair serves every row of the pass.

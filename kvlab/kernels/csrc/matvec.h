@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -12,6 +13,15 @@
 namespace kvlab {
 
 constexpr int64_t kGrain = 256;  // output rows per task: SmolLM2's smallest projection (576) still splits over 2 cores
+
+// f(std::integral_constant<int, rows>()) for rows in [1, MB]: a pass's rows of x as a compile-time count.
+template <int MB, typename F>
+void with_rows(int64_t rows, F f) {
+  if (rows == MB)
+    f(std::integral_constant<int, MB>());
+  else if constexpr (MB > 1)
+    with_rows<MB - 1>(rows, f);
+}
 
 // x made contiguous and y [..., N] allocated for x [..., K] float32; M = the rows of x.
 inline std::pair<at::Tensor, at::Tensor> operands(const char* op, const at::Tensor& x, int64_t N, int64_t K) {
