@@ -1,12 +1,13 @@
 """Where a float32 prefill spends its time on this CPU: torch's profiler over one prefill (a 2,048-token prompt by
-default), its self time grouped into products, attention and the rest, with torch's attention (the CPU flash kernel,
-keys and values repeated per query head) and with kvlab's native prefill attention; against what the machine allows
-for the products (MKL's rate on the prefill's largest product, measured here).
+default), its self time grouped into products, attention and the rest, with torch's kernels (MKL's products, the CPU
+flash attention with keys and values repeated per query head) and with kvlab's native ones (the panel products of
+csrc/gemm.h, the prefill attention); against what the machine allows for the products (MKL's rate on the prefill's
+largest product, measured here).
 
     python bench/bench_prefill_profile.py                       # 2048 tokens
     python bench/bench_prefill_profile.py --prompt_lengths 512 2048 8191
 
-Writes bench/results/prefill_profile_cpu.md and .json: {"<n>": {"torch_attention"|"native_attention": {"seconds",
+Writes bench/results/prefill_profile_cpu.md and .json: {"<n>": {"torch"|"native": {"seconds",
 "tok_s", "products_s", "attention_s", "rest_s", "products_gflop_s", "attention_gflop_s"}}, "mkl_gflop_s", "isa"}.
 """
 
@@ -24,6 +25,7 @@ from kvlab.config import cache_spec
 from kvlab.engine import generate
 from kvlab.model import lay_out_for_matvec
 
+KERNELS = {"torch": "torch's (MKL products, CPU flash attention)", "native": "kvlab's (panel products, prefill attention)"}
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "kvlab::linear_fp32", "kvlab::gated_fp32")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "kvlab::attend_prefill")
 
@@ -82,12 +84,12 @@ def main() -> None:
     lay_out_for_matvec(bench.model)
     results: dict = {str(n): {} for n in args.prompt_lengths}
     for n in args.prompt_lengths:
-        for name, native in (("torch_attention", False), ("native_attention", True)):
+        for name, native in (("torch", False), ("native", True)):
             print(f"{n} tokens, {name}", file=sys.stderr, flush=True)
             results[str(n)][name] = profile_prefill(bench.model, bench.ids[:n], native)
     results |= {"mkl_gflop_s": mkl_rate(), "isa": kernels.REASON, "threads": torch.get_num_threads()}
     rows = [
-        row(n, name.replace("_", " "), f"{r['tok_s']:.0f}", f"{r['products_s']:.2f}", f"{r['products_gflop_s']:.0f}", f"{r['attention_s']:.2f}",
+        row(n, KERNELS[name], f"{r['tok_s']:.0f}", f"{r['products_s']:.2f}", f"{r['products_gflop_s']:.0f}", f"{r['attention_s']:.2f}",
          f"{r['attention_gflop_s']:.0f}", f"{r['rest_s']:.2f}")
         for n in args.prompt_lengths
         for name, r in results[str(n)].items()
@@ -100,7 +102,7 @@ def main() -> None:
         "on the gate/up product (2048 x 576 x 1536).",
         "",
         *table(
-            "prompt tokens | attention | tok/s | products s | products GFLOP/s | attention s | attention GFLOP/s | rest s",
+            "prompt tokens | kernels | tok/s | products s | products GFLOP/s | attention s | attention GFLOP/s | rest s",
             rows,
         ),
     ]

@@ -293,7 +293,11 @@ def mark_slots_dynamic(cache: KVCache) -> None:
     """Let the compiler treat a cache's slot axis (dim 2 of every [B, H, slots, ...] buffer, dim 1 of a
     [B, slots] one) as symbolic, so one compiled decode step serves every prompt length and every plan instead
     of compiling again for each (tested: one graph for several lengths and plans). A strategy whose step
-    reads its slot count as a number is specialized to it, as before, rather than refused."""
+    reads its slot count as a number is specialized to it, as before, rather than refused. Only once the compiler is
+    loaded (torch.compile imports it, as `compile_decode_step` does before caches are built): an eager process never
+    compiles, and importing it for the marks would cost it ~70 MB."""
+    if "torch._dynamo" not in sys.modules:
+        return
     if cache.shares_pool or cache.capacity < 2:  # block tables: no slot axis sized by the plan; 0 and 1 are specialized
         return
     for buffer in cache.buffers():

@@ -93,7 +93,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size, bias=False)
@@ -217,9 +217,23 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_po
     return y.to(q.dtype), lse
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding left uninitialized on the meta device (see Linear.reset_parameters)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Linear(nn.Linear):
     """nn.Linear whose product runs where kernels.linear picks: kvlab's native matrix-vector kernel in a CPU
     float32 decode step, torch's everywhere else."""
+
+    def reset_parameters(self) -> None:
+        """torch's initialization, but on the meta device (a skeleton a checkpoint fills): there it does nothing,
+        and its kernels (Python, on meta) would import torch's compiler stack, 70 MB of a process that never compiles."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         return kernels.linear(x, self.weight, self.bias)
@@ -370,11 +384,15 @@ def rope_frequencies(config: ModelArgs) -> Tensor:
 
 
 def rope_tables(config: ModelArgs) -> tuple[Tensor, Tensor]:
-    """cos/sin for every position up to the context length, [block_size, head_dim], float32."""
-    inv_freq = rope_frequencies(config).float()
-    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    """cos/sin for every position up to the context length, [block_size, head_dim], float32, on the default device:
+    computed on the CPU, so a skeleton built on the meta device gets them without running meta kernels (Python,
+    that would import torch's compiler stack: Linear.reset_parameters)."""
+    with torch.device("cpu"):
+        inv_freq = rope_frequencies(config).float()
+        angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+    return cos.to(torch.get_default_device()), sin.to(torch.get_default_device())
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

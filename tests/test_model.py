@@ -4,6 +4,8 @@ and the attention pieces against their textbook forms."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -325,3 +327,25 @@ def test_a_long_inputs_feed_forward_runs_ffn_rows_at_a_time(monkeypatch):
     rows = x.abs().reshape(-1, 32).T
     magnitude = (ffn.w2.weight.abs() @ ((ffn.w1.weight.abs() @ rows) * (ffn.w3.weight.abs() @ rows))).max().item()
     assert_reordered_close(blocked, whole, terms=64, chain=2, magnitude=magnitude)
+
+
+def test_a_checkpoint_skeleton_and_an_eager_generation_never_import_the_compiler():
+    """A model built on the meta device (a checkpoint's skeleton) initializes nothing there, and an eager generation
+    marks no cache for the compiler: either would import torch's compiler stack (~70 MB of a process's peak). In a
+    process of its own, as a user's: this suite's other tests import the compiler."""
+    code = """
+import sys, torch
+from kvlab.model import ModelArgs, Transformer
+args = ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=64, block_size=128)
+with torch.device("meta"):
+    skeleton = Transformer(args)
+assert skeleton.rope_cos.is_meta and skeleton.output.weight.is_meta
+model = Transformer(args).eval()
+from kvlab.config import cache_spec
+from kvlab.engine import generate
+out = generate(model, [[1, 2, 3, 4, 5]], 3, cache_spec({"cache_strategy": "full"}, args.n_layer))
+print(len(out.tokens[0]), "torch._dynamo" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3", "False"]
