@@ -14,13 +14,13 @@ native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's
 
 
 @native
-@pytest.mark.parametrize("rows", [kernels.GEMM_ROWS, 97, 110, 300])
+@pytest.mark.parametrize("rows", [kernels.MAX_ROWS + 1, 20, 97, 300])
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (70, 37), (33, 100), (5, 1)])
 def test_panel_product_equals_torch_and_each_block_of_rows_its_own(rows, k, n):
     """Rows of x in whole passes of 14 and a remainder, panels of 32 weight rows and a partial last one, k of any
     length: within the reordering of float32 sums of torch's product (with bias, and gated: |silu'| <= 1.1 as in
-    test_kernels). Each output is one sum over k in order, so any GEMM_ROWS rows of x give exactly the rows they give
-    among the others."""
+    test_kernels). Each output is one sum over k in order, so any MAX_ROWS + 1 rows of x give exactly the rows they
+    give among the others (a row of a batch what it gets alone)."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     x, w, b, up = (
         torch.randn(rows, k, generator=g),
@@ -35,8 +35,8 @@ def test_panel_product_equals_torch_and_each_block_of_rows_its_own(rows, k, n):
     torch.testing.assert_close(
         torch.ops.kvlab.gated_fp32(x, w, up), gated_want, rtol=0, atol=reordering_atol(k, 2.1 * magnitude**2)
     )
-    start = (rows - kernels.GEMM_ROWS) // 2
-    block = slice(start, start + kernels.GEMM_ROWS)
+    start = (rows - kernels.MAX_ROWS - 1) // 2
+    block = slice(start, start + kernels.MAX_ROWS + 1)
     assert torch.equal(torch.ops.kvlab.linear_fp32(x[block], w, b), got[block])
 
 
@@ -53,12 +53,10 @@ def test_panel_product_of_bfloat16_weights_is_float32_sums_rounded_once():
 
 
 @native
-@pytest.mark.parametrize(
-    "rows,native_call", [(1, True), (8, True), (9, False), (kernels.GEMM_ROWS - 1, False), (kernels.GEMM_ROWS, True)]
-)
-def test_float_products_take_the_native_op_for_a_step_and_from_gemm_rows(rows, native_call, monkeypatch):
-    """A decode step's rows (up to MAX_ROWS) and a prompt's from GEMM_ROWS take the native float32 ops; in between,
-    where the panel product's per-call packing costs more than it saves, torch's (MKL's)."""
+@pytest.mark.parametrize("rows", [1, 8, 9, 95, 96])
+def test_float_products_take_the_native_ops_at_every_row_count(rows, monkeypatch):
+    """A decode step's rows (up to MAX_ROWS: the matrix-vector kernels) and a prompt's (the panel product) take the
+    native float32 ops: one kind of sum for every prompt row, however the rows are batched or chunked."""
     calls = []
     for name in ("linear_fp32", "gated_fp32"):
         op = getattr(torch.ops.kvlab, name)
@@ -66,7 +64,7 @@ def test_float_products_take_the_native_op_for_a_step_and_from_gemm_rows(rows, n
     x, w = torch.randn(1, rows, 64), torch.randn(40, 64)
     kernels.linear(x, w)
     kernels.gated(x, w, w)
-    assert calls == (["linear_fp32", "gated_fp32"] if native_call else [])
+    assert calls == ["linear_fp32", "gated_fp32"]
 
 
 @native

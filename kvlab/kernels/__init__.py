@@ -12,8 +12,8 @@ call for both; float32, or bfloat16 weights and x with float32 sums), `attend_fp
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
 layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp; int8 beyond MAX_ROWS rows with x in int16,
 tiled per call: csrc/gemv_int8_tiled.cpp). The native ops run a CPU float32 decode step of at most MAX_ROWS rows (its
-products also in bfloat16), the CPU prefill's attention, its float32 products from GEMM_ROWS rows (csrc/gemm.h) and its
-int8 and int4 products; torch's kernels run everything else (bfloat16 prefill, GPUs, other dtypes, autograd).
+products also in bfloat16), the CPU prefill's attention, its float32 products (csrc/gemm.h) and its int8 and int4
+products; torch's kernels run everything else (bfloat16 prefill, GPUs, other dtypes, autograd).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 8  # rows of x (batch x tokens) up to which a matrix-vector kernel beats a matrix-matrix one
-GEMM_ROWS = 96  # rows of x from which the native float32 panel product (csrc/gemm.h) beats torch's (MKL's)
 # How int4 products take x (KVLAB_INT4_X), as bits: int16 (the default) rounds x per block of 32 to within
 # 2^-16 of the block's max |x| and multiplies 16-bit integers: SmolLM2's float32-x quality, the same decode
 # speed at batch 1 and 1.4x faster products for batches of 4 to 8; float32 keeps x exact; int8 multiplies
@@ -201,15 +200,10 @@ def takes_prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return NATIVE and dtypes and all(t.device.type == "cpu" and not t.requires_grad for t in (q, k, v))
 
 
-def panel_rows(x: Tensor) -> bool:
-    """Whether x has GEMM_ROWS rows or more: a float32 product the native panel kernel runs faster than torch's."""
-    return x.numel() >= GEMM_ROWS * x.shape[-1]
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias: the native float32 kernel where it `takes_weight` (a decode step's rows, or a prompt's from
-    GEMM_ROWS), the native bfloat16 one for a decode step, else F.linear."""
-    if takes_weight(x, weight, any_rows=panel_rows(x)):
+    """x @ weight.T + bias: the native float32 kernel where it `takes_weight` (any rows: a decode step's matrix-vector
+    products, a prompt's panel products), the native bfloat16 one for a decode step, else F.linear."""
+    if takes_weight(x, weight, any_rows=True):
         return torch.ops.kvlab.linear_fp32(x, weight, bias)
     if takes_weight(x, weight, *([] if bias is None else [bias]), dtype=torch.bfloat16):
         return torch.ops.kvlab.linear_bf16(x, weight, bias)
@@ -218,9 +212,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
     """silu(x @ gate.T) * (x @ up.T), SwiGLU's gate and up projections: one native call where it
-    `takes_weight` (float32: a decode step's rows or a prompt's from GEMM_ROWS; bfloat16: a decode step's), else
-    torch's three ops."""
-    if takes_weight(x, gate, up, any_rows=panel_rows(x)):
+    `takes_weight` (float32: any rows; bfloat16: a decode step's), else torch's three ops."""
+    if takes_weight(x, gate, up, any_rows=True):
         return torch.ops.kvlab.gated_fp32(x, gate, up)
     if takes_weight(x, gate, up, dtype=torch.bfloat16):
         return torch.ops.kvlab.gated_bf16(x, gate, up)

@@ -8,7 +8,8 @@
 // values (two AVX-512 vectors) times x[m, k] broadcast for 14 rows of x, 28 accumulators (AVX2: 16 values, 6 rows, 12
 // accumulators, each half of the panel in turn). Each FMA then needs a load of a quarter of a vector or less, and the
 // sums run at the FMA units' rate: 170-195 GFLOP/s on SmolLM2's shapes on 2 Zen 4 cores, where torch's MKL product
-// reaches 140-180 (docs/results/prefill.md). Each output is one sum over k in order, as the scalar reference takes it.
+// reaches 140-180 (docs/results/prefill.md). Each output is one sum over k in order, as the scalar reference takes it,
+// whatever the rows around it: a row of a batch gets what it gets alone.
 #pragma once
 #include <cstring>
 #include <vector>
@@ -18,7 +19,7 @@
 namespace kvlab {
 
 constexpr int64_t kPanel = 32;     // weight rows per panel: two AVX-512 vectors of float32
-constexpr int64_t kGemmRows = 96;  // rows of x from which the panel product beats MKL's (kvlab.kernels.GEMM_ROWS)
+constexpr int64_t kGemmRows = 9;  // rows of x past a decode step's (kvlab.kernels.MAX_ROWS): a prompt's or a chunk's
 
 // Weight rows [n0, n0 + 32) as a panel [K, 32], rows past N zero.
 template <typename W>

@@ -7,6 +7,7 @@
 // dot products). Output rows are split over torch's threads (matvec.h).
 #include <torch/library.h>
 
+#include "int8.h"
 #include "matvec.h"
 
 namespace kvlab {
@@ -93,12 +94,10 @@ __attribute__((target("avx512f"))) static void gemv_int8_rows_avx512(const float
 
 // The rows of (x q^T) * scales on the chosen path, for matvec.h: q int8 [N, K] contiguous, scales [N].
 static auto int8_rows(const char* op, const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), op, " takes contiguous int8 [N, K] weights");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == q.size(0) && scales.is_contiguous(), op, ": ", q.size(0),
-              " weight rows need as many contiguous float32 scales, got ", scales.sizes());
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const int64_t N = q.size(0), K = q.size(1);
+  const Int8Rows w = int8_weight(op, q, scales);
+  const int8_t* qp = w.q;
+  const float* sp = w.scales;
+  const int64_t N = w.N, K = w.K;
   return [qp, sp, N, K](Isa isa, const float* xp, float* yp, int64_t M, int64_t n0, int64_t n1) {
     if (isa == Isa::avx512)
       gemv_int8_rows_avx512(xp, qp, sp, yp, M, N, K, n0, n1);

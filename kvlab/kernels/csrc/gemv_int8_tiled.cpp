@@ -15,6 +15,7 @@
 
 #include <cstring>
 
+#include "int8.h"
 #include "matvec.h"
 #include "xq.h"
 
@@ -22,12 +23,6 @@ namespace kvlab {
 
 constexpr int64_t kRowsPerTile = 16;     // weight rows per tile: one per 32-bit lane of a 512-bit vector
 constexpr int64_t kTileBlock = 512;      // a tile's 16 rows x 32 codes
-
-struct Int8Rows {
-  const int8_t* q;      // [N, K]
-  const float* scales;  // [N]
-  int64_t N, K, Kp;     // Kp: K rounded up to whole blocks of 32
-};
 
 // Rows [n0, n1) of q (n0 a multiple of 16) tiled as above; inputs past K and rows past n1 are zero codes. A tile's
 // block is a 16 x 16 transpose of 16-bit code pairs (row r's pair p goes to 16 p + r), copied a pair at a time.
@@ -137,13 +132,6 @@ static void rows_simd(bool vnni, const QuantizedInput<int16_t>& in, const Int8Ro
       with_rows<4>(rows, [&](auto mb) { tiles_avx2<decltype(mb)::value>(in, w, codes.data(), y, m, n0, tiles); });
     m += rows;
   }
-}
-
-static Int8Rows int8_weight(const char* op, const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), op, " takes contiguous int8 [N, K] weights");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == q.size(0) && scales.is_contiguous(), op, ": ", q.size(0),
-              " weight rows need as many contiguous float32 scales, got ", scales.sizes());
-  return {q.data_ptr<int8_t>(), scales.data_ptr<float>(), q.size(0), q.size(1), (q.size(1) + 31) / 32 * 32};
 }
 
 static auto tiled_rows(const Int8Rows& w, const QuantizedInput<int16_t>& in) {
