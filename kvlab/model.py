@@ -218,9 +218,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_po
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding left uninitialized on the meta device (see Linear.reset_parameters)."""
-
-    def reset_parameters(self) -> None:
+    def reset_parameters(self) -> None:  # none on the meta device: see Linear.reset_parameters
         if not self.weight.is_meta:
             super().reset_parameters()
 

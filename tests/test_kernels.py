@@ -81,7 +81,9 @@ def test_without_native_kernels_torch_runs_and_says_so():
 
 
 @native
-def test_linear_takes_the_native_kernel_only_for_a_float32_decode_step(monkeypatch):
+def test_linear_takes_the_native_kernel_only_for_float32_outside_autograd(monkeypatch):
+    """A decode step's rows and a prompt's (9 and more: the panel product) alike; float64, a tensor that needs
+    gradients and a column-major weight take torch's."""
     calls = []
     op = torch.ops.kvlab.linear_fp32
     monkeypatch.setattr(torch.ops.kvlab, "linear_fp32", lambda *a: calls.append(a[0].shape) or op(*a))
@@ -89,7 +91,7 @@ def test_linear_takes_the_native_kernel_only_for_a_float32_decode_step(monkeypat
     for x in (torch.randn(2, 1, 4), torch.randn(1, 8, 4), torch.randn(9, 4), torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 4, requires_grad=True)):
         kernels.linear(x, w.to(x.dtype))
     kernels.linear(torch.randn(1, 4), w.t().contiguous().t())  # column-major: torch's kernel
-    assert calls == [(2, 1, 4), (1, 8, 4)]
+    assert calls == [(2, 1, 4), (1, 8, 4), (9, 4)]
 
 
 @native
