@@ -174,9 +174,9 @@ def path() -> str:
 
 
 def takes(x: Tensor, dtype: torch.dtype = torch.float32, any_rows: bool = False) -> bool:
-    """Whether the native matrix-vector kernels run this input: a CPU decode step in `dtype` (at most MAX_ROWS
-    rows, unless `any_rows`: the int4 products with x in int16 beat dequantize-then-matmul at every row count)
-    outside autograd. Its shape is static, so a compiled step decides once."""
+    """Whether the native product kernels run this input: a CPU decode step in `dtype` (at most MAX_ROWS rows,
+    unless `any_rows`: the float32, int8 and int4 ops also run a prompt's rows, packing the weight per call) outside
+    autograd. Its shape is static, so a compiled step decides once."""
     rows = any_rows or x.numel() <= MAX_ROWS * x.shape[-1]
     return NATIVE and x.device.type == "cpu" and x.dtype == dtype and not x.requires_grad and rows
 
