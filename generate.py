@@ -106,8 +106,10 @@ def run(args: argparse.Namespace) -> None:
     checkpoint = args.checkpoint_path or default_checkpoint()
     model, tokenizer, config = load_checkpoint(checkpoint, device, dtype, tensor_parallel)
     settings = with_default_gates(settings, checkpoint, config["name"])
+    settings, defaults_note = textgen.with_defaults(settings, dtype, args.attention_loss)
     spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
-    print(textgen.loaded_model_line(config, model, dtype, device, tensor_parallel, time.perf_counter() - t0), file=sys.stderr)
+    loaded = textgen.loaded_model_line(config, model, dtype, device, tensor_parallel, time.perf_counter() - t0)
+    print(loaded + (f"; {defaults_note}" if defaults_note else ""), file=sys.stderr)
 
     prompts = textgen.encode_prompts(tokenizer, texts, args.chat, args.system_prompt)
     batch_size = args.batch_size or len(prompts)

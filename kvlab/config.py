@@ -66,7 +66,7 @@ GENERAL_OPTIONS = (
         None,
         "prefill the prompt N tokens at a time, compressing every layer back to its budget after each chunk: memory bounded by the budget + N "
         "whatever the prompt's length",
-        default_help="off: the whole prompt at once",
+        default_help="the whole prompt at once; generate.py with a full cache: 512",
     ),
     switch("compress_first_token", "decode the prompt's last token through the compressed cache, so the first generated token already sees compression"),
     LAYER_BUDGET_OPTION,

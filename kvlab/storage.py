@@ -17,16 +17,16 @@ from kvlab.options import Option, choice, integer
 from kvlab.scores import key_channels
 
 QUANT_BITS = (8, 4, 2)
-CACHE_BITS = (16, *QUANT_BITS)  # 16: float16
+CACHE_BITS = (32, 16, *QUANT_BITS)  # 32: float32, as a float32 model computes them; 16: float16
 KEY_QUANT_AXES = ("token", "channel")
 STORAGE_OPTIONS = (
     choice(
         "cache_bits",
         CACHE_BITS,
         None,
-        "store keys and values as float16 (16: half float32's bytes, read by the native CPU attention as they are) or as packed 8, 4 or 2-bit "
-        "integers, with any strategy",
-        default_help="the model's dtype",
+        "store keys and values as a float32 model computes them (32), as float16 (16: half float32's bytes, read by the native CPU "
+        "attention as they are) or as packed 8, 4 or 2-bit integers, with any strategy",
+        default_help="the model's dtype; generate.py: 16 for a float32 model",
     ),
     choice(
         "key_quant_axis",
@@ -235,16 +235,18 @@ def make_storage(
     key_pruning: float | None = None,
     think_window: int | None = None,
 ) -> KVStorage:
-    """Plain storage for bits=None, float16 for 16, else packed `bits`-bit codes with keys quantized per `key_axis`
+    """Plain storage for bits=None (and 32, which needs a float32 model), float16 for 16, else packed `bits`-bit codes with keys quantized per `key_axis`
     (default: per token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning)
     of their D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
     if bits not in QUANT_BITS and key_axis is not None:
         raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits {', '.join(map(str, QUANT_BITS))}, got {bits}")
     if key_pruning is None and think_window is not None:
         raise ValueError(f"think_window={think_window} needs key_channel_pruning")
+    if bits == 32 and dtype != torch.float32:
+        raise ValueError(f"cache_bits 32 keeps a float32 model's keys and values as computed; this model runs in {dtype}: drop it, or give 16")
     D, per_byte = shape[3], 8 // bits if bits in QUANT_BITS else 1
     key_dim = D if key_pruning is None else -(-(D - int(D * key_pruning)) // per_byte) * per_byte
-    if bits is None:
+    if bits in (None, 32):
         storage = KVStorage(shape, dtype, device, key_dim)
     elif bits == 16:
         storage = HalfKVStorage(shape, dtype, device, key_dim)

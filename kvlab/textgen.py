@@ -18,16 +18,38 @@ from torch import Tensor
 from kvlab import parallel
 from kvlab.build import layer_slots, quiet_notices
 from kvlab.cli import peak_memory_bytes
-from kvlab.config import CacheSpec
+from kvlab.config import CacheSpec, strategy_options
 from kvlab.engine import generate
 from kvlab.generation import Generation
 from kvlab.model import Transformer
 from kvlab.quantize import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
+from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "The history of the printing press begins"
+DEFAULT_PREFILL_CHUNK = 512  # a full cache's prompt, this many tokens at a time: at one-shot's rate, activations bounded
+
+
+def with_defaults(settings: dict, dtype: torch.dtype, attention_loss: bool) -> tuple[dict, str | None]:
+    """generate.py's cache defaults where neither flags nor the config set them, and what to tell the user (None if
+    nothing). A float32 model's keys and values are stored as float16 (llama.cpp's default cache), which
+    measures no loss (docs/results/long_document.md), by every strategy that takes --cache_bits; a full cache
+    prefills a long prompt DEFAULT_PREFILL_CHUNK tokens at a time, which bounds its activations."""
+    strategy = settings.get("cache_strategy", "full")
+    names = set(strategy if isinstance(strategy, list) else [strategy])
+    if not names or not names <= CACHE_STRATEGIES.keys():  # cache_spec names the bad value
+        return settings, None
+    settings = dict(settings)
+    if names == {"full"} and "prefill_chunk" not in settings and not attention_loss:
+        settings["prefill_chunk"] = DEFAULT_PREFILL_CHUNK
+    if dtype != torch.float32 or "cache_bits" in settings:
+        return settings, None
+    if not all("cache_bits" in strategy_options(CACHE_STRATEGIES[name]) for name in names):
+        return settings, None
+    settings["cache_bits"] = 16
+    return settings, "KV cache in float16 (--cache_bits 32 keeps float32)"
 
 
 def read_text_file(path: str, flag: str) -> str:

@@ -36,7 +36,7 @@ def test_command_line_overrides_config_which_overrides_defaults():
     [
         ("cache_strategy: l2\ncache_lenght: 5\n", "unknown key 'cache_lenght'; valid keys: cache_strategy, max_cache_length"),
         ("max_cache_length: 1.5\n", "max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5"),
-        ("cache_bits: 3\n", "cache_bits must be one of 16, 8, 4, 2, got 3"),
+        ("cache_bits: 3\n", "cache_bits must be one of 32, 16, 8, 4, 2, got 3"),
         ("cache_strategy: h2o\n", "cache_strategy must be one of full, window, recent_global"),
         ("global_tokens: four\n", "global_tokens must be an integer from 0 to 131072, got 'four'"),
         ("compress_first_token: 1\n", "compress_first_token must be true or false, got 1"),

@@ -18,7 +18,7 @@ from kvlab.build import make_caches
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.model import ModelArgs, Transformer
-from kvlab.textgen import read_prompts
+from kvlab.textgen import read_prompts, with_defaults
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -195,9 +195,43 @@ def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats(generate_c
     assert list(policies) == [f"heads {p}" for p in HybridCache.policies] and sum(policies.values()) == 30 * 3  # layers x KV heads
     proc = generate_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
-    report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache (full): "))
-    allocated_over_full = float(report.split("), ", 1)[1].split("x the ")[0])
-    assert 1 / allocated_over_full > 4  # packed 4-bit codes + scales vs float32
+    assert 1 / allocated_over_full(proc.stderr, "full") > 4  # packed 4-bit codes + scales vs float32
+
+
+def allocated_over_full(stderr: str, strategy: str) -> float:
+    """The KV cache report's bytes allocated over a full float32 cache's, for `strategy`."""
+    report = next(line for line in stderr.splitlines() if line.startswith(f"KV cache ({strategy}): "))
+    return float(report.split("), ", 1)[1].split("x the ")[0])
+
+
+def test_cli_stores_a_float32_models_cache_as_float16_unless_told_and_says_so(generate_cli):
+    """generate.py's default cache for a float32 model is float16 (half the bytes, said in one line); --cache_bits 32
+    keeps float32 (and says nothing). The greedy text of this prompt is the same either way."""
+    runs = {bits: generate_cli("--max_new_tokens", "8", *bits) for bits in ((), ("--cache_bits", "32"))}
+    assert all(proc.returncode == 0 for proc in runs.values()), [proc.stderr for proc in runs.values()]
+    half, single = runs[()], runs[("--cache_bits", "32")]
+    assert half.stderr.splitlines()[0].endswith(" s; KV cache in float16 (--cache_bits 32 keeps float32)")
+    assert "float16" not in single.stderr and half.stdout == single.stdout
+    assert allocated_over_full(half.stderr, "full") == pytest.approx(allocated_over_full(single.stderr, "full") / 2, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "settings, dtype, attention_loss, added",
+    [
+        ({}, torch.float32, False, {"prefill_chunk": 512, "cache_bits": 16}),
+        ({"cache_strategy": "heavy_hitter"}, torch.float32, False, {"cache_bits": 16}),  # its chunks would evict: none by default
+        ({"cache_strategy": "kvcompress"}, torch.float32, False, {}),  # a paged pool: its own dtype
+        ({"cache_strategy": ["full", "kvcompress"]}, torch.float32, False, {}),
+        ({}, torch.bfloat16, False, {"prefill_chunk": 512}),
+        ({}, torch.float32, True, {"cache_bits": 16}),  # --attention_loss compares with a one-shot prefill
+        ({"cache_bits": 8, "prefill_chunk": 64}, torch.float32, False, {}),
+        ({"cache_strategy": []}, torch.float32, False, {}),  # left to cache_spec's error
+        ({"cache_strategy": "bogus"}, torch.float32, False, {}),
+    ],
+)
+def test_generate_defaults_apply_only_where_nothing_was_given(settings, dtype, attention_loss, added):
+    resolved, note = with_defaults(settings, dtype, attention_loss)
+    assert resolved == {**settings, **added} and (note is not None) == ("cache_bits" in added)
 
 
 def test_cli_reports_attention_loss_per_layer_and_over_time(generate_cli):
@@ -232,7 +266,7 @@ BAD_INPUTS = {
         ["--cache_strategy", "l2", "--max_cache_length", "1.5"],
         "error: argument --max_cache_length: max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5",
     ),
-    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 16, 8, 4, 2, got 3"),
+    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 32, 16, 8, 4, 2, got 3"),
     "option of another strategy": (
         ["--cache_strategy", "l2", "--history_window", "8"],
         "error: --history_window does not apply to --cache_strategy l2; it applies to: heavy_hitter",

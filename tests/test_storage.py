@@ -14,7 +14,7 @@ from kvlab.build import make_caches
 from kvlab.cache import FullCache
 from kvlab.engine import compile_decode_step, generate
 from kvlab.scores import key_channels
-from kvlab.storage import HalfKVStorage, QuantizedKVStorage, make_storage
+from kvlab.storage import HalfKVStorage, KVStorage, QuantizedKVStorage, make_storage
 from tolerance import assert_reordered_close
 
 
@@ -76,6 +76,16 @@ def test_float16_storage_rounds_to_nearest_in_its_slots_and_takes_half_the_bytes
     for bits in (16, None):  # per-token or per-channel key scales belong to the packed integer storage alone
         with pytest.raises(ValueError, match=f"key_quant_axis='channel' needs cache_bits 8, 4, 2, got {bits}"):
             make_storage((2, 3, 6, 8), torch.float32, None, bits, key_axis="channel")
+
+
+def test_cache_bits_32_keeps_a_float32_models_keys_and_refuses_any_other_dtype():
+    """cache_bits 32 asks for float32 storage where a default would be float16 (generate.py's): a float32 model's
+    plain buffers; a model in another dtype would need its keys widened, which is refused in one line."""
+    storage = make_storage((2, 3, 6, 8), torch.float32, None, 32)
+    assert type(storage) is KVStorage and storage.k.dtype == storage.v.dtype == torch.float32
+    assert storage.nbytes() == make_storage((2, 3, 6, 8), torch.float32, None, None).nbytes() == 2 * 2 * 3 * 6 * 8 * 4
+    with pytest.raises(ValueError, match=r"^cache_bits 32 keeps a float32 model's .* runs in torch.bfloat16: drop it, or give 16$"):
+        make_storage((2, 3, 6, 8), torch.bfloat16, None, 32)
 
 
 @pytest.mark.parametrize("strategy", ["full", "l2"])
