@@ -231,17 +231,21 @@ class Int4Linear(nn.Module):
     def prepare(self, kernel: Kernel | None) -> None:
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
         model), the plain codes stay: with x in float32 or int8, decode steps take the native kernel and larger
-        inputs dequantize. With x in int16 (the default) every product reads a copy tiled 16 rows at a time (kernels.tile_rows), whose
-        products sum 16 rows per vector: 1.8x faster than the plain layout's in the step (docs/results.md), and
-        in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282 against 121 GFLOP/s on 2 Zen 4 cores).
+        inputs dequantize. With x in int16 (the default) every product reads the codes tiled 16 rows at a time
+        (kernels.tile_rows), whose products sum 16 rows per vector: 1.8x faster than the plain layout's in the step
+        (docs/results.md), and in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282 against 121
+        GFLOP/s on 2 Zen 4 cores); the plain codes are then dropped (`codes()` untiles them where asked).
         Otherwise repack for torch's fused kernel; the plain codes, scales and zeros are then dropped unless
         large inputs still need them. torch's kernels take whole tiles of 16 output rows; other shapes keep
         dequantize-then-matmul."""
+        if self.tiled is not None:  # prepared already: the plain codes are gone
+            return
         if self.weight is not None and self.weight.device.type == "cpu" and self.scales.dtype == torch.float32 and kernels.load():
             self.offsets = (self.zeros - 8 * self.scales).contiguous()
             if self.x_bits == 16:
                 self.tiled = torch.ops.kvlab.int4_tile(self.weight)
                 self.tiled_scales, self.tiled_offsets = kernels.tile_rows(self.scales), kernels.tile_rows(self.offsets)
+                self.weight = None
             self.kernel = None
             return
         if self.packed is None and kernel is not None and self.out_features % 16 == 0:
@@ -257,6 +261,10 @@ class Int4Linear(nn.Module):
             raise ValueError("this int4 Linear kept only the kernel's packed codes; it cannot dequantize")
         self.kernel = kernel if self.packed is not None else None
 
+    def codes(self) -> Tensor:
+        """The plain codes [out_features, padded_in // 2]: kept, or untiled from the tiled ones."""
+        return self.weight if self.weight is not None else kernels.untile_int4(self.tiled, self.out_features)
+
     def tiled_operands(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """The tiled codes, scales and offsets that the int16-x native kernel reads, where prepare() made them
         and x is still taken in int16. The scales and offsets are float16 and contiguous as tile_rows made them,
@@ -267,8 +275,8 @@ class Int4Linear(nn.Module):
         tiled = self.tiled_operands()
         if tiled is not None and kernels.takes_weight(x, tiled[0], any_rows=True):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
-        if self.offsets is not None and kernels.takes_weight(x, self.weight, self.scales, self.offsets):
-            return torch.ops.kvlab.linear_int4(x, self.weight, self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
+        if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets):
+            return torch.ops.kvlab.linear_int4(x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
@@ -278,7 +286,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> Tensor:
-        return dequantize_int4(self.weight, self.scales, self.zeros)[:, : self.in_features]
+        return dequantize_int4(self.codes(), self.scales, self.zeros)[:, : self.in_features]
 
     def gated(self, up: Int4Linear, x: Tensor) -> Tensor:
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
@@ -290,9 +298,9 @@ class Int4Linear(nn.Module):
             and self.offsets is not None
             and up.offsets is not None
             and self.groupsize == up.groupsize
-            and kernels.takes_weight(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets)
+            and kernels.takes_weight(x, self.scales, self.offsets, up.scales, up.offsets)
         ):
-            return torch.ops.kvlab.gated_int4(x, self.weight, self.scales, self.offsets, up.weight, up.scales, up.offsets, self.groupsize, self.x_bits)
+            return torch.ops.kvlab.gated_int4(x, self.codes(), self.scales, self.offsets, up.codes(), up.scales, up.offsets, self.groupsize, self.x_bits)
         return F.silu(self(x)) * up(x)
 
 

@@ -15,13 +15,15 @@ native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's
 
 
 def int4_linear(w: torch.Tensor) -> Int4Linear:
-    """w [n, k] as an int4 g32 Linear prepared for the native kernels, x in int16: the tiled layout."""
+    """w [n, k] as an int4 g32 Linear prepared for the native kernels, x in int16: the tiled layout, which alone holds
+    the codes (untiled exactly where asked)."""
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     linear.weight.data = w
     module = quantize_linear(linear, Quantization("int4", 32))
     module.x_bits = 16
+    codes = module.weight
     module.prepare(None)
-    assert module.tiled is not None
+    assert module.tiled is not None and module.weight is None and torch.equal(module.codes(), codes)
     return module
 
 
@@ -69,13 +71,13 @@ def test_tiled_gated_int4_equals_the_plain_layouts(rows, k, n, monkeypatch):
     g = torch.Generator().manual_seed(rows + k)
     gate, up = (int4_linear(torch.randn(n, k, generator=g)) for _ in range(2))
     x = torch.randn(rows, 1, k, generator=g)
-    magnitude = max(int4_reference(x, m.weight, m.scales, m.zeros)[1] for m in (gate, up))
+    magnitude = max(int4_reference(x, m.codes(), m.scales, m.zeros)[1] for m in (gate, up))
     calls, op = [], torch.ops.kvlab.gated_int4_tiled
     monkeypatch.setattr(torch.ops.kvlab, "gated_int4_tiled", lambda *a: calls.append(1) or op(*a))
     with torch.no_grad():
         got = gate.gated(up, x)
     assert calls == [1]
-    plain = torch.ops.kvlab.gated_int4(x, gate.weight, gate.scales, gate.offsets, up.weight, up.scales, up.offsets, 32, 16)
+    plain = torch.ops.kvlab.gated_int4(x, gate.codes(), gate.scales, gate.offsets, up.codes(), up.scales, up.offsets, 32, 16)
     torch.testing.assert_close(got, plain, rtol=0, atol=reordering_atol(gate.padded_in, 2.1 * magnitude**2))
 
 
@@ -93,9 +95,10 @@ def test_a_prefills_int4_products_take_the_tiled_op(rows, monkeypatch):
     with torch.no_grad():
         got = module(x)
     assert calls == [1]
-    want, magnitude = int4_reference(x, module.weight, module.scales, module.zeros)
-    terms = 2 * module.weight.shape[1]
-    bound = int4_rounding_bound(x, module.weight, module.scales, 16) + reordering_atol(terms, magnitude)
+    codes = module.codes()
+    want, magnitude = int4_reference(x, codes, module.scales, module.zeros)
+    terms = 2 * codes.shape[1]
+    bound = int4_rounding_bound(x, codes, module.scales, 16) + reordering_atol(terms, magnitude)
     assert ((got - want).abs() <= bound).all()
     for i in (0, rows // 2, rows - 1):
         assert torch.equal(got[i], op(x[i : i + 1], *module.tiled_operands(), 300, 32, None)[0])

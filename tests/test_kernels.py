@@ -252,7 +252,7 @@ def test_gated_projection_equals_silu_of_gate_times_up(rows, mode, k, n, monkeyp
 def torch_product(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """x @ w^T with the module's weights (dequantized) in torch, and the magnitude of the kernel's sums."""
     if isinstance(module, Int4Linear):
-        return int4_reference(x, module.weight, module.scales, module.zeros)
+        return int4_reference(x, module.codes(), module.scales, module.zeros)
     w = module.dequantize() if isinstance(module, Int8Linear) else module.weight
     return F.linear(x, w), (x.abs() @ w.abs().T).max().item()
 

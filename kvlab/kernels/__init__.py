@@ -18,6 +18,7 @@ products; torch's kernels run everything else (bfloat16 prefill, GPUs, other dty
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -166,6 +167,32 @@ def tile_rows(t: Tensor) -> Tensor:
     n, g = t.shape
     tiles = -(-n // INT4_TILE)
     return F.pad(t, (0, 0, 0, tiles * INT4_TILE - n)).view(tiles, INT4_TILE, g).transpose(1, 2).to(torch.float16).contiguous()
+
+
+def untile_int4(tiled: Tensor, rows: int) -> Tensor:
+    """kvlab::int4_tile's codes [T, blocks * 256] back to the plain [rows, blocks * 16] it tiled."""
+    tiles, blocks = tiled.shape[0], tiled.shape[1] // (INT4_TILE * 16)
+    codes = nibbles(tiled).view(tiles, blocks, -1)[..., int4_tile_order()].view(tiles, blocks, INT4_TILE, 32)
+    codes = codes.permute(0, 2, 1, 3).reshape(tiles * INT4_TILE, blocks * 32)[:rows]
+    return codes[:, 0::2] << 4 | codes[:, 1::2]  # the even input in the high nibble
+
+
+def nibbles(packed: Tensor) -> Tensor:
+    """uint8 [..., n] -> its 2n nibbles, each byte's low one first."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+@functools.cache
+def int4_tile_order() -> Tensor:
+    """For each code of a tile's block (row r, input i at 32 r + i), the place of its nibble in kvlab::int4_tile's
+    block: learnt from int4_tile itself, tiling three blocks whose codes spell their own index 4 bits at a time,
+    which gives each place the code it holds."""
+    index = torch.arange(INT4_TILE * 32)
+    code_at = torch.zeros_like(index)
+    for shift in (0, 4, 8):
+        codes = ((index >> shift) & 15).to(torch.uint8).view(INT4_TILE, 32)
+        code_at |= nibbles(torch.ops.kvlab.int4_tile(codes[:, 0::2] << 4 | codes[:, 1::2])).flatten().long() << shift
+    return torch.argsort(code_at)
 
 
 def path() -> str:
