@@ -18,6 +18,7 @@ last chunk. One note line says which strategies do so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -91,6 +92,20 @@ def chunk_ready(model: Transformer, caches: Sequence[KVCache], probed: bool = Fa
                 stand_in.finish()
     finally:
         model.setup_caches(list(caches))
+
+
+def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec:
+    """kvzip's default repeat (--kvzip_chunk's default tokens per pass) shortened, where no --kvzip_chunk was given
+    and a one-shot prefill's prompt, request and repeat would not fit the model's context, to what fits (one note
+    line); the spec as given otherwise (chunk_length refuses what cannot fit at all)."""
+    compressor = spec.options.get("prompt_compression_strategy")
+    if compressor != "kvzip" or "kvzip_chunk" in spec.options or spec.repeat is None or min(spec.prefill_chunk or prompt, prompt) < prompt:
+        return spec
+    room, default = context - prompt - spec.repeat.longest, KVzip.options[0].default
+    if room >= min(default, prompt) or room < 1:
+        return spec
+    say_once(f"note: kvzip repeats the context {room} tokens at a time (--kvzip_chunk), so the prompt ({prompt} tokens), its request and a repeat fit the context of {context}")
+    return dataclasses.replace(spec, options={**spec.options, "kvzip_chunk": room})
 
 
 def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool) -> int:

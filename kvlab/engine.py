@@ -19,7 +19,7 @@ from torch import Tensor
 from kvlab import parallel
 from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_over_model
 from kvlab.cache import KVCache
-from kvlab.chunked import chunk_length, chunk_ready, first_chunk, prefill_chunk_step, prefill_rest
+from kvlab.chunked import chunk_length, chunk_ready, first_chunk, fitting_kvzip_chunk, prefill_chunk_step, prefill_rest
 from kvlab.compiled import CompiledStep, compiled_step_options
 from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe
@@ -157,6 +157,7 @@ def prepare_caches(
     """Record the prefill where the caches' plan needs it (a layer budget, a model-scored compressor, a global ranking),
     then build the caches and give them their scores."""
     cfg, T_prefill = model.config, batch.input_pos.shape[1]
+    spec = fitting_kvzip_chunk(spec, T_prefill, cfg.block_size)
     scored_by_model = model_scored(spec.strategies, spec.options)
     chunk = chunk_length(spec, T_prefill, cfg.block_size, scored_by_model, attention_loss)
     share_globally = spec.options.get("head_budget") == "global"  # every layer's scores ranked before any is stored

@@ -100,7 +100,13 @@ class KVzip(ModelScored):
     head), in a softmax over the first 4 keys, the chunk's and the pass's own. The prefix scores 0."""
 
     options = (
-        integer("kvzip_chunk", 2048, "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole)", param="chunk"),
+        integer(
+            "kvzip_chunk",
+            2048,
+            "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole); unless given, "
+            "shortened to what fits the context after a long prompt",
+            param="chunk",
+        ),
     )
 
     def __init__(self, chunk: int = 2048) -> None:

@@ -189,6 +189,20 @@ def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(chunk, flag, aske
     assert len(generate(tiny_model, [[i % 64 for i in range(128 - 32 - asked)]], 2, spec).tokens[0]) == 2
 
 
+def test_kvzip_without_a_chunk_given_repeats_what_fits_after_a_long_prompt(tiny_model, capsys):
+    """No --kvzip_chunk: a 100-token prompt on 128 positions repeats 128 - 100 - 8 = 20 tokens a pass (one note line),
+    as --kvzip_chunk 20 does; a prompt with room for the default is scored as before, without a note."""
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24}
+    prompt = [i % 64 for i in range(100)]
+    fitted = generate(tiny_model, [prompt], 2, cache_spec(settings, 2))
+    assert "note: kvzip repeats the context 20 tokens at a time (--kvzip_chunk), so the prompt (100 tokens)" in capsys.readouterr().err
+    given = generate(tiny_model, [prompt], 2, cache_spec({**settings, "kvzip_chunk": 20}, 2))
+    assert fitted.tokens == given.tokens and fitted.tokens_held == given.tokens_held
+    short = [i % 64 for i in range(40)]
+    assert generate(tiny_model, [short], 2, cache_spec(settings, 2)).tokens == generate(tiny_model, [short], 2, cache_spec({**settings, "kvzip_chunk": 2048}, 2)).tokens
+    assert "note: kvzip" not in capsys.readouterr().err
+
+
 def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm, essay):
     """Two chunks of 80 and a budget that evicts nothing: after the second, each token's score is the larger of what
     the first chunk's repeat paid it (over the first chunk alone) and what the second's pays it (over both chunks),
