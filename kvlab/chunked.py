@@ -99,12 +99,16 @@ def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec
     and a one-shot prefill's prompt, request and repeat would not fit the model's context, to what fits (one note
     line); the spec as given otherwise (chunk_length refuses what cannot fit at all)."""
     compressor = spec.options.get("prompt_compression_strategy")
-    if compressor != "kvzip" or "kvzip_chunk" in spec.options or spec.repeat is None or min(spec.prefill_chunk or prompt, prompt) < prompt:
+    one_shot = min(spec.prefill_chunk or prompt, prompt) == prompt
+    if compressor != "kvzip" or "kvzip_chunk" in spec.options or spec.repeat is None or not one_shot:
         return spec
     room, default = context - prompt - spec.repeat.longest, KVzip.options[0].default
     if room >= min(default, prompt) or room < 1:
         return spec
-    say_once(f"note: kvzip repeats the context {room} tokens at a time (--kvzip_chunk), so the prompt ({prompt} tokens), its request and a repeat fit the context of {context}")
+    say_once(
+        f"note: kvzip repeats the context {room} tokens at a time (--kvzip_chunk), so the prompt ({prompt} tokens), "
+        f"its request and a repeat fit the context of {context}"
+    )
     return dataclasses.replace(spec, options={**spec.options, "kvzip_chunk": room})
 
 

@@ -276,7 +276,8 @@ class Int4Linear(nn.Module):
         if tiled is not None and kernels.takes_weight(x, tiled[0], any_rows=True):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
         if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets):
-            return torch.ops.kvlab.linear_int4(x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits)
+            codes, groupsize = self.codes(), self.groupsize
+            return torch.ops.kvlab.linear_int4(x, codes, self.scales, self.offsets, groupsize, self.bias, self.x_bits)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
@@ -300,7 +301,8 @@ class Int4Linear(nn.Module):
             and self.groupsize == up.groupsize
             and kernels.takes_weight(x, self.scales, self.offsets, up.scales, up.offsets)
         ):
-            return torch.ops.kvlab.gated_int4(x, self.codes(), self.scales, self.offsets, up.codes(), up.scales, up.offsets, self.groupsize, self.x_bits)
+            gate_operands, up_operands = (self.codes(), self.scales, self.offsets), (up.codes(), up.scales, up.offsets)
+            return torch.ops.kvlab.gated_int4(x, *gate_operands, *up_operands, self.groupsize, self.x_bits)
         return F.silu(self(x)) * up(x)
 
 

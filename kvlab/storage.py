@@ -235,7 +235,8 @@ def make_storage(
     key_pruning: float | None = None,
     think_window: int | None = None,
 ) -> KVStorage:
-    """Plain storage for bits=None (and 32, which needs a float32 model), float16 for 16, else packed `bits`-bit codes with keys quantized per `key_axis`
+    """Plain storage for bits=None (and 32, which needs a float32 model), float16 for 16, else packed `bits`-bit
+    codes with keys quantized per `key_axis`
     (default: per token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning)
     of their D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
     if bits not in QUANT_BITS and key_axis is not None:
@@ -243,7 +244,9 @@ def make_storage(
     if key_pruning is None and think_window is not None:
         raise ValueError(f"think_window={think_window} needs key_channel_pruning")
     if bits == 32 and dtype != torch.float32:
-        raise ValueError(f"cache_bits 32 keeps a float32 model's keys and values as computed; this model runs in {dtype}: drop it, or give 16")
+        raise ValueError(
+            f"cache_bits 32 keeps a float32 model's keys and values as computed; this model runs in {dtype}: drop it, or give 16"
+        )
     D, per_byte = shape[3], 8 // bits if bits in QUANT_BITS else 1
     key_dim = D if key_pruning is None else -(-(D - int(D * key_pruning)) // per_byte) * per_byte
     if bits in (None, 32):

@@ -29,7 +29,7 @@ from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "The history of the printing press begins"
-DEFAULT_PREFILL_CHUNK = 512  # a full cache's prompt, this many tokens at a time: at one-shot's rate, activations bounded
+DEFAULT_PREFILL_CHUNK = 512  # a full cache's prompt this many tokens at a time: one-shot's rate, bounded activations
 
 
 def with_defaults(settings: dict, dtype: torch.dtype, attention_loss: bool) -> tuple[dict, str | None]:

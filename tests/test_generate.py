@@ -212,14 +212,15 @@ def test_cli_stores_a_float32_models_cache_as_float16_unless_told_and_says_so(ge
     half, single = runs[()], runs[("--cache_bits", "32")]
     assert half.stderr.splitlines()[0].endswith(" s; KV cache in float16 (--cache_bits 32 keeps float32)")
     assert "float16" not in single.stderr and half.stdout == single.stdout
-    assert allocated_over_full(half.stderr, "full") == pytest.approx(allocated_over_full(single.stderr, "full") / 2, abs=0.01)
+    halved = allocated_over_full(single.stderr, "full") / 2
+    assert allocated_over_full(half.stderr, "full") == pytest.approx(halved, abs=0.01)
 
 
 @pytest.mark.parametrize(
     "settings, dtype, attention_loss, added",
     [
         ({}, torch.float32, False, {"prefill_chunk": 512, "cache_bits": 16}),
-        ({"cache_strategy": "heavy_hitter"}, torch.float32, False, {"cache_bits": 16}),  # its chunks would evict: none by default
+        ({"cache_strategy": "heavy_hitter"}, torch.float32, False, {"cache_bits": 16}),  # chunks would evict: none
         ({"cache_strategy": "kvcompress"}, torch.float32, False, {}),  # a paged pool: its own dtype
         ({"cache_strategy": ["full", "kvcompress"]}, torch.float32, False, {}),
         ({}, torch.bfloat16, False, {"prefill_chunk": 512}),

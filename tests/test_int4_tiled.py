@@ -77,7 +77,8 @@ def test_tiled_gated_int4_equals_the_plain_layouts(rows, k, n, monkeypatch):
     with torch.no_grad():
         got = gate.gated(up, x)
     assert calls == [1]
-    plain = torch.ops.kvlab.gated_int4(x, gate.codes(), gate.scales, gate.offsets, up.codes(), up.scales, up.offsets, 32, 16)
+    operands = (gate.codes(), gate.scales, gate.offsets, up.codes(), up.scales, up.offsets)
+    plain = torch.ops.kvlab.gated_int4(x, *operands, 32, 16)
     torch.testing.assert_close(got, plain, rtol=0, atol=reordering_atol(gate.padded_in, 2.1 * magnitude**2))
 
 

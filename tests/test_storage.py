@@ -84,7 +84,8 @@ def test_cache_bits_32_keeps_a_float32_models_keys_and_refuses_any_other_dtype()
     storage = make_storage((2, 3, 6, 8), torch.float32, None, 32)
     assert type(storage) is KVStorage and storage.k.dtype == storage.v.dtype == torch.float32
     assert storage.nbytes() == make_storage((2, 3, 6, 8), torch.float32, None, None).nbytes() == 2 * 2 * 3 * 6 * 8 * 4
-    with pytest.raises(ValueError, match=r"^cache_bits 32 keeps a float32 model's .* runs in torch.bfloat16: drop it, or give 16$"):
+    refused = r"^cache_bits 32 keeps a float32 model's .* runs in torch.bfloat16: drop it, or give 16$"
+    with pytest.raises(ValueError, match=refused):
         make_storage((2, 3, 6, 8), torch.bfloat16, None, 32)
 
 
