@@ -9,11 +9,13 @@ timed from outside (wall: start, imports, model load, prefill, the answer) with 
 ru_maxrss of that process): llama.cpp (llama-cpp-python, the F32 GGUF written from the shipped file, flash
 attention on, its default batches of 512, the same prompt ids) and `generate.py --chat` with the full cache,
 then each compressing `--methods` at `--slots` slots with `--prefill_chunk`, until one keeps the answer (the
-ones tried are all reported). The answer is right when the number is in the generated text.
+ones tried are all reported); generate.py's defaults apply (a float16 cache; a full cache prefilled in chunks of
+512). The answer is right when the number is in the generated text.
 
 Writes bench/results/longdoc_cpu.md and .json, and the "longdoc" key of bench/results/vs_llamacpp_cpu.json:
 {"llamacpp", "kvlab_full", "kvlab_compressed": {"prefill_s", "decode_tok_s", "load_s", "wall_s",
-"peak_rss_mb", "answer_right", ...}, "tried": {method: answer_right}}.
+"peak_rss_mb", "answer_right", ...}, "tried": {method: its row}}; kvlab_compressed is the method that answers
+right, else the first tried (its "method" says which).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def memory_child(prompt_file: str, new_tokens: int, settings: dict) -> None:
     model, tokenizer, _ = load_checkpoint(default_checkpoint(), torch.device("cpu"), torch.float32)
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) / 2**20
     ids = textgen.encode_prompts(tokenizer, [Path(prompt_file).read_text()], True, None)[0]
+    settings, _ = textgen.with_defaults(settings, torch.float32, attention_loss=False)  # as generate.py runs it
     result = generate(model, [ids], new_tokens, cache_spec(settings, model.config.n_layer, tokenizer))
     after, peak = resident_mb()
     kv = result.kv_cache_bytes / 2**20
@@ -169,12 +172,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new_tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
     p.add_argument("--slots", type=int, default=1024, help="slots per head of the compressed rows (default: 1024)")
     p.add_argument("--prefill_chunk", type=int, default=512, help="the compressed rows' --prefill_chunk (default: 512)")
-    methods = ["keydiff", "tova", "expected_attention", "l2"]
-    p.add_argument("--methods", nargs="+", default=methods, help=f"strategies to try, in order (default: {methods})")
+    methods = ["keydiff", "tova", "expected_attention", "l2", "config:kvzip_uniform"]
+    p.add_argument(
+        "--methods", nargs="+", default=methods, help=f"strategies, or config:NAME, to try in order (default: {methods})"
+    )
     p.add_argument("--compile", action="store_true", help="kvlab rows with --compile (for 32 tokens eager is sooner)")
     p.add_argument("--memory_child", help=argparse.SUPPRESS)  # a prompt file: report where this process's memory goes
     p.add_argument("--settings", default="{}", help=argparse.SUPPRESS)  # the memory child's cache settings, JSON
     return p
+
+
+def method_settings(method: str, slots: int, chunk: int) -> tuple[list[str], dict]:
+    """generate.py's flags and the cache settings of a compressed row: a strategy, or a config of configs/ (given
+    as config:NAME), at `slots` slots with `--prefill_chunk chunk`."""
+    from kvlab.config import load_cache_config, resolve_settings
+
+    given = {"max_cache_length": slots, "prefill_chunk": chunk}
+    flags = [str(x) for setting in given.items() for x in (f"--{setting[0]}", setting[1])]
+    if method.startswith("config:"):
+        name = method.removeprefix("config:")
+        return ["--cache_config", name, *flags], resolve_settings(given, load_cache_config(name))
+    return ["--cache_strategy", method, *flags], {"cache_strategy": method, **given}
 
 
 def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
@@ -189,16 +207,20 @@ def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
         print("llama.cpp:", results["llamacpp"], results["llamacpp_flash_off"], file=sys.stderr, flush=True)
     results["kvlab_full"] = kvlab_row(prompt_file, new, [], args.compile)
     print("kvlab full:", results["kvlab_full"], file=sys.stderr, flush=True)
-    results["tried"] = {}
+    results["tried"], settings = {}, {}
     for method in args.methods:
-        compressed = {"cache_strategy": method, "max_cache_length": args.slots, "prefill_chunk": args.prefill_chunk}
-        flags = [str(x) for setting in compressed.items() for x in (f"--{setting[0]}", setting[1])]
-        results["kvlab_compressed"] = kvlab_row(prompt_file, new, flags, args.compile)
-        results["tried"][method] = results["kvlab_compressed"]["answer_right"]
-        print(f"kvlab {method}:", results["kvlab_compressed"], file=sys.stderr, flush=True)
-        if results["tried"][method]:
+        flags, settings[method] = method_settings(method, args.slots, args.prefill_chunk)
+        results["tried"][method] = kvlab_row(prompt_file, new, flags, args.compile)
+        print(f"kvlab {method}:", results["tried"][method], file=sys.stderr, flush=True)
+        if results["tried"][method]["answer_right"]:
             break
+    right = [m for m, r in results["tried"].items() if r["answer_right"]]
+    chosen = right[0] if right else args.methods[0]  # the one that answers, else the first tried
+    results["kvlab_compressed"] = {"method": chosen, **results["tried"][chosen]}
+    compressed = settings[chosen]
     results["memory"] = {"kvlab_full": memory_row(prompt_file, new, {"cache_strategy": "full"})}
+    one_shot = {"cache_strategy": "full", "cache_bits": 32, "prefill_chunk": 8192}  # a chunk past the prompt: at once
+    results["memory"]["kvlab_full_float32_one_shot"] = memory_row(prompt_file, new, one_shot)
     results["memory"]["kvlab_compressed"] = memory_row(prompt_file, new, compressed)
     return results
 
@@ -231,15 +253,14 @@ def write(results: dict, args) -> None:
     """The table, the JSON beside it, and the "longdoc" key of vs_llamacpp_cpu.json."""
     rows = []
     labels = {"llamacpp": "llama.cpp F32, flash attention", "llamacpp_flash_off": "llama.cpp F32, flash attention off"}
-    labels["kvlab_full"] = "kvlab fp32, full cache"
-    for name in ("llamacpp", "llamacpp_flash_off", "kvlab_full", "kvlab_compressed"):
-        if name not in results:
-            continue
-        r = results[name]
-        label = labels.get(name, " ".join(r.get("flags", [])))
+    labels["kvlab_full"] = "kvlab fp32, full cache (its defaults: float16, chunks of 512)"
+    sides = ("llamacpp", "llamacpp_flash_off", "kvlab_full")
+    runs = [(labels[name], results[name]) for name in sides if name in results]
+    runs += [(" ".join(r["flags"]), r) for r in results["tried"].values()]
+    for label, r in runs:
         cells = [f"{r.get(k, float('nan')):.1f}" for k in ("load_s", "prefill_s", "decode_tok_s", "wall_s")]
         rows.append(row(label, *cells, f"{r['peak_rss_mb']:.0f}", "right" if r["answer_right"] else "wrong"))
-    tried = ", ".join(f"{m} ({'right' if ok else 'wrong'})" for m, ok in results["tried"].items())
+    tried = ", ".join(f"{m} ({'right' if r['answer_right'] else 'wrong'})" for m, r in results["tried"].items())
     lines = [
         f"# A long document answered ({machine(torch.device('cpu'))})",
         "",

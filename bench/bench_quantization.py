@@ -28,7 +28,7 @@ BITS_NAMES = {16: "16 (float16)"}
 
 
 def storage_options(bits: int | None, axis: str | None) -> dict:
-    return {} if bits is None else dict(cache_bits=bits, key_quant_axis=axis)
+    return {k: v for k, v in dict(cache_bits=bits, key_quant_axis=axis).items() if v is not None}
 
 
 def teacher_forced(model, ids: list[int], n_prompt: int, bits: int | None, axis: str | None) -> torch.Tensor:
