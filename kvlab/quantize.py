@@ -65,7 +65,7 @@ class Kernel:
 
 
 # The fused kernel each (device type, mode) runs; absent: dequantize-then-matmul. CPU, measured on this AVX2
-# machine (docs/results.md#weight-only-quantization-issue-16): both kernels are matrix-vector loops, fast in
+# machine (docs/results/memory.md#weight-only-quantization): both kernels are matrix-vector loops, fast in
 # bfloat16 (1536 x 576 at one row: int8 46 us, int4 g=32 67 us, against 85 us for the float32 matmul and
 # 180 us for int8 dequantize-then-matmul) but 10-20x slower in float32; their time grows linearly with the
 # rows, so int8 hands more than 32 rows (prefill) to dequantize-then-matmul, which reads the same int8
@@ -232,9 +232,9 @@ class Int4Linear(nn.Module):
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
         model), the plain codes stay: with x in float32 or int8, decode steps take the native kernel and larger
         inputs dequantize. With x in int16 (the default) every product reads the codes tiled 16 rows at a time
-        (kernels.tile_rows), whose products sum 16 rows per vector: 1.8x faster than the plain layout's in the step
-        (docs/results.md), and in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282 against 121
-        GFLOP/s on 2 Zen 4 cores); the plain codes are then dropped (`codes()` untiles them where asked).
+        (kernels.tile_rows), whose products sum 16 rows per vector: 1.8x faster than the plain layout's in the
+        step (docs/results/decode_cpu.md), and in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282
+        against 121 GFLOP/s on 2 Zen 4 cores); the plain codes are then dropped (`codes()` untiles them where asked).
         Otherwise repack for torch's fused kernel; the plain codes, scales and zeros are then dropped unless
         large inputs still need them. torch's kernels take whole tiles of 16 output rows; other shapes keep
         dequantize-then-matmul."""

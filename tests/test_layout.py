@@ -116,3 +116,16 @@ def test_committed_sweeps_keep_their_records_compactly():
     assert 100 < len(files) < 300
     assert not [p for p in files if p.name.endswith(".jsonl") and p.name != "records.jsonl"]
     assert sorted(p.parent for p in sweeps.glob("*/*/*/records.jsonl")) == sorted(p.parent for p in sweeps.glob("*/*/*/runs.json"))
+
+
+def test_results_are_an_index_of_pages_by_question_without_work_history():
+    """docs/results.md answers the main questions in one screen and links a page for each; the pages stay readable
+    (<= 400 lines) and say what holds, not which issue changed it; every page is linked from the index."""
+    index = (ROOT / "docs" / "results.md").read_text()
+    pages = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert len(index.splitlines()) <= 150 and pages
+    for page in [ROOT / "docs" / "results.md", *pages]:
+        text = page.read_text()
+        assert len(text.splitlines()) <= 400, page.name
+        assert not re.search(r"\bissue \d", text), page.name
+    assert all(f"(results/{page.name}" in index for page in pages)

@@ -33,7 +33,7 @@ MAX_ROWS = 8  # rows of x (batch x tokens) up to which a matrix-vector kernel be
 # 2^-16 of the block's max |x| and multiplies 16-bit integers: SmolLM2's float32-x quality, the same decode
 # speed at batch 1 and 1.4x faster products for batches of 4 to 8; float32 keeps x exact; int8 multiplies
 # bytes as llama.cpp's Q4 x Q8_0 do, faster again, but on SmolLM2 top-1 agreement with float32 falls from
-# 98% to 93% and perplexity rises 1.6% (docs/results.md).
+# 98% to 93% and perplexity rises 1.6% (docs/results/decode_cpu.md).
 INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
 INT4_TILE = 16  # weight rows per tile of the int16-x products' layout (csrc/gemv_int4_tiled.cpp)
 SOURCES = [
