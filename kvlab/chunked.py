@@ -95,19 +95,19 @@ def chunk_ready(model: Transformer, caches: Sequence[KVCache], probed: bool = Fa
 
 
 def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec:
-    """kvzip's default repeat (--kvzip_chunk's default tokens per pass) shortened, where no --kvzip_chunk was given
-    and a one-shot prefill's prompt, request and repeat would not fit the model's context, to what fits (one note
-    line); the spec as given otherwise (chunk_length refuses what cannot fit at all)."""
+    """kvzip's repeat (--kvzip_chunk tokens per pass) shortened, where a one-shot prefill's prompt, request and
+    repeat would not fit the model's context, to what fits (one note line); the spec as given otherwise
+    (chunk_length refuses a prompt that leaves no room)."""
     compressor = spec.options.get("prompt_compression_strategy")
     one_shot = min(spec.prefill_chunk or prompt, prompt) == prompt
-    if compressor != "kvzip" or "kvzip_chunk" in spec.options or spec.repeat is None or not one_shot:
+    if compressor != "kvzip" or spec.repeat is None or not one_shot:
         return spec
-    room, default = context - prompt - spec.repeat.longest, KVzip.options[0].default
-    if room >= min(default, prompt) or room < 1:
+    room, chunk = context - prompt - spec.repeat.longest, spec.options.get("kvzip_chunk", KVzip.options[0].default)
+    if room >= min(chunk, prompt) or room < 1:
         return spec
     say_once(
-        f"note: kvzip repeats the context {room} tokens at a time (--kvzip_chunk), so the prompt ({prompt} tokens), "
-        f"its request and a repeat fit the context of {context}"
+        f"note: kvzip repeats the context {room} tokens at a time, not {chunk} (--kvzip_chunk), so that the prompt "
+        f"({prompt} tokens), its request and a repeat fit the context of {context}"
     )
     return dataclasses.replace(spec, options={**spec.options, "kvzip_chunk": room})
 
@@ -122,11 +122,15 @@ def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Se
         raise ValueError(f"--prefill_chunk: {', '.join(whole)} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
     repeats = [chunk if chunk < prompt else min(c.chunk, prompt) for c in scored_by_model if isinstance(c, KVzip)]
     asked = 0 if spec.repeat is None else len(spec.repeat.instruction) if chunk < prompt else spec.repeat.longest
-    if repeats and prompt + asked + max(repeats) > context:
+    if repeats and prompt + asked + max(repeats) > context and chunk < prompt:
         raise ValueError(
             f"kvzip repeats the prompt after it, {max(repeats)} tokens at a time: the prompt ({prompt} tokens) + its request "
-            f"({asked}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller "
-            f"{'--prefill_chunk' if chunk < prompt else '--kvzip_chunk'}"
+            f"({asked}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller --prefill_chunk"
+        )
+    if repeats and prompt + asked >= context:  # one-shot: fitting_kvzip_chunk shortened the repeat where it could
+        raise ValueError(
+            f"kvzip repeats the prompt after it: the prompt ({prompt} tokens) and its request ({asked}) leave no room in "
+            f"the model's context of {context} tokens; shorten the prompt"
         )
     if chunk < prompt and attention_loss:
         raise ValueError("--attention_loss compares with a one-shot prefill; it takes no --prefill_chunk")

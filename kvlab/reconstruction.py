@@ -103,8 +103,8 @@ class KVzip(ModelScored):
         integer(
             "kvzip_chunk",
             2048,
-            "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole); unless given, "
-            "shortened to what fits the context after a long prompt",
+            "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole); shortened, "
+            "with a note, to what fits the context after a long prompt",
             param="chunk",
         ),
     )
@@ -144,50 +144,71 @@ class Oracle(ModelScored):
 
 
 class AttentionProbe(nn.Module):
-    """Stands in for a layer's cache: holds one sequence's prompt keys/values [1, H_kv, T, D], appends
-    each pass's own, and keeps the attention each prompt key receives (max or sum over the passes)."""
+    """Stands in for a layer's cache: holds one sequence's prompt keys/values [1, H_kv, T, D], appends each
+    pass's own as its parts run, and keeps the attention each prompt key receives (max or sum over the passes)."""
 
     needs_attention, needs_tokens, attends_itself = True, False, False
 
     def __init__(self, k: Tensor, v: Tensor, reduce: str) -> None:
         super().__init__()
         self.k, self.v, self.reduce = k, v, reduce
-        self.counted = Pass([])
         self.scores = torch.zeros(k.shape[:3], device=k.device)
+        self.start(Pass([]))
+
+    def start(self, counted: Pass) -> None:
+        """A new pass: none of its keys held yet, its next query the first."""
+        self.counted, self.first = counted, 0
+        self.own_k, self.own_v = self.k[:, :, :0], self.v[:, :, :0]
+        self.key_pos = torch.arange(self.k.shape[2], device=self.k.device)[None]
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        prompt_pos = torch.arange(self.k.shape[2], device=k.device)[None]
-        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), torch.cat([prompt_pos, input_pos], dim=1)
+        self.own_k, self.own_v = torch.cat([self.own_k, k], dim=2), torch.cat([self.own_v, v], dim=2)
+        self.key_pos = torch.cat([self.key_pos, input_pos], dim=1)
+        return torch.cat([self.k, self.own_k], dim=2), torch.cat([self.v, self.own_v], dim=2), self.key_pos
 
     def observe(self, probs: Tensor) -> None:
-        T = self.k.shape[2]
-        received = probs[:, :, :, self.counted.skip :, :T]  # [1, H_kv, group, counted queries, T]
+        T, skip = self.k.shape[2], max(self.counted.skip - self.first, 0)
+        self.first += probs.shape[3]
+        if skip >= probs.shape[3]:  # a part of uncounted queries only
+            return
+        received = probs[:, :, :, skip:, :T]  # [1, H_kv, group, counted queries, T]
         if self.counted.window is not None:  # renormalised over the sinks, the window and the pass: KVzip's scope
             start, end = self.counted.window
             in_scope = probs[..., : min(KVZIP_SINKS, start)].sum(-1) + probs[..., start:end].sum(-1) + probs[..., T:].sum(-1)
             received = torch.zeros_like(received)
-            received[..., start:end] = probs[:, :, :, self.counted.skip :, start:end] / in_scope[:, :, :, self.counted.skip :, None]
+            received[..., start:end] = probs[:, :, :, skip:, start:end] / in_scope[:, :, :, skip:, None]
         if self.reduce == "max":
             self.scores = torch.maximum(self.scores, received.amax(dim=3).amax(dim=2))  # in turn: 8x faster than dim=(2, 3) on CPU
         else:
             self.scores = self.scores + received.sum(dim=(2, 3))
 
 
+PROBS_BYTES = 2**27  # a pass runs in parts whose attention probabilities take at most this (128 MB) per layer
+
+
+def part_length(model: Transformer, keys: int) -> int:
+    """Queries of a pass run at once: as many as keep their float32 probabilities over `keys` keys within
+    PROBS_BYTES (a long document's 2K-token repeat in parts of ~400, never [heads, repeat, context] whole)."""
+    return max(1, PROBS_BYTES // (4 * model.config.n_head * keys))
+
+
 @torch.no_grad()
 def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]], passes: list[Pass], reduce: str) -> list[Tensor]:
     """Per layer, [H_kv, T]: the attention one sequence's prompt keys (`layers`: each layer's [1, H_kv,
-    T, D] keys and values) receive from the query tokens of each pass, placed right after the prompt. The
-    model's caches are put back afterwards."""
+    T, D] keys and values) receive from the query tokens of each pass, placed right after the prompt, each pass
+    run in parts (`part_length`). The model's caches are put back afterwards."""
     saved = [layer.attention.kv_cache for layer in model.layers]
     probes = [AttentionProbe(k, v, reduce) for k, v in layers]
     model.setup_caches(probes)
     try:
-        n = layers[0][0].shape[2]
+        n, device = layers[0][0].shape[2], layers[0][0].device
         for counted in passes:
             for probe in probes:
-                probe.counted = counted
-            device = layers[0][0].device
-            model(torch.tensor([counted.ids], device=device), n + torch.arange(len(counted.ids), device=device)[None])
+                probe.start(counted)
+            part = part_length(model, n + len(counted.ids))
+            for s in range(0, len(counted.ids), part):
+                ids = counted.ids[s : s + part]
+                model(torch.tensor([ids], device=device), n + s + torch.arange(len(ids), device=device)[None])
     finally:
         model.setup_caches(saved)
     return [p.scores[0] for p in probes]

@@ -29,7 +29,7 @@ class PrefillRecorder(nn.Module):
         self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
-        self.layers.append((k, v, q))
+        self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))  # not views keeping the layer's qkv alive
         self.lse.append(lse)
 
 

@@ -176,29 +176,35 @@ def test_a_chunk_beyond_the_context_and_whole_prompt_scorers_are_refused(tiny_mo
         generate(tiny_model, [list(range(20))], 2, cache_spec({"cache_strategy": "l2", "max_cache_length": 8, "prefill_chunk": 4}, 2), attention_loss=True)
 
 
-@pytest.mark.parametrize("chunk, flag, asked", [(None, "--kvzip_chunk", 8), (32, "--prefill_chunk", 0)])
-def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(chunk, flag, asked, tiny_model):
-    """The repeat follows the prompt: 100 prompt tokens + a repeat of 32 exceed the tiny model's 128 positions. Without a
-    tokenizer the request is empty, but one-shot passes after the first quote the previous chunk's last 8 tokens."""
-    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24, "kvzip_chunk": 32}
-    spec = cache_spec({**settings, "prefill_chunk": chunk} if chunk else settings, 2)
-    with pytest.raises(
-        ValueError, match=rf"the prompt \(100 tokens\) \+ its request \({asked}\) \+ 32 must fit the model's context of 128 tokens; give a smaller {flag}"
-    ):
-        generate(tiny_model, [[i % 64 for i in range(100)]], 2, spec)
-    assert len(generate(tiny_model, [[i % 64 for i in range(128 - 32 - asked)]], 2, spec).tokens[0]) == 2
-
-
-def test_kvzip_without_a_chunk_given_repeats_what_fits_after_a_long_prompt(tiny_model, capsys):
-    """No --kvzip_chunk: a 100-token prompt on 128 positions repeats 128 - 100 - 8 = 20 tokens a pass (one note line),
-    as --kvzip_chunk 20 does; a prompt with room for the default is scored as before, without a note."""
+def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(tiny_model):
+    """Chunked, the repeat is the chunk: 100 prompt tokens + a chunk of 32 exceed the tiny model's 128 positions.
+    One-shot, a prompt whose request fills the context leaves no room for any repeat. Without a tokenizer the request
+    is empty, but one-shot passes after the first quote the previous chunk's last 8 tokens."""
     settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24}
+    chunked = cache_spec({**settings, "prefill_chunk": 32}, 2)
+    refused = r"the prompt \(100 tokens\) \+ its request \(0\) \+ 32 must fit the model's context of 128 tokens; give a smaller --prefill_chunk$"
+    with pytest.raises(ValueError, match=refused):
+        generate(tiny_model, [[i % 64 for i in range(100)]], 2, chunked)
+    assert len(generate(tiny_model, [[i % 64 for i in range(96)]], 2, chunked).tokens[0]) == 2
+    no_room = r"the prompt \(120 tokens\) and its request \(8\) leave no room in the model's context of 128 tokens; shorten the prompt$"
+    with pytest.raises(ValueError, match=no_room):
+        generate(tiny_model, [[i % 64 for i in range(120)]], 2, cache_spec(settings, 2))
+    assert len(generate(tiny_model, [[i % 64 for i in range(119)]], 2, cache_spec(settings, 2)).tokens[0]) == 2
+
+
+@pytest.mark.parametrize("given", [None, 32])
+def test_kvzip_repeats_what_fits_after_a_long_prompt(tiny_model, capsys, given):
+    """A 100-token prompt on 128 positions repeats 128 - 100 - 8 = 20 tokens a pass (one note line) whether
+    --kvzip_chunk is the default (2,048) or given (32), as --kvzip_chunk 20 does; a prompt with room for the
+    default is scored as before, without a note."""
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24}
+    asked = settings if given is None else {**settings, "kvzip_chunk": given}
     prompt = [i % 64 for i in range(100)]
-    fitted = generate(tiny_model, [prompt], 2, cache_spec(settings, 2))
-    note = "note: kvzip repeats the context 20 tokens at a time (--kvzip_chunk), so the prompt (100 tokens)"
+    fitted = generate(tiny_model, [prompt], 2, cache_spec(asked, 2))
+    note = f"note: kvzip repeats the context 20 tokens at a time, not {given or 2048} (--kvzip_chunk), so that the prompt (100"
     assert note in capsys.readouterr().err
-    given = generate(tiny_model, [prompt], 2, cache_spec({**settings, "kvzip_chunk": 20}, 2))
-    assert fitted.tokens == given.tokens and fitted.tokens_held == given.tokens_held
+    shortened = generate(tiny_model, [prompt], 2, cache_spec({**settings, "kvzip_chunk": 20}, 2))
+    assert fitted.tokens == shortened.tokens and fitted.tokens_held == shortened.tokens_held
     short = [i % 64 for i in range(40)]
     default = generate(tiny_model, [short], 2, cache_spec(settings, 2))
     assert default.tokens == generate(tiny_model, [short], 2, cache_spec({**settings, "kvzip_chunk": 2048}, 2)).tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvlab import reconstruction
 from kvlab.config import cache_spec, load_cache_config
 from kvlab.engine import generate
 from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
@@ -72,6 +73,20 @@ def test_oracle_scores_are_the_attention_summed_over_the_future(tiny_model):
     for ours, reference in zip(got, direct(tiny_model, prompt, passes, "sum"), strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     assert all((g.sum(dim=-1) > 0).all() for g in got)
+
+
+@pytest.mark.parametrize("queries", [1, 2, 5])
+def test_a_pass_run_in_parts_scores_as_the_pass_run_whole(tiny_model, monkeypatch, queries):
+    """A long pass runs `part_length` queries at a time, each part over the prompt, the pass's earlier keys and its
+    own: with parts of 1, 2 or 5 queries (a skip of 3 falling inside a part) the scores are the direct reference's."""
+    prompt = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    passes = [Pass([5, 9, 11, *prompt[2:12]], 0, (2, 12)), Pass([7, *prompt[4:12], 13, 2, *prompt[12:22]], 3, (12, 22))]
+    monkeypatch.setattr(reconstruction, "PROBS_BYTES", 4 * tiny_model.config.n_head * (30 + 23) * queries)
+    assert reconstruction.part_length(tiny_model, 30 + 23) == queries
+    for reduce in ("max", "sum"):
+        got = prompt_attention_from(tiny_model, prompt_kv(tiny_model, prompt), passes, reduce)
+        for ours, reference in zip(got, direct(tiny_model, prompt, passes, reduce), strict=True):
+            torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("compressor", ["kvzip", "oracle"])
