@@ -276,8 +276,9 @@ class Int4Linear(nn.Module):
         if tiled is not None and kernels.takes_weight(x, tiled[0], any_rows=True):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
         if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets):
-            codes, groupsize = self.codes(), self.groupsize
-            return torch.ops.kvlab.linear_int4(x, codes, self.scales, self.offsets, groupsize, self.bias, self.x_bits)
+            return torch.ops.kvlab.linear_int4(
+                x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits
+            )
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu

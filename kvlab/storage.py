@@ -236,9 +236,9 @@ def make_storage(
     think_window: int | None = None,
 ) -> KVStorage:
     """Plain storage for bits=None (and 32, which needs a float32 model), float16 for 16, else packed `bits`-bit
-    codes with keys quantized per `key_axis`
-    (default: per token at 8 bits, per channel below). With `key_pruning` (ThinK), keys keep D - int(D x key_pruning)
-    of their D channels (rounded up to whole bytes when packed), chosen from the prompt's last `think_window` queries."""
+    codes with keys quantized per `key_axis` (default: per token at 8 bits, per channel below). With `key_pruning`
+    (ThinK), keys keep D - int(D x key_pruning) of their D channels (rounded up to whole bytes when packed), chosen
+    from the prompt's last `think_window` queries."""
     if bits not in QUANT_BITS and key_axis is not None:
         raise ValueError(f"key_quant_axis={key_axis!r} needs cache_bits {', '.join(map(str, QUANT_BITS))}, got {bits}")
     if key_pruning is None and think_window is not None:
