@@ -207,17 +207,16 @@ def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
         print("llama.cpp:", results["llamacpp"], results["llamacpp_flash_off"], file=sys.stderr, flush=True)
     results["kvlab_full"] = kvlab_row(prompt_file, new, [], args.compile)
     print("kvlab full:", results["kvlab_full"], file=sys.stderr, flush=True)
-    results["tried"], settings = {}, {}
+    results["tried"] = {}
     for method in args.methods:
-        flags, settings[method] = method_settings(method, args.slots, args.prefill_chunk)
+        flags, _ = method_settings(method, args.slots, args.prefill_chunk)
         results["tried"][method] = kvlab_row(prompt_file, new, flags, args.compile)
         print(f"kvlab {method}:", results["tried"][method], file=sys.stderr, flush=True)
         if results["tried"][method]["answer_right"]:
             break
-    right = [m for m, r in results["tried"].items() if r["answer_right"]]
-    chosen = right[0] if right else args.methods[0]  # the one that answers, else the first tried
+    chosen = method if results["tried"][method]["answer_right"] else args.methods[0]  # else the first tried
     results["kvlab_compressed"] = {"method": chosen, **results["tried"][chosen]}
-    compressed = settings[chosen]
+    _, compressed = method_settings(chosen, args.slots, args.prefill_chunk)
     results["memory"] = {"kvlab_full": memory_row(prompt_file, new, {"cache_strategy": "full"})}
     one_shot = {"cache_strategy": "full", "cache_bits": 32, "prefill_chunk": 8192}  # a chunk past the prompt: at once
     results["memory"]["kvlab_full_float32_one_shot"] = memory_row(prompt_file, new, one_shot)
