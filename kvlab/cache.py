@@ -19,6 +19,8 @@ the attention layer calls:
                                      [B, H_kv, group, T, S], for strategies that learn from them.
     maintain()                       on the host after every decode step, outside the compiled step: upkeep
                                      on a schedule (ClusterKV clusters the newest tokens every m steps).
+    compact()                        once the prompt is stored, before decoding: storage sized by what each
+                                     head keeps (the evicting caches whose budgets differ across heads).
     limit_rows(capacities)           per-sequence slot limits [B] (a fraction of each sequence's own
                                      length, per KV head); caches that keep every token ignore them.
 
@@ -37,8 +39,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvlab.compact import make_kv_store
 from kvlab.options import Option
-from kvlab.storage import KEY_PRUNING_OPTIONS, STORAGE_OPTIONS, make_storage
+from kvlab.storage import KEY_PRUNING_OPTIONS, STORAGE_OPTIONS
 
 
 class KVCache(nn.Module):
@@ -83,11 +86,12 @@ class KVCache(nn.Module):
         key_quant_axis: str | None = None,
         key_channel_pruning: float | None = None,
         think_window: int | None = None,
+        kv_store: str = "dense",
     ) -> None:
         super().__init__()
         self.capacity = capacity
         shape = (batch_size, n_kv_heads, capacity, head_dim)
-        self.storage = make_storage(shape, dtype, device, cache_bits, key_quant_axis, key_channel_pruning, think_window)
+        self.storage = make_kv_store(kv_store, shape, dtype, device, cache_bits, key_quant_axis, key_channel_pruning, think_window)
         pos_shape = (batch_size, n_kv_heads, capacity) if self.positions_per_head else (batch_size, capacity)
         self.register_buffer("pos", torch.full(pos_shape, -1, dtype=torch.long, device=device), persistent=False)
 
@@ -116,6 +120,10 @@ class KVCache(nn.Module):
 
     def maintain(self) -> None:
         """Host-side upkeep after each decode step (most caches need none)."""
+
+    def compact(self) -> None:
+        """Once the prompt is stored, before decoding: move what each head keeps into storage sized by it (the
+        evicting caches with uneven budgets: eviction.py); most caches hold what they keep already."""
 
     @property
     def upkept_between_steps(self) -> bool:

@@ -65,6 +65,9 @@ class AttentionLossProbe(KVCache):
     def maintain(self) -> None:
         self.inner.maintain()
 
+    def compact(self) -> None:
+        self.inner.compact()
+
     def tokens_held(self) -> Tensor:
         return self.inner.tokens_held()
 

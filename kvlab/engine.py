@@ -229,10 +229,11 @@ def prefill_batch(
             logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
             next_token = sample(logits, temperature, top_k)
     elif ready.recorded is not None:
-        ready.recorded.replay(model, ready.caches)
+        ready.recorded.replay(model, ready.caches, compact=True)
         next_token = sample(ready.recorded.logits[:, -1], temperature, top_k)
     else:
         next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
+    compact(ready.caches)
     out = torch.zeros(len(batch.suffix), forced + max_new_tokens, dtype=torch.long, device=device)
     out[:, :forced] = tokens.gather(1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=tokens.shape[1] - 1))
     first = torch.tensor(batch.suffix, device=device)
@@ -348,6 +349,12 @@ def maintain(caches: Sequence[KVCache]) -> None:
     """Each cache's host-side upkeep after a decode step (ClusterKV's periodic clustering)."""
     for cache in caches:
         cache.maintain()
+
+
+def compact(caches: Sequence[KVCache]) -> None:
+    """Once the prompt is stored: each cache's storage sized by what its heads keep (`KVCache.compact`)."""
+    for cache in caches:
+        cache.compact()
 
 
 def sync(device: torch.device) -> None:

@@ -118,7 +118,7 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     caches = build_caches(model, spec, [P] * B, L - P, L, budgets)
     if model_scored(spec.strategies, spec.options):  # the oracle's future is the rest of the document
         recorded.score_with_model(model, caches, [P] * B, [d[P:] for d in documents], spec.repeat)
-    recorded.replay(model, caches)
+    recorded.replay(model, caches, compact=True)
     losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
     with replayed(step, caches) as call:
         for p in range(P, L - 1):

@@ -2,9 +2,10 @@
 
 An evicting strategy is only a score (higher = keep), written once in `scores.py`: `KeyScoredCache`
 applies a key score to the prompt and to the cache, `AttentionScoredCache` an attention score to the
-observed prompt queries and to every decode query. `EvictionCache` does the rest: slots, sinks and
-the recent window, per-sequence limits, Ada-KV head budgets. A new key-only strategy is a subclass
-naming its score plus one line in the registry (`strategies.py`), e.g. `KeyDiffCache`.
+observed prompt queries and to every decode query (scored_caches.py). `EvictionCache` does the rest: slots,
+sinks and the recent window, per-sequence limits, Ada-KV head budgets, storage sized by them (compact.py). A
+new key-only strategy is a subclass naming its score plus one line in the registry (`strategies.py`), e.g.
+`KeyDiffCache`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab import parallel
+from kvlab import kernels, parallel
 from kvlab.cache import KVCache, unchanged_where_idle
+from kvlab.compact import KV_STORES, CompactKVStorage
 from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities, safeguard
 from kvlab.options import choice, fraction, integer
-from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, AttentionScores, KeepAll, KeyScores, PromptCompressor, wrap_scores
-from kvlab.scores import attention_mass, layer_attention_mass, position_order, two_stage, unrotate, value_norms, value_weighted
-from kvlab.storage import KEY_PRUNING_OPTIONS
+from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, KeepAll, PromptCompressor, wrap_scores
+from kvlab.scores import position_order, two_stage, unrotate, value_norms, value_weighted
+from kvlab.storage import KEY_PRUNING_OPTIONS, rows_and_heads
 
 PROTECTED_OPTIONS = (
     integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
@@ -50,9 +52,9 @@ class EvictionCache(KVCache):
     `head_budget="adakv"` (Ada-KV, Feng et al., 2024, as its official code) or "adakv_safeguard" (as kvpress's
     AdaKVPress) lets the KV heads of a layer share its budget
     unevenly, decided at prefill from the prompt scores (`head_budget.adakv_capacities`); each head then evicts
-    inside its own share while decoding. The buffer must be wide enough for the largest share
-    (`head_budget.adakv_slots`): a dense buffer cannot return the slots the small heads leave empty, so the
-    memory saving needs a paged layout; here the attended tokens per layer are exactly the budget."""
+    inside its own share while decoding. The prompt is stored in a buffer wide enough for the largest share
+    (`head_budget.adakv_slots`); `compact` then packs each head's share into rows of its own (kv_store compact,
+    compact.py), so the bytes held after prefill are the budgets', and decode attention reads them in place."""
 
     positions_per_head = True
     takes_prompt_compressor = True
@@ -76,10 +78,19 @@ class EvictionCache(KVCache):
             "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's official code: in "
             "each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the even share), adakv_safeguard "
             "(kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go to the layer's top scores) or global "
-            "(kvpress's KVzipPress: the scores of every layer and head ranked together); buffers are widened to the largest share (global: "
-            "the whole sequence)",
+            "(kvpress's KVzipPress: the scores of every layer and head ranked together); the prompt is stored in buffers as wide as the "
+            "largest share (global: the whole sequence), then each head's share moves into rows of its own (--kv_store)",
         ),
         fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv*: the share of the uniform per-head budget every head is guaranteed", closed=True),
+        choice(
+            "kv_store",
+            KV_STORES,
+            "compact",
+            "where budgets differ across heads or sequences (head_budget, layer budgets under a compression ratio, prompts of "
+            "different lengths): after prefill each head's kept tokens move into rows sized by its budget, read in place by the "
+            "native decode attention (compact; float caches: 8, 4 and 2-bit ones stay dense), or stay in buffers as wide as the "
+            "widest head (dense, for comparison)",
+        ),
     )
 
     def __init__(
@@ -101,9 +112,10 @@ class EvictionCache(KVCache):
         value_epsilon: float = 0.0,
         value_first_stage: float = 0.0,
         chunk_size: int | None = None,
+        kv_store: str = "compact",
         **storage_options,
     ) -> None:
-        super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, **storage_options)
+        super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, kv_store=kv_store, **storage_options)
         if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
             raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
@@ -328,72 +340,35 @@ class EvictionCache(KVCache):
             first = torch.maximum(first, safeguard(torch.minimum(self.row_budget - self.decode_room, last + 1), self.adakv_floor))
         return first
 
+    def compact(self) -> None:
+        if isinstance(self.storage, CompactKVStorage):
+            self.storage.compact(self.row_capacity[..., 0])
+
+    def stats(self) -> dict[str, int]:
+        """A compacted layer's count and the bytes its dense form would hold (the report weighs one against the other)."""
+        storage = self.storage
+        if not isinstance(storage, CompactKVStorage) or not storage.compacted:
+            return {}
+        return {"compact: layers": 1, "compact: bytes": storage.nbytes(), "compact: dense bytes": storage.dense_nbytes()}
+
+    @property
+    def attends_itself(self) -> bool:
+        """Compacted storage that the native CPU kernel reads in place, and a step that needs no probabilities."""
+        storage = self.storage
+        compacted = isinstance(storage, CompactKVStorage) and storage.compacted
+        return compacted and kernels.NATIVE and storage.k.device.type == "cpu" and not self.needs_attention
+
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        slot = self._eviction_idx(input_pos)
-        self.storage.write(slot, self._repeat(k), self._repeat(v))
-        self.pos.scatter_(2, slot, input_pos[:, None, :].expand(slot.shape))
-        self._on_insert(slot, None)
+        self._insert(input_pos, k, v)
         return *self.storage.read_for_attention(), self.pos
 
+    def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        self._insert(input_pos, k, v)
+        return self.storage.attend(q, self.pos, input_pos)
 
-class KeyScoredCache(EvictionCache):
-    """A strategy whose score reads the keys alone (`key_score`, from scores.py): the same function
-    ranks the prompt at prefill and the cached slots at every decode step."""
-
-    key_score: Callable[[Tensor, Tensor], Tensor]
-
-    @classmethod
-    def own_prompt_compressor(cls) -> PromptCompressor:
-        return KeyScores(cls.key_score)
-
-    def _token_importances(self) -> Tensor:
-        return self.key_score(self.storage.read()[0], self.pos)
-
-
-class AttentionScoredCache(EvictionCache):
-    """A strategy that scores slots by the attention they receive (`attention_mass`), kept in `scores`
-    [B, H_kv, S]. At prefill the prompt is scored by the attention of its last `observed_queries`
-    queries (None: all of them); while decoding, each step's attention is added (`accumulate`, H2O)
-    or replaces the scores (TOVA). With `shared_heads`, the attention is averaged over every query head of the
-    layer, so each KV head keeps the same tokens in the same slots (TOVA's paper and kvpress)."""
-
-    needs_attention = True
-    observed_queries: int | None = None
-    accumulate = True
-    shared_heads = False
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("scores", torch.zeros(self.pos.shape, device=self.pos.device), persistent=False)
-
-    @classmethod
-    def own_prompt_compressor(cls) -> PromptCompressor:
-        return AttentionScores(cls.observed_queries, shared_heads=cls.shared_heads)
-
-    def reset(self) -> None:
-        super().reset()
-        self.scores.zero_()
-
-    def _token_importances(self) -> Tensor:
-        return self.scores
-
-    def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
-        if not self.accumulate:
-            return scores
-        return scores + F.pad(self.scores, (0, order.shape[-1] - self.scores.shape[-1])).gather(2, order)
-
-    def observe(self, probs: Tensor) -> None:
-        mass = layer_attention_mass(probs) if self.shared_heads else attention_mass(probs)
-        if self.accumulate:
-            self.scores += mass
-        else:
-            self.scores.copy_(mass)
-
-    def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
-        if scores is None:
-            self.scores.scatter_(2, slots, 0.0)
-            return
-        # A compressor marks tokens it always keeps (SnapKV's window) with +inf: they start as their head's top token.
-        finite = scores.isfinite()
-        top = scores.masked_fill(~finite, float("-inf")).amax(dim=-1, keepdim=True).clamp(min=0)
-        self.scores.scatter_(2, slots, torch.where(finite, scores, top).float())
+    def _insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """A decode step's keys and values into the slot each head gives up (`_eviction_idx`)."""
+        slot = self._eviction_idx(input_pos)
+        self.storage.write(slot, self._repeat(k), self._repeat(v))
+        self.pos.index_put_(rows_and_heads(slot) + (slot,), input_pos[:, None, :].expand(slot.shape))  # in place when compiled: see KVStorage.write
+        self._on_insert(slot, None)

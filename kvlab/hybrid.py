@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from kvlab.cache import KVCache
-from kvlab.eviction import PROTECTED_OPTIONS, AttentionScoredCache
+from kvlab.eviction import PROTECTED_OPTIONS
 from kvlab.options import fraction
+from kvlab.scored_caches import AttentionScoredCache
 from kvlab.scores import attention_mass, window_attention
 
 

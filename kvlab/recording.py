@@ -76,8 +76,9 @@ class RecordedPrefill:
         elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
             raise ValueError("a recorded prefill replays one batch of prompts only")
 
-    def replay(self, model: Transformer, caches: Sequence[KVCache]) -> None:
-        """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would."""
+    def replay(self, model: Transformer, caches: Sequence[KVCache], compact: bool = False) -> None:
+        """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill would;
+        with `compact` (the whole prompt is recorded: no chunk follows), each compacted as soon as it is filled."""
         tokens, input_pos = self.inputs
         for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
             target = block.attention.kv_cache
@@ -86,6 +87,8 @@ class RecordedPrefill:
                 extra["lse"] = lse
             with self.scored_once(cache, layer):
                 target.prefill(input_pos, k, v, q, **extra)
+            if compact:
+                cache.compact()
 
     def rankings(self, caches: Sequence[KVCache]) -> list[Tensor | None]:
         """Per layer, what its cache's prefill will rank the recorded prompt by ([B, H_kv, T], `prompt_ranking`), scored

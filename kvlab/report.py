@@ -13,14 +13,15 @@ from kvlab.tokenizer import Tokenizer
 
 def cache_report(label: str | list[str], result: Generation) -> str:
     """Tokens held against the sequence length (the last batch's), compression, and the real bytes allocated
-    (dense buffers sized by max_seq_length, or a paged cache's pool, with its bytes in use) against the
-    bytes of the tokens a full cache would actually hold."""
+    (dense buffers sized by max_seq_length, a paged cache's pool with its bytes in use, or each head's budget
+    with what the dense buffers would take) against the bytes of the tokens a full cache would actually hold."""
     held, seq = result.tokens_held, result.sequence_length
     mean_held = sum(held) / len(held)
     name = label if isinstance(label, str) else label[0] if len(set(label)) == 1 else "mixed: " + ", ".join(dict.fromkeys(label))
     per_layer = "" if max(held) - min(held) < 0.5 else f"\ntokens held per layer: {' '.join(f'{n:.0f}' for n in held)}"
     in_use = result.cache_stats.get("kvcompress: bytes in use")
-    stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items() if name != "kvcompress: bytes in use")
+    told = ("kvcompress: bytes in use", "compact: layers", "compact: bytes", "compact: dense bytes")  # in the first line
+    stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items() if name not in told)
     if result.layer_budgets is not None:
         stats += f"\nlayer budgets (slots per layer, first sequence): {' '.join(map(str, result.layer_budgets[0]))}"
     if result.head_budgets is not None:
@@ -29,6 +30,10 @@ def cache_report(label: str | list[str], result: Generation) -> str:
         stats += f"\nlayer similarity (cos(x, x + attention), first sequence): {' '.join(f'{x:.3f}' for x in result.layer_similarity[0])}"
     allocated, full = result.kv_cache_bytes, result.full_cache_bytes
     what = "buffers sized by max_seq_length" if in_use is None else f"a block pool; {in_use / 2**20:.1f} MiB in blocks in use"
+    compacted = result.cache_stats.get("compact: layers", 0)
+    if compacted:  # the dense form: the compacted layers' buffers as wide as their widest head
+        dense = allocated - result.cache_stats["compact: bytes"] + result.cache_stats["compact: dense bytes"]
+        what = f"each head's budget in {compacted} of {len(held)} layers; {dense / 2**20:.1f} MiB in buffers sized by max_seq_length"
     return (
         f"KV cache ({name}): {mean_held:.0f} of {seq:.0f} tokens held per layer and KV head on average "
         f"({seq / mean_held:.2f}x compression); {allocated / 2**20:.1f} MiB allocated ({what}), "

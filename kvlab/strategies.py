@@ -9,13 +9,14 @@ from torch import Tensor
 
 from kvlab.cache import FullCache, KVCache
 from kvlab.duo import DuoAttentionCache
-from kvlab.eviction import AttentionScoredCache, EvictionCache, KeyScoredCache
+from kvlab.eviction import EvictionCache
 from kvlab.hybrid import HybridCache
 from kvlab.kvcompress import KVCompressCache
 from kvlab.options import Option, integer
 from kvlab.prompt_compression import RKV, AttentionScores, ExpectedAttention, KeepAll, LagKV, PromptCompressor, SnapKV
 from kvlab.recall import ClusterKVCache, QuestCache
 from kvlab.reconstruction import KVzip, Oracle
+from kvlab.scored_caches import AttentionScoredCache, KeyScoredCache
 from kvlab.scores import (
     attention_mass,
     chunk_attention,
@@ -191,11 +192,10 @@ class ExpectedAttentionCache(EvictionCache):
         norms = self.value_norms(v)
         return scores if norms is None else value_weighted(scores, norms, self.value_epsilon)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        keys, values, pos = EvictionCache.update(self, input_pos, k, v, q)  # by name, not super(): see KVCache
+    def _insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        EvictionCache._insert(self, input_pos, k, v)  # by name, not super(): see KVCache
         incoming = self._expected_attention(self._repeat(k), self._repeat(v))  # [B, H_kv, 1]
-        self.scores.copy_(torch.where(pos == input_pos[:, :, None], incoming, self.scores))
-        return keys, values, pos
+        self.scores.copy_(torch.where(self.pos == input_pos[:, :, None], incoming, self.scores))
 
     def _token_importances(self) -> Tensor:
         return self.scores
