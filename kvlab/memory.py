@@ -1,5 +1,5 @@
 """Memory a size needs against what the device has free: refused before allocating, with the flag to lower
-and the largest value that fits."""
+and the largest value that fits; and a process's own peak."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def check_fits(flag: str, value: int, bytes_each: int, device: torch.device) -> 
             f"{flag} {value} needs about {value * bytes_each / 2**30:.1f} GiB for its KV cache, more than the {free / 2**30:.1f} GiB free "
             f"here; lower it (at most {max(free // bytes_each, 1)} fits)"
         )
+
+
+def high_water_bytes(pid: int | str = "self") -> int | None:
+    """A live process's peak resident memory so far (Linux's VmHWM); None where it cannot be read (another OS, a process
+    that has gone). Unlike ru_maxrss, which starts from the parent's resident memory when a large process launched it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -15,8 +15,10 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 import generate as cli
 from conftest import ROOT, run_main
 from kvlab.build import make_caches
+from kvlab.cli import peak_memory_bytes
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
 from kvlab.hybrid import HybridCache
+from kvlab.memory import high_water_bytes
 from kvlab.model import ModelArgs, Transformer
 from kvlab.textgen import read_prompts, with_defaults
 
@@ -342,3 +344,13 @@ def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys)
     cli.main(settings)
     capsys.readouterr()
     assert calls[0] == calls[1] == [21] and calls[2] == [8] and calls[3] == [21]  # warm-up, run; warm-up, run
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
+def test_the_peak_rss_is_the_process_own_high_water_mark():
+    """generate.py's "peak process RSS" is this process's VmHWM, at least what it holds now (ru_maxrss would start from
+    a large parent's resident memory); a process that is not there has none."""
+    resident = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    peak, kind = peak_memory_bytes(torch.device("cpu"))
+    assert kind == "process RSS" and 0 < resident <= peak <= high_water_bytes()  # a high-water mark only rises
+    assert high_water_bytes(2**31) is None
