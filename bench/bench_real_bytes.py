@@ -1,0 +1,225 @@
+"""Bytes held by uneven budgets: the KV bytes each method allocates after prefill, against a full cache's and against
+the dense form's (`--kv_store dense`), and decode speed of the compact store against the dense one.
+
+    python bench/bench_real_bytes.py                                   # the default methods at 0.5, 0.75, 0.875
+    python bench/bench_real_bytes.py --methods kvzip --ratios 0.75 --decode_lengths 2048
+
+Each method is a config of configs/ at kvpress's compression ratio (every decoded token kept), on a `--tokens`-token
+prompt of the benchmark's essays, `--new_tokens` greedy tokens, in the model's dtype (float32: the full cache's
+bytes are float32 too). Both forms share one recorded prefill (KVzip's repeat is scored once), must give the same
+tokens, and the bytes are what the caches allocated (`Generation.kv_cache_bytes`: keys and values, the compact
+form's scratch row per layer included). Decode: `--decode_method` at `--decode_ratio` on prompts of
+`--decode_lengths` tokens, eager (or `--compile`d), the median of `--repeats` runs of each form, alternated.
+
+`--parts` reruns some of the three (bytes, decode, longdoc) into the existing JSON, the tables rebuilt from it.
+Writes bench/results/real_bytes_<device>.md and .json: {method: {ratio: {"bytes_held_over_full", "dense_over_full",
+"same_tokens", ...}}, "methods": [...], "decode": {"lengths": {length: {"compact_tok_s", "dense_tok_s", "ratio"}},
+its settings}, "kvzip_longdoc": {"prefill_s", "plain_prefill_s", "peak_rss_mb", "bytes_held_over_full",
+"answer_right", ...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from common import RESULTS, bench_parser, decode_rate, load_bench, machine, parse_bench_args, row, table, write_results
+from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.engine import compile_decode_step, generate
+from kvlab.recording import RecordedPrefill
+
+METHODS = ["kvzip", "ada_expected_attention", "pyramidkv"]
+PARTS = ["bytes", "decode", "longdoc"]
+RATIOS = [0.5, 0.75, 0.875]
+
+
+def build_parser():
+    p = bench_parser(__doc__)
+    p.add_argument("--methods", nargs="+", default=METHODS, help=f"configs of configs/ (default: {' '.join(METHODS)})")
+    p.add_argument(
+        "--ratios", nargs="+", type=float, default=RATIOS, help="compression ratios (default: 0.5 0.75 0.875)"
+    )
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens of the bytes rows (default: 2048)")
+    p.add_argument("--new_tokens", type=int, default=32, help="tokens generated per run (default: 32)")
+    p.add_argument("--decode_method", default="kvzip", help="the config whose decode is timed (default: kvzip)")
+    p.add_argument("--decode_ratio", type=float, default=0.75, help="its compression ratio (default: 0.75)")
+    p.add_argument(
+        "--decode_lengths", nargs="*", type=int, default=[2048, 8000], help="its prompt lengths (default: 2048 8000)"
+    )
+    p.add_argument("--decode_tokens", type=int, default=64, help="tokens generated per timed run (default: 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each form (default: 3)")
+    p.add_argument("--compile", action="store_true", help="time the compiled decode step (default: eager)")
+    p.add_argument(
+        "--longdoc_tokens", type=int, default=7300, help="kvzip on bench_longdoc's document of this many tokens"
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=PARTS,
+        help="what to measure; the rest kept from the JSON (default: all)",
+    )
+    return p
+
+
+def spec(bench, method: str, ratio: float, store: str):
+    """The config `method` at compression ratio `ratio` with `--kv_store store`."""
+    settings = resolve_settings({"compression_ratio": ratio, "kv_store": store}, load_cache_config(method))
+    return cache_spec(settings, bench.model.config.n_layer, bench.tokenizer)
+
+
+def bytes_cells(bench, args) -> dict:
+    """Per method and ratio: compact and dense bytes against the full cache's, and whether both gave the same tokens."""
+    prompt = bench.ids[: args.tokens]
+    results = {}
+    for method in args.methods:
+        recorded = RecordedPrefill()  # one prefill (and one KVzip scoring) for every ratio and form
+        results[method] = {}
+        for ratio in args.ratios:
+            compact, dense = (
+                generate(bench.model, [prompt], args.new_tokens, spec(bench, method, ratio, store), recorded=recorded)
+                for store in ("compact", "dense")
+            )
+            results[method][str(ratio)] = cell = {
+                "bytes_held_over_full": compact.kv_cache_bytes / compact.full_cache_bytes,
+                "dense_over_full": dense.kv_cache_bytes / dense.full_cache_bytes,
+                "compact_mib": compact.kv_cache_bytes / 2**20,
+                "dense_mib": dense.kv_cache_bytes / 2**20,
+                "full_mib": compact.full_cache_bytes / 2**20,
+                "target": 1 - ratio + 0.03,
+                "same_tokens": compact.tokens == dense.tokens,
+            }
+            print(method, ratio, cell, file=sys.stderr)
+    return results
+
+
+def decode_cells(bench, args) -> dict:
+    """Decode tokens/s of the compact store against the dense one, per prompt length (alternated runs)."""
+    results = {}
+    step = (
+        {"decode_step": compile_decode_step(bench.device)} if args.compile else {}
+    )  # one step for every length and form
+    for length in args.decode_lengths:
+        prompt = (bench.ids * (length // len(bench.ids) + 1))[:length]
+        recorded = RecordedPrefill()
+        specs = {store: spec(bench, args.decode_method, args.decode_ratio, store) for store in ("compact", "dense")}
+        rates: dict[str, list[float]] = {"compact": [], "dense": []}
+        tokens = {}
+        for i in range(args.repeats):
+            for store in ("compact", "dense")[:: 1 if i % 2 == 0 else -1]:
+                result = generate(bench.model, [prompt], args.decode_tokens, specs[store], recorded=recorded, **step)
+                rates[store].append(decode_rate(result))
+                tokens[store] = result.tokens
+        compact, dense = statistics.median(rates["compact"]), statistics.median(rates["dense"])
+        same = tokens["compact"] == tokens["dense"]
+        results[str(length)] = {
+            "compact_tok_s": compact,
+            "dense_tok_s": dense,
+            "ratio": compact / dense,
+            "same_tokens": same,
+        }
+        print(length, results[str(length)], file=sys.stderr)
+    settings = ("decode_method", "decode_ratio", "decode_tokens", "repeats", "compile")
+    return {"lengths": results, **{name: getattr(args, name) for name in settings}}
+
+
+def longdoc_row(bench, tokens: int) -> dict:
+    """KVzip (the model-wide ranking) at 1,024 slots on bench_longdoc.py's document, one-shot, each side a process of
+    its own (generate.py --chat, 32 tokens): prefill seconds against the full cache's (generate.py's defaults), peak
+    RSS, the bytes held against a full cache in the same float32 (--cache_bits 32), and whether the answer is right."""
+    from bench_longdoc import document, kvlab_row
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(document(bench.tokenizer, tokens))
+    try:
+        plain = kvlab_row(f.name, 32, [], False)
+        kvzip = kvlab_row(
+            f.name, 32, ["--cache_config", "kvzip", "--max_cache_length", "1024", "--cache_bits", "32"], False
+        )
+    finally:
+        os.unlink(f.name)
+    return {
+        "prefill_s": kvzip["prefill_s"],
+        "plain_prefill_s": plain["prefill_s"],
+        "peak_rss_mb": kvzip["peak_rss_mb"],
+        "bytes_held_over_full": kvzip["kv_over_full"],
+        "answer_right": kvzip["answer_right"],
+        "wall_s": kvzip["wall_s"],
+        "plain_peak_rss_mb": plain["peak_rss_mb"],
+        "tokens": tokens,
+    }
+
+
+def markdown(results: dict) -> list[str]:
+    """The tables, from the results (so a rerun of some parts rebuilds all of them)."""
+    rows = []
+    for method in results["methods"]:
+        for ratio, cell in results[method].items():
+            mib = [f"{cell[k]:.1f}" for k in ("full_mib", "dense_mib", "compact_mib")]
+            shares = [f"{cell[k]:.3f}" for k in ("dense_over_full", "bytes_held_over_full", "target")]
+            rows.append(row(method, ratio, *mib, *shares, "yes" if cell["same_tokens"] else "**no**"))
+    decode = results["decode"]
+    timed = [
+        row(
+            length,
+            f"{d['dense_tok_s']:.1f}",
+            f"{d['compact_tok_s']:.1f}",
+            f"{d['ratio']:.2f}x",
+            "yes" if d["same_tokens"] else "**no**",
+        )
+        for length, d in decode["lengths"].items()
+    ]
+    doc = results["kvzip_longdoc"]
+    cells = [f"{doc[k]:.1f}" for k in ("plain_prefill_s", "prefill_s", "peak_rss_mb", "plain_peak_rss_mb")]
+    return [
+        "# Bytes held by uneven budgets",
+        "",
+        f"{results['machine']}; {results['dtype']}; a {results['prompt_tokens']}-token prompt, "
+        f"{results['new_tokens']} new tokens, "
+        "kvpress's compression ratio (every decoded token kept). `python bench/bench_real_bytes.py`.",
+        "",
+        *table(
+            "method | ratio | full MiB | dense MiB | compact MiB | dense / full | compact / full | target "
+            "| same tokens",
+            rows,
+        ),
+        f"Decode of {decode['decode_method']} at {decode['decode_ratio']}, "
+        f"{'compiled' if decode['compile'] else 'eager'}, {decode['decode_tokens']} tokens, median of "
+        f"{decode['repeats']} runs (each run's first step, which compiles, left out):"
+        "",
+        *table("prompt tokens | dense tok/s | compact tok/s | compact / dense | same tokens", timed),
+        f"KVzip (the model-wide ranking) at 1,024 slots on bench_longdoc.py's {doc['tokens']}-token document, "
+        "one-shot, "
+        "float32 cache, a process per row, its peak its own VmHWM (the full cache's row: generate.py's defaults):",
+        "",
+        *table(
+            "full prefill s | kvzip prefill s | kvzip peak RSS MB | full peak RSS MB | kvzip bytes / full "
+            "| answer right",
+            [row(*cells, f"{doc['bytes_held_over_full']:.3f}", "yes" if doc["answer_right"] else "no")],
+        ),
+    ]
+
+
+def main() -> None:
+    args = parse_bench_args(build_parser(), "real_bytes")
+    bench = load_bench(args.device, args.dtype)
+    out = args.out or RESULTS / f"real_bytes_{bench.device.type}.md"
+    kept = out.with_suffix(".json")
+    results = json.loads(kept.read_text()) if set(args.parts) != set(PARTS) and kept.is_file() else {}
+    results.update(
+        machine=machine(bench.device), prompt_tokens=args.tokens, new_tokens=args.new_tokens, dtype=bench.dtype_name
+    )
+    if "bytes" in args.parts:
+        results.update(bytes_cells(bench, args), methods=args.methods)
+    if "decode" in args.parts:
+        results["decode"] = decode_cells(bench, args)
+    if "longdoc" in args.parts:
+        results["kvzip_longdoc"] = longdoc_row(bench, args.longdoc_tokens)
+    write_results(markdown(results), out, "real_bytes", bench.device, results=results)
+
+
+if __name__ == "__main__":
+    main()
