@@ -68,9 +68,9 @@ def test_every_shipped_config_runs(name, generate_cli):
     assert report.startswith(f"KV cache ({name}): ")
     if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv", "kvc_ada_pyramidkv"):
         assert "tokens held per layer: " in proc.stderr and "layer budgets (slots per layer, first sequence): " in proc.stderr
-    split = load_cache_config(name).get("head_budget", "uniform") != "uniform"  # Ada-KV's configs, and kvzip's ranking over the model
+    split = load_cache_config(name).get("head_budget", "uniform") != "uniform"  # Ada-KV's configs, kvzip's ranking over the model, their oracles
     assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == split
-    assert split == (name.startswith(("ada_", "critical_ada_")) or name == "kvzip")
+    assert split == (name.startswith(("ada_", "critical_ada_", "oracle_")) or name == "kvzip")
 
 
 def test_flags_override_a_shipped_config(generate_cli):
