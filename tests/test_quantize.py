@@ -134,10 +134,9 @@ def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, x
     the most)."""
     if x_bits == 8:
         essay_ids, float_logits = request.getfixturevalue("long_essay")
+    monkeypatch.setenv("KVLAB_INT4_X", {32: "float32", 16: "int16", 8: "int8"}[x_bits])  # read as each Linear is prepared
     model = quantize_model(copy.deepcopy(smollm[0]), Quantization("int4", 32))
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.x_bits = x_bits
+    assert all(module.x_bits == x_bits for module in model.modules() if isinstance(module, Int4Linear))
     name = "gated_int4_tiled" if x_bits == 16 else "gated_int4"  # int16 x reads the tiled layout
     calls, op = [], getattr(torch.ops.kvlab, name)
     monkeypatch.setattr(torch.ops.kvlab, name, lambda *a: calls.append(16 if x_bits == 16 else a[-1]) or op(*a))
