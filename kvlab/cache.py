@@ -91,7 +91,8 @@ class KVCache(nn.Module):
         super().__init__()
         self.capacity = capacity
         shape = (batch_size, n_kv_heads, capacity, head_dim)
-        self.storage = make_kv_store(kv_store, shape, dtype, device, cache_bits, key_quant_axis, key_channel_pruning, think_window)
+        storage = (cache_bits, key_quant_axis, key_channel_pruning, think_window)
+        self.storage = make_kv_store(kv_store, shape, dtype, device, *storage)
         pos_shape = (batch_size, n_kv_heads, capacity) if self.positions_per_head else (batch_size, capacity)
         self.register_buffer("pos", torch.full(pos_shape, -1, dtype=torch.long, device=device), persistent=False)
 

@@ -99,8 +99,9 @@ def resolve_device_dtype(device_name: str, dtype_name: str) -> tuple[torch.devic
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """The peak of what the run holds: GPU memory allocated, or the process's resident memory. On Linux the process's own
-    high-water mark (VmHWM): ru_maxrss starts from the parent's resident memory when a large process launched this one."""
+    """The peak of what the run holds: GPU memory allocated, or the process's resident memory. On Linux the process's
+    own high-water mark (VmHWM): ru_maxrss starts from the parent's resident memory when a large process launched
+    this one."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "GPU memory allocated"
     peak = high_water_bytes()

@@ -78,18 +78,19 @@ class EvictionCache(KVCache):
             "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's official code: in "
             "each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the even share), adakv_safeguard "
             "(kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go to the layer's top scores) or global "
-            "(kvpress's KVzipPress: the scores of every layer and head ranked together); the prompt is stored in buffers as wide as the "
-            "largest share (global: the whole sequence), then each head's share moves into rows of its own (--kv_store)",
+            "(kvpress's KVzipPress: the scores of every layer and head ranked together); the prompt is stored in "
+            "buffers as wide as the largest share (global: the whole sequence), then each head's share moves into "
+            "rows of its own (--kv_store)",
         ),
         fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv*: the share of the uniform per-head budget every head is guaranteed", closed=True),
         choice(
             "kv_store",
             KV_STORES,
             "compact",
-            "where budgets differ across heads or sequences (head_budget, layer budgets under a compression ratio, prompts of "
-            "different lengths): after prefill each head's kept tokens move into rows sized by its budget, read in place by the "
-            "native decode attention (compact; float caches: 8, 4 and 2-bit ones stay dense), or stay in buffers as wide as the "
-            "widest head (dense, for comparison)",
+            "where budgets differ across heads or sequences (head_budget, layer budgets under a compression ratio, "
+            "prompts of different lengths): after prefill each head's kept tokens move into rows sized by its budget, "
+            "read in place by the native decode attention (compact; float caches: 8, 4 and 2-bit ones stay dense), or "
+            "stay in buffers as wide as the widest head (dense, for comparison)",
         ),
     )
 
@@ -115,7 +116,8 @@ class EvictionCache(KVCache):
         kv_store: str = "compact",
         **storage_options,
     ) -> None:
-        super().__init__(batch_size, n_kv_heads * kv_repeat, capacity, head_dim, dtype, device, kv_store=kv_store, **storage_options)
+        H = n_kv_heads * kv_repeat
+        super().__init__(batch_size, H, capacity, head_dim, dtype, device, kv_store=kv_store, **storage_options)
         if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
             raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
@@ -345,11 +347,15 @@ class EvictionCache(KVCache):
             self.storage.compact(self.row_capacity[..., 0])
 
     def stats(self) -> dict[str, int]:
-        """A compacted layer's count and the bytes its dense form would hold (the report weighs one against the other)."""
+        """A compacted layer's count, bytes, and the bytes its dense form would hold (the report weighs the two)."""
         storage = self.storage
         if not isinstance(storage, CompactKVStorage) or not storage.compacted:
             return {}
-        return {"compact: layers": 1, "compact: bytes": storage.nbytes(), "compact: dense bytes": storage.dense_nbytes()}
+        return {
+            "compact: layers": 1,
+            "compact: bytes": storage.nbytes(),
+            "compact: dense bytes": storage.dense_nbytes(),
+        }
 
     @property
     def attends_itself(self) -> bool:
@@ -370,5 +376,6 @@ class EvictionCache(KVCache):
         """A decode step's keys and values into the slot each head gives up (`_eviction_idx`)."""
         slot = self._eviction_idx(input_pos)
         self.storage.write(slot, self._repeat(k), self._repeat(v))
-        self.pos.index_put_(rows_and_heads(slot) + (slot,), input_pos[:, None, :].expand(slot.shape))  # in place when compiled: see KVStorage.write
+        # index_put_, not scatter_: in place when compiled (KVStorage.write)
+        self.pos.index_put_(rows_and_heads(slot) + (slot,), input_pos[:, None, :].expand(slot.shape))
         self._on_insert(slot, None)

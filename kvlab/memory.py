@@ -31,8 +31,9 @@ def check_fits(flag: str, value: int, bytes_each: int, device: torch.device) -> 
 
 
 def high_water_bytes(pid: int | str = "self") -> int | None:
-    """A live process's peak resident memory so far (Linux's VmHWM); None where it cannot be read (another OS, a process
-    that has gone). Unlike ru_maxrss, which starts from the parent's resident memory when a large process launched it."""
+    """A live process's peak resident memory so far (Linux's VmHWM); None where it cannot be read (another OS, a
+    process that has gone). Unlike ru_maxrss, which starts from the parent's resident memory when a large process
+    launched it."""
     try:
         with open(f"/proc/{pid}/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

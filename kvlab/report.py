@@ -20,7 +20,7 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     name = label if isinstance(label, str) else label[0] if len(set(label)) == 1 else "mixed: " + ", ".join(dict.fromkeys(label))
     per_layer = "" if max(held) - min(held) < 0.5 else f"\ntokens held per layer: {' '.join(f'{n:.0f}' for n in held)}"
     in_use = result.cache_stats.get("kvcompress: bytes in use")
-    told = ("kvcompress: bytes in use", "compact: layers", "compact: bytes", "compact: dense bytes")  # in the first line
+    told = ("kvcompress: bytes in use", "compact: layers", "compact: bytes", "compact: dense bytes")  # in line one
     stats = "".join(f"\n{name}: {count}" for name, count in result.cache_stats.items() if name not in told)
     if result.layer_budgets is not None:
         stats += f"\nlayer budgets (slots per layer, first sequence): {' '.join(map(str, result.layer_budgets[0]))}"
@@ -33,7 +33,8 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     compacted = result.cache_stats.get("compact: layers", 0)
     if compacted:  # the dense form: the compacted layers' buffers as wide as their widest head
         dense = allocated - result.cache_stats["compact: bytes"] + result.cache_stats["compact: dense bytes"]
-        what = f"each head's budget in {compacted} of {len(held)} layers; {dense / 2**20:.1f} MiB in buffers sized by max_seq_length"
+        what = f"each head's budget in {compacted} of {len(held)} layers; {dense / 2**20:.1f} MiB in buffers sized by "
+        what += "max_seq_length"
     return (
         f"KV cache ({name}): {mean_held:.0f} of {seq:.0f} tokens held per layer and KV head on average "
         f"({seq / mean_held:.2f}x compression); {allocated / 2**20:.1f} MiB allocated ({what}), "

@@ -8,7 +8,8 @@ compiler, or with `KVLAB_KERNELS=torch`, every op runs torch's kernels instead, 
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
 call for both; float32, or bfloat16 weights and x with float32 sums), `attend_fp32` for a decode step's attention where
-`takes_attention` (`attend_ragged` over a compacted cache's per-head rows: kvlab/compact.py) and `attend_prefill` for a prompt's or a chunk's where `takes_prefill_attention`; kvlab.quantize's
+`takes_attention` (`attend_ragged` over a compacted cache's per-head rows: kvlab/compact.py), and `attend_prefill`
+for a prompt's or a chunk's where `takes_prefill_attention`; kvlab.quantize's
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
 layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp; int8 beyond MAX_ROWS rows with x in int16,
 tiled per call: csrc/gemv_int8_tiled.cpp). The native ops run a CPU float32 decode step of at most MAX_ROWS rows (its
@@ -93,7 +94,9 @@ def register_attention_fakes() -> None:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kvlab::attend_ragged")
-    def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, offsets: Tensor, lengths: Tensor, query_pos: Tensor) -> Tensor:
+    def _(
+        q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, offsets: Tensor, lengths: Tensor, query_pos: Tensor
+    ) -> Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kvlab::attend_prefill")
