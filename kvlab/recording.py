@@ -78,7 +78,7 @@ class RecordedPrefill:
 
     def replay(self, model: Transformer, caches: Sequence[KVCache], compact: bool = False) -> None:
         """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill
-        would; with `compact` (the whole prompt is recorded: no chunk follows), each compacted as soon as it is filled."""
+        would; with `compact` (the whole prompt is recorded: no chunk follows), each compacted once it is filled."""
         tokens, input_pos = self.inputs
         for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
             target = block.attention.kv_cache
