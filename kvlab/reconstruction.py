@@ -6,13 +6,15 @@ the recorded prefill is replayed into the caches (`engine.generate`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kvlab.model import Transformer
+from kvlab import kernels
+from kvlab.model import Transformer, attention_mask, grouped_attention, prefill_attention
 from kvlab.options import integer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.scores import chunk_attention
@@ -145,9 +147,13 @@ class Oracle(ModelScored):
 
 class AttentionProbe(nn.Module):
     """Stands in for a layer's cache: holds one sequence's prompt keys/values [1, H_kv, T, D], appends each
-    pass's own as its parts run, and keeps the attention each prompt key receives (max or sum over the passes)."""
+    pass's own as its parts run, and keeps the attention each prompt key receives (max or sum over the passes).
+    It attends itself: where kvlab's native prefill attention runs, that gives the output and each query's
+    log-sum-exp, and only the probabilities a score reads are formed from them (KVzip's: the sinks, the window
+    and the pass's own keys; the oracle's: the prompt's), never the whole [heads, queries, keys] softmax;
+    elsewhere torch's explicit softmax is observed whole."""
 
-    needs_attention, needs_tokens, attends_itself = True, False, False
+    needs_attention, needs_tokens, attends_itself = True, False, True
 
     def __init__(self, k: Tensor, v: Tensor, reduce: str) -> None:
         super().__init__()
@@ -166,21 +172,69 @@ class AttentionProbe(nn.Module):
         self.key_pos = torch.cat([self.key_pos, input_pos], dim=1)
         return torch.cat([self.k, self.own_k], dim=2), torch.cat([self.v, self.own_v], dim=2), self.key_pos
 
+    def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        keys, values, key_pos = self.update(input_pos, k, v, q)
+        if not kernels.takes_prefill_attention(q, keys, values):
+            y, probs = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), attention_mask(key_pos, input_pos), True)
+            self.observe(probs)
+            return y
+        y, lse = prefill_attention(q, keys, values, key_pos, input_pos)
+        skip = self.first_counted(q.shape[2])
+        if skip is None:
+            return y
+        q, lse, query_pos, T = q[:, :, skip:], lse[:, :, skip:], input_pos[:, skip:], self.k.shape[2]
+        if self.counted.window is None:
+            self.receive(key_probabilities(q, self.k, lse))
+            return y
+        start, end = self.counted.window
+        sinks, window = (key_probabilities(q, self.k[:, :, a:b], lse) for a, b in ((0, min(KVZIP_SINKS, start)), (start, end)))
+        own = key_probabilities(q, self.own_k, lse, key_pos[:, T:], query_pos)
+        self.receive_in_scope(sinks, window, own)
+        return y
+
     def observe(self, probs: Tensor) -> None:
-        T, skip = self.k.shape[2], max(self.counted.skip - self.first, 0)
-        self.first += probs.shape[3]
-        if skip >= probs.shape[3]:  # a part of uncounted queries only
+        """A part's probabilities [1, H_kv, group, queries, T + own keys], torch's."""
+        skip = self.first_counted(probs.shape[3])
+        if skip is None:
             return
-        received = probs[:, :, :, skip:, :T]  # [1, H_kv, group, counted queries, T]
-        if self.counted.window is not None:  # renormalised over the sinks, the window and the pass: KVzip's scope
-            start, end = self.counted.window
-            in_scope = probs[..., : min(KVZIP_SINKS, start)].sum(-1) + probs[..., start:end].sum(-1) + probs[..., T:].sum(-1)
-            received = torch.zeros_like(received)
-            received[..., start:end] = probs[:, :, :, skip:, start:end] / in_scope[:, :, :, skip:, None]
-        if self.reduce == "max":
-            self.scores = torch.maximum(self.scores, received.amax(dim=3).amax(dim=2))  # in turn: 8x faster than dim=(2, 3) on CPU
+        probs, T = probs[:, :, :, skip:], self.k.shape[2]
+        if self.counted.window is None:
+            self.receive(probs[..., :T])
+            return
+        start, end = self.counted.window
+        self.receive_in_scope(probs[..., : min(KVZIP_SINKS, start)], probs[..., start:end], probs[..., T:])
+
+    def first_counted(self, queries: int) -> int | None:
+        """The first counted query of a part of `queries` next ones (None: the part counts none), the part then run."""
+        skip = max(self.counted.skip - self.first, 0)
+        self.first += queries
+        return None if skip >= queries else skip
+
+    def receive_in_scope(self, sinks: Tensor, window: Tensor, own: Tensor) -> None:
+        """KVzip's scope: the window's probabilities renormalised over the sinks, the window and the pass's own keys."""
+        start, end = self.counted.window
+        in_scope = sinks.sum(-1) + window.sum(-1) + own.sum(-1)
+        self.receive(window / in_scope[..., None], start, end)
+
+    def receive(self, probs: Tensor, start: int = 0, end: int | None = None) -> None:
+        """Prompt keys start..end received probs [1, H_kv, group, counted queries, end - start]."""
+        if self.reduce == "max":  # in turn: 8x faster than dim=(2, 3) on CPU
+            self.scores[..., start:end] = torch.maximum(self.scores[..., start:end], probs.amax(dim=3).amax(dim=2))
         else:
-            self.scores = self.scores + received.sum(dim=(2, 3))
+            self.scores[..., start:end] += probs.sum(dim=(2, 3))
+
+
+def key_probabilities(q: Tensor, k: Tensor, lse: Tensor, key_pos: Tensor | None = None, query_pos: Tensor | None = None) -> Tensor:
+    """[B, H_kv, group, n, S]: the attention queries q [B, H, n, D] pay keys k [B, H_kv, S, D] in a softmax whose
+    log-sum-exp is lse [B, H, n] (float32): exp(q.k / sqrt(D) - lse). With positions (key_pos [B, S], query_pos
+    [B, n]), zero where a key follows its query."""
+    B, H, n, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    logits = q.float().reshape(B, n_kv, H // n_kv * n, D) @ k.float().transpose(-1, -2)
+    probs = (logits * (1.0 / math.sqrt(D)) - lse.reshape(B, n_kv, -1, 1)).exp().view(B, n_kv, H // n_kv, n, S)
+    if key_pos is not None:
+        probs = probs.masked_fill(~attention_mask(key_pos, query_pos)[:, :, None], 0.0)
+    return probs
 
 
 PROBS_BYTES = 2**27  # a pass runs in parts whose attention probabilities take at most this (128 MB) per layer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import reconstruction
+from kvlab import kernels, reconstruction
 from kvlab.config import cache_spec, load_cache_config
 from kvlab.engine import generate
 from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
@@ -45,11 +45,14 @@ def prompt_kv(model, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor
     return [(k, v) for k, v, _ in recorded.recorder.layers]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("chunk", [64, 10, 7])
-def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(tiny_model, chunk):
+def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(tiny_model, monkeypatch, chunk, native):
     """kvpress's KVzipPress passes: the context after the chat prefix (2 tokens here), in chunks, each after the
     request (a later one quoting the previous chunk's last 8 tokens) and the answer header; every token of a pass
-    counts, in a softmax over the sinks, the chunk and the pass."""
+    counts, in a softmax over the sinks, the chunk and the pass. The probe's two paths: probabilities of the scored
+    keys from the native attention's log-sum-exps, and torch's whole softmax."""
+    monkeypatch.setattr(kernels, "NATIVE", native and kernels.NATIVE)
     prompt = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     request = RepeatRequest(first=(5, 9, 11), later=(7,), header=(13, 2), prefix=tuple(prompt[:2]))
     passes = KVzip(chunk=chunk).queries(prompt, [], request)
@@ -65,7 +68,9 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(tiny_model, 
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_oracle_scores_are_the_attention_summed_over_the_future(tiny_model):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_oracle_scores_are_the_attention_summed_over_the_future(tiny_model, monkeypatch, native):
+    monkeypatch.setattr(kernels, "NATIVE", native and kernels.NATIVE)
     prompt = torch.randint(0, 64, (25,), generator=torch.Generator().manual_seed(1)).tolist()
     future = [3, 14, 15, 9, 2, 6]
     passes = Oracle().queries(prompt, future, None)
