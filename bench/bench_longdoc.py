@@ -125,6 +125,8 @@ def kvlab_row(prompt_file: str, new_tokens: int, flags: list[str], compile_step:
         "decode_tok_s": re.search(rf"decode: \d+ tokens in [\d.]+ s \({number} tokens/s", stderr),
         "first_step_s": re.search(rf"first step(?: \(compile\))?: {number} s", stderr),
         "kv_over_full": re.search(rf"MiB allocated \(.*?\), {number}x the", stderr),
+        "kv_mib": re.search(rf"; {number} MiB allocated", stderr),
+        "full_mib": re.search(rf"x the {number} MiB a full cache needs", stderr),
     }
     result = {name: float(m[1]) for name, m in found.items() if m}
     return {

@@ -166,11 +166,11 @@ def residual_similarity(model: Transformer) -> Iterator[list[Tensor]]:
     similarity between the hidden state entering the layer and the state after its attention residual,
     per token [B, T]. Yields the list the layers append to (in order). Uses hooks, so model.py stays as it is."""
     similarities: list[Tensor] = []
-    entering: list[Tensor] = []
+    entering: dict[str, Tensor] = {}  # the running layer's input only (every layer's would stay alive for the whole pass)
     handles = []
     for layer in model.layers:
-        handles.append(layer.register_forward_pre_hook(lambda module, args: entering.append(args[0])))
-        handles.append(layer.attention.register_forward_hook(lambda module, args, out: similarities.append(_cosine(entering[-1], out))))
+        handles.append(layer.register_forward_pre_hook(lambda module, args: entering.update(x=args[0])))
+        handles.append(layer.attention.register_forward_hook(lambda module, args, out: similarities.append(_cosine(entering["x"], out))))
     try:
         yield similarities
     finally:

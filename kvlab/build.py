@@ -343,9 +343,10 @@ def share_over_model(caches: Sequence[KVCache], rankings: list[Tensor | None], r
     stacked = torch.stack([parallel.gather_heads(rankings[i]) for i in layers], dim=1)  # [B, L, H, T], every rank's heads
     for row, n in enumerate(prefilled):
         prompt_parts = [min(int(caches[i].row_budget[row] - caches[i].decode_room[row]), n) for i in layers]  # each layer's share of the prompt
-        total = stacked[row, ..., :n].numel()
+        total = stacked.shape[1] * stacked.shape[2] * n
         kept = total - int(total * ratio) if ratio is not None else stacked.shape[2] * sum(prompt_parts)
-        rank = stacked[row, ..., :n].flatten().argsort(descending=True, stable=True).argsort().view(stacked.shape[1:3] + (n,))
+        ranked = stacked[row, ..., :n]  # [L, H, n]: the prompt, or between prefill chunks the slots that hold it
+        rank = ranked.flatten().argsort(descending=True, stable=True).argsort().view(ranked.shape)
         counts = parallel.local_heads((rank < kept).sum(dim=-1))  # [L, this rank's H]
         for j, i in enumerate(layers):
             cache = caches[i]

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.build import build_caches, say_once
-from kvlab.cache import KVCache
-from kvlab.config import CacheSpec
+from kvlab.build import build_caches, say_once, share_over_model
+from kvlab.cache import FullCache, KVCache
+from kvlab.config import CacheSpec, model_scored
 from kvlab.eviction import EvictionCache
 from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
@@ -92,6 +92,28 @@ def chunk_ready(model: Transformer, caches: Sequence[KVCache], probed: bool = Fa
                 stand_in.finish()
     finally:
         model.setup_caches(list(caches))
+
+
+def whole_prompt_scoring(spec: CacheSpec) -> tuple[CacheSpec, int | None]:
+    """KVzip's model-wide ranking (head_budget global, a model-scored compressor) scores the whole prompt at once:
+    under --prefill_chunk the prompt is recorded in chunks (`RecordedPrefill.record`), then scored, ranked and replayed
+    as one-shot, so the choice is one-shot's (ranked after each chunk, each scored by its own repeat, it lost a fact
+    one-shot keeps: docs/results/long_document.md). Returns the spec to plan with and the recording's chunk (None: as
+    the spec says)."""
+    if spec.prefill_chunk and spec.options.get("head_budget") == "global" and model_scored(spec.strategies, spec.options):
+        return dataclasses.replace(spec, prefill_chunk=None), spec.prefill_chunk
+    return spec, None
+
+
+def reads_recorded_queries(spec: CacheSpec) -> bool:
+    """Whether caches of this spec read the prompt's queries when a recorded prefill is replayed into them: not where a
+    pass of the model scores the prompt (KVzip, the oracle: stored before the replay) and every layer's prefill
+    stores what it is given (a full cache, or an evicting one whose strategy adds nothing at prefill), without key
+    pruning (ThinK picks channels by the queries). Recordings that need no queries hold none (40% of their bytes)."""
+    plain = [FullCache.prefill, EvictionCache.prefill]
+    stores_only = all(CACHE_STRATEGIES[s].prefill in plain for s in spec.strategies)
+    scored = model_scored(spec.strategies, spec.options)
+    return not (scored and stores_only and not spec.options.get("key_channel_pruning"))
 
 
 def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec:
@@ -173,10 +195,12 @@ def prefill_rest(
     logits: Tensor,
     step: Callable[..., Tensor] = prefill_chunk_step,
     instruction: Sequence[int] | None = None,
+    after: Callable[[], None] | None = None,
 ) -> Tensor:
     """The chunks after the first of right-padded prompts tokens, input_pos [B, T], each through `step`: each row's
     logits [B, V] at its last prompt column `last` [B]; `logits` holds those of the rows whose prompt ended in the
-    first chunk. With an `instruction` (KVzip's), each chunk carries its repeat as probe columns (`with_repeat`)."""
+    first chunk. With an `instruction` (KVzip's), each chunk carries its repeat as probe columns (`with_repeat`);
+    `after` runs after each chunk (head_budget global's `keep_best_over_model`)."""
     T = tokens.shape[1]
     for start in range(chunk, T, chunk):
         pad = max(start + chunk - T, 0)  # the last chunk keeps the static shape
@@ -188,7 +212,28 @@ def prefill_rest(
         else:
             out = step(model, *with_repeat(piece, pos, instruction), at[:, None], len(instruction) + chunk)
         logits = torch.where(((last >= start) & (last < start + chunk))[:, None], out, logits)
+        if after is not None:
+            after()
     return logits
+
+
+def open_rows(caches: Sequence[KVCache]) -> None:
+    """head_budget global before a chunked prefill: each head may keep every token of the first chunk, as every later
+    chunk's (`EvictionCache.prefill_chunk`); the ranking over the model after each chunk sets what each keeps."""
+    for cache in caches:
+        if isinstance(cache, EvictionCache):
+            cache.row_capacity.fill_(cache.capacity)
+
+
+def keep_best_over_model(caches: Sequence[KVCache], ratio: float | None, prefilled: Sequence[int]) -> None:
+    """head_budget global after a prefill chunk: the tokens every layer holds (earlier chunks' kept and this chunk's) are
+    ranked together by the scores they were kept by, with the one-shot prefill's counts (`share_over_model`), and each
+    head keeps its share. Between chunks a head may hold more than its final share: only the total is bounded."""
+    compressing = [isinstance(c, EvictionCache) and c.prompt_compressor.compresses for c in caches]
+    share_over_model(caches, [c.held_ranking() if ok else None for c, ok in zip(caches, compressing, strict=True)], ratio, prefilled)
+    for cache, ok in zip(caches, compressing, strict=True):
+        if ok:
+            cache.keep_ranked()
 
 
 def stream_losses(model: Transformer, ids: Sequence[int], spec: CacheSpec, chunk: int, on_chunk: Callable[[int], None] | None = None) -> Tensor:

@@ -17,9 +17,19 @@ import sys
 import torch
 from torch import Tensor
 
+from kvlab.options import choice
 from kvlab.storage import KVStorage, make_storage
 
 KV_STORES = ("compact", "dense")
+KV_STORE_OPTION = choice(
+    "kv_store",
+    KV_STORES,
+    "compact",
+    "where budgets differ across heads or sequences (head_budget, layer budgets under a compression ratio, "
+    "prompts of different lengths): after prefill each head's kept tokens move into rows sized by its budget, "
+    "read in place by the native decode attention (compact; float caches: 8, 4 and 2-bit ones stay dense), or "
+    "stay in buffers as wide as the widest head (dense, for comparison)",
+)
 
 
 class CompactKVStorage(KVStorage):

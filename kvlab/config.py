@@ -161,8 +161,6 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
         check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
     first_token = bool(settings.get("compress_first_token", False))
     chunk = settings.get("prefill_chunk")
-    if options.get("head_budget") == "global" and chunk:
-        raise ValueError(f"--head_budget global ranks the whole prompt's scores over every layer and head at once; it takes no --prefill_chunk ({chunk})")
     return CacheSpec(strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, repeat, chunk)
 
 

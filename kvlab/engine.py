@@ -8,6 +8,7 @@ shapes) and `generate` for a batch of prompts through the caches a `CacheSpec` d
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,18 @@ from torch import Tensor
 from kvlab import parallel
 from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_over_model
 from kvlab.cache import KVCache
-from kvlab.chunked import chunk_length, chunk_ready, first_chunk, fitting_kvzip_chunk, prefill_chunk_step, prefill_rest
+from kvlab.chunked import (
+    chunk_length,
+    chunk_ready,
+    first_chunk,
+    fitting_kvzip_chunk,
+    keep_best_over_model,
+    open_rows,
+    prefill_chunk_step,
+    prefill_rest,
+    reads_recorded_queries,
+    whole_prompt_scoring,
+)
 from kvlab.compiled import CompiledStep, compiled_step_options
 from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe
@@ -157,17 +169,16 @@ def prepare_caches(
     """Record the prefill where the caches' plan needs it (a layer budget, a model-scored compressor, a global ranking),
     then build the caches and give them their scores."""
     cfg, T_prefill = model.config, batch.input_pos.shape[1]
+    spec, recording_chunk = whole_prompt_scoring(spec)
     spec = fitting_kvzip_chunk(spec, T_prefill, cfg.block_size)
     scored_by_model = model_scored(spec.strategies, spec.options)
     chunk = chunk_length(spec, T_prefill, cfg.block_size, scored_by_model, attention_loss)
     share_globally = spec.options.get("head_budget") == "global"  # every layer's scores ranked before any is stored
-    if chunk < T_prefill:  # a shared recording is of whole prompts; a planner measures the layers on the first chunk
-        recorded = RecordedPrefill() if spec.layer_budget != "uniform" or scored_by_model else None
-    elif (spec.layer_budget != "uniform" or scored_by_model or share_globally) and recorded is None:
-        recorded = RecordedPrefill()
+    recorded = planned_recording(spec, chunk < T_prefill, bool(scored_by_model), recorded, attention_loss)
     budgets = similarity = None
     if recorded is not None:
-        recorded.record(model, batch.tokens[:, :chunk], batch.input_pos[:, :chunk], (batch.prefill_lens - 1).clamp(max=chunk - 1)[:, None])
+        last = (batch.prefill_lens - 1).clamp(max=chunk - 1)[:, None]
+        recorded.record(model, batch.tokens[:, :chunk], batch.input_pos[:, :chunk], last, recording_chunk)
         similarity = recorded.similarity
     lengths = [len(p) for p in prompts]
     if spec.layer_budget != "uniform" and spec.compression_ratio is None:  # with a ratio, build.ratio_keep splits it
@@ -193,7 +204,9 @@ def prepare_caches(
     caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
     if scored_by_model:
         recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
-    if share_globally:
+    if share_globally and chunk < T_prefill:
+        open_rows(caches)
+    elif share_globally:
         share_over_model(caches, recorded.rankings(caches), spec.compression_ratio, prefilled)
     probes = None
     if attention_loss:
@@ -203,6 +216,22 @@ def prepare_caches(
         model.setup_caches(probes)
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
     return Prepared(caches, chunk, recorded, budgets, similarity, probes)
+
+
+def planned_recording(
+    spec: CacheSpec, chunked: bool, scored_by_model: bool, shared: RecordedPrefill | None, attention_loss: bool
+) -> RecordedPrefill | None:
+    """The recorded prefill the caches' plan needs (a layer budget, a model-scored compressor, a global ranking): a
+    `shared` one (of whole prompts) where given, else one of its own, without the queries where nothing replayed
+    reads them (`reads_recorded_queries`); a chunked prefill records its first chunk only where it needs one."""
+    needed = spec.layer_budget != "uniform" or scored_by_model
+    half = torch.float16 if spec.options.get("cache_bits") == 16 else None  # a chunked recording holds the caches' dtype
+    own = RecordedPrefill(queries=attention_loss or reads_recorded_queries(spec), chunk_dtype=half)
+    if chunked:
+        return own if needed else None
+    if needed or spec.options.get("head_budget") == "global":
+        return shared or own
+    return shared
 
 
 def prefill_batch(
@@ -225,8 +254,12 @@ def prefill_batch(
     if chunk < T_prefill:
         with chunk_ready(model, ready.caches, probed=bool(model_scored(spec.strategies, spec.options))):
             logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, ready.recorded)
+            ranked = None
+            if spec.options.get("head_budget") == "global":
+                ranked = functools.partial(keep_best_over_model, ready.caches, spec.compression_ratio, prefill_lens.tolist())
+                ranked()
             repeat = spec.repeat.instruction if spec.repeat is not None else None
-            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat)
+            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat, ranked)
             next_token = sample(logits, temperature, top_k)
     elif ready.recorded is not None:
         ready.recorded.replay(model, ready.caches, compact=True)

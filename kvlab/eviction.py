@@ -19,9 +19,9 @@ from torch import Tensor
 
 from kvlab import kernels, parallel
 from kvlab.cache import KVCache, unchanged_where_idle
-from kvlab.compact import KV_STORES, CompactKVStorage
-from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGETS, adakv_capacities, safeguard
-from kvlab.options import choice, fraction, integer
+from kvlab.compact import KV_STORE_OPTION, CompactKVStorage
+from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGET_OPTIONS, HEAD_BUDGETS, adakv_capacities, safeguard
+from kvlab.options import integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, KeepAll, PromptCompressor, wrap_scores
 from kvlab.scores import position_order, two_stage, unrotate, value_norms, value_weighted
 from kvlab.storage import KEY_PRUNING_OPTIONS, rows_and_heads
@@ -71,27 +71,8 @@ class EvictionCache(KVCache):
         *KEY_PRUNING_OPTIONS,
         *PROTECTED_OPTIONS,
         *SCORE_WRAPPER_OPTIONS,
-        choice(
-            "head_budget",
-            HEAD_BUDGETS,
-            "uniform",
-            "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's official code: in "
-            "each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the even share), adakv_safeguard "
-            "(kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go to the layer's top scores) or global "
-            "(kvpress's KVzipPress: the scores of every layer and head ranked together); the prompt is stored in "
-            "buffers as wide as the largest share (global: the whole sequence), then each head's share moves into "
-            "rows of its own (--kv_store)",
-        ),
-        fraction("adakv_floor", DEFAULT_ADAKV_FLOOR, "head_budget adakv*: the share of the uniform per-head budget every head is guaranteed", closed=True),
-        choice(
-            "kv_store",
-            KV_STORES,
-            "compact",
-            "where budgets differ across heads or sequences (head_budget, layer budgets under a compression ratio, "
-            "prompts of different lengths): after prefill each head's kept tokens move into rows sized by its budget, "
-            "read in place by the native decode attention (compact; float caches: 8, 4 and 2-bit ones stay dense), or "
-            "stay in buffers as wide as the widest head (dense, for comparison)",
-        ),
+        *HEAD_BUDGET_OPTIONS,
+        KV_STORE_OPTION,
     )
 
     def __init__(
@@ -135,16 +116,8 @@ class EvictionCache(KVCache):
                 f"{type(self).__name__}: --head_budget {head_budget} shares a layer's slots by how each head scores its prompt tokens; these "
                 "scores (by position) are the same in every head, so it would change nothing: drop it, or give a --prompt_compression_strategy"
             )
-        self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
-        self.recent_window = self.default_recent_window if recent_window is None else recent_window
         self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
-        if self.global_tokens < 0 or self.recent_window < 0:
-            raise ValueError(f"{type(self).__name__}: need --global_tokens >= 0 and --recent_window >= 0; got {self.global_tokens} and {self.recent_window}")
-        if self.global_tokens + self.recent_window >= capacity:
-            raise ValueError(
-                f"{type(self).__name__}: --max_cache_length gives {capacity} slots here; the cache needs more than "
-                f"--global_tokens {self.global_tokens} + --recent_window {self.recent_window}: raise --max_cache_length or lower --recent_window/--global_tokens"
-            )
+        self._protect_tokens(global_tokens, recent_window, capacity)
         # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
@@ -152,8 +125,23 @@ class EvictionCache(KVCache):
         self.decode_evicts = True  # False once limit_rows keeps room for every decoded token (a compression ratio)
         # A model-scored compressor between prefill chunks (KVzip): each held token's best score so far, as only the newest chunk is repeated.
         self.keeps_prompt_scores = self.prompt_compressor.needs_model and self.prompt_compressor.scores_chunks
-        if self.keeps_prompt_scores:
+        # head_budget global between prefill chunks ranks the held tokens of every layer by the scores they were kept by.
+        self.stores_prompt_scores = self.keeps_prompt_scores or head_budget == "global"
+        if self.stores_prompt_scores:
             self.register_buffer("prompt_scores", torch.zeros(self.pos.shape, device=device), persistent=False)
+
+    def _protect_tokens(self, global_tokens: int | None, recent_window: int | None, capacity: int) -> None:
+        """The sinks and the recent window (the strategy's defaults where None), checked against the slots."""
+        self.global_tokens = self.default_global_tokens if global_tokens is None else global_tokens
+        self.recent_window = self.default_recent_window if recent_window is None else recent_window
+        name, sinks, recent = type(self).__name__, self.global_tokens, self.recent_window
+        if sinks < 0 or recent < 0:
+            raise ValueError(f"{name}: need --global_tokens >= 0 and --recent_window >= 0; got {sinks} and {recent}")
+        if sinks + recent >= capacity:
+            raise ValueError(
+                f"{name}: --max_cache_length gives {capacity} slots here; the cache needs more than --global_tokens "
+                f"{sinks} + --recent_window {recent}: raise --max_cache_length or lower --recent_window/--global_tokens"
+            )
 
     @classmethod
     def own_prompt_compressor(cls) -> PromptCompressor:
@@ -257,21 +245,26 @@ class EvictionCache(KVCache):
         k, v = self._repeat(k), self._repeat(v)
         B, H, N = k.shape[0], k.shape[1], k.shape[2] - probe
         held_k, held_v = self.storage.read()
-        key_pos = torch.cat([self.pos, input_pos[:, None, :].expand(B, H, -1)], dim=2)
+        held_pos, keep_all = self.pos, self.head_budget == "global"
+        if keep_all:  # every held and chunk token stays until the model-wide ranking (`keep_ranked`): read the filled slots
+            filled = int(((self.pos >= 0) * torch.arange(1, self.pos.shape[-1] + 1, device=self.pos.device)).max())
+            held_k, held_v, held_pos = held_k[:, :, :filled], held_v[:, :, :filled], self.pos[..., :filled]
+        key_pos = torch.cat([held_pos, input_pos[:, None, :].expand(B, H, -1)], dim=2)
         keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
         y = attend(keys, values, key_pos)
         S = key_pos.shape[2] - probe
         order = position_order(key_pos[..., :S])
         index = order[..., None].expand(B, H, S, keys.shape[-1])
         sorted_pos, sorted_k, sorted_v = key_pos[..., :S].gather(2, order), keys[:, :, :S].gather(2, index), values[:, :, :S].gather(2, index)
-        if probe and self.prompt_compressor.needs_model:  # the probe's keys follow; its queries are its last N (the chunk repeated)
-            with_probe = (torch.cat([x, whole[:, :, S:]], dim=2) for x, whole in ((sorted_pos, key_pos), (sorted_k, keys), (sorted_v, values)))
-            scores = self.prompt_compressor.score_chunk(*with_probe, input_pos[:, -N:], q[:, :, -N:])[..., :S]
+        if probe and self.prompt_compressor.needs_model:  # columns: held, chunk, probe; its queries its last N (the chunk again)
+            scores = self.prompt_compressor.score_chunk(key_pos, keys, values, input_pos[:, -N:], q[:, :, -N:], held_pos.shape[-1])
+            scores = scores[..., :S].gather(2, order)
         else:
             scores = self.prompt_compressor.score_chunk(sorted_pos, sorted_k, sorted_v, input_pos[:, :N], q[:, :, :N])
         scores = wrap_scores(scores, sorted_pos, self._one_stage_norms(sorted_v), self.value_epsilon, self.chunk_size)
         with unchanged_where_idle(self, input_pos):
-            self._store_prompt(sorted_pos, sorted_k, sorted_v, self._with_running_scores(self._with_chunk_scores(scores, order), order))
+            scores = self._with_running_scores(self._with_chunk_scores(scores, order), order)
+            self._store_prompt(sorted_pos, sorted_k, sorted_v, scores, keep_all)
             self._after_chunk(input_pos[:, :N], q[:, :, :N])
         return y
 
@@ -308,8 +301,19 @@ class EvictionCache(KVCache):
     def _repeat(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.kv_repeat, dim=1) if self.kv_repeat > 1 else x
 
-    def _store_prompt(self, pos: Tensor, k: Tensor, v: Tensor, scores: Tensor) -> None:
-        """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with the protected ones."""
+    def held_ranking(self) -> Tensor:
+        """[B, H_kv, C]: what the held slots rank by between prefill chunks (head_budget global ranks those of every layer
+        together, `chunked.keep_best_over_model`): the scores they were kept by, protected +inf, empty -inf."""
+        return self._protect(self.prompt_scores, self.pos, self.pos.flatten(1).max(dim=-1).values[:, None, None])
+
+    def keep_ranked(self) -> None:
+        """Each head keeps its best row_capacity - decode_room held tokens by `held_ranking`, in position order."""
+        k, v = self.storage.read()
+        self._store_prompt(self.pos.clone(), k, v, self.prompt_scores.clone())
+
+    def _store_prompt(self, pos: Tensor, k: Tensor, v: Tensor, scores: Tensor, keep_all: bool = False) -> None:
+        """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with the
+        protected ones; with `keep_all`, every one that fits the buffer."""
         B, H, T, D = k.shape
         n_keep = min(T, self.capacity)
         last = pos.flatten(1).max(dim=-1).values[:, None, None]
@@ -323,14 +327,16 @@ class EvictionCache(KVCache):
             protected = two_stage(protected, value_weighted(protected, self.value_norms(v), self.value_epsilon), self._first_stage(last))
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
         # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
-        fits = torch.arange(n_keep, device=k.device) < self.row_capacity - self.decode_room
+        kept = (pos >= 0).sum(dim=-1, keepdim=True) if keep_all else self.row_capacity - self.decode_room
+        fits = torch.arange(n_keep, device=k.device) < kept
         order = torch.where(fits, ranked, ranked + T).sort(dim=-1).values
         keep, fits = order % T, order < T
         index = keep[..., None].expand(B, H, n_keep, D)
         slots = torch.arange(n_keep, device=k.device).expand(B, H, n_keep)
         self.storage.write(slots, k.gather(2, index), v.gather(2, index), prompt=True)
         self.pos[:, :, :n_keep] = pos.gather(2, keep).masked_fill(~fits, -1)
-        if self.keeps_prompt_scores:
+        self.pos[:, :, n_keep:] = -1
+        if self.stores_prompt_scores:
             self.prompt_scores.zero_()[:, :, :n_keep] = scores.gather(2, keep).masked_fill(~fits, 0)
         self._on_insert(slots, scores.gather(2, keep))
 

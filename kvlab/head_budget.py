@@ -7,9 +7,32 @@ import math
 import torch
 from torch import Tensor
 
+from kvlab.options import choice, fraction
+
 HEAD_BUDGETS = ("uniform", "adakv", "adakv_safeguard", "global")
 ADAKV_BUDGETS = ("adakv", "adakv_safeguard")  # split within each layer, by `adakv_capacities`
 DEFAULT_ADAKV_FLOOR = 0.2
+HEAD_BUDGET_OPTIONS = (
+    choice(
+        "head_budget",
+        HEAD_BUDGETS,
+        "uniform",
+        "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's "
+        "official code: in each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the "
+        "even share), adakv_safeguard (kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go "
+        "to the layer's top scores) or global (kvpress's KVzipPress: the scores of every layer and head ranked "
+        "together; with --prefill_chunk, what is held and the chunk after each chunk, or for KVzip and the oracle "
+        "the whole prompt, recorded in chunks); the prompt is stored in "
+        "buffers as wide as the largest share (global: the whole sequence), then each head's share moves into "
+        "rows of its own (--kv_store)",
+    ),
+    fraction(
+        "adakv_floor",
+        DEFAULT_ADAKV_FLOOR,
+        "head_budget adakv*: the share of the uniform per-head budget every head is guaranteed",
+        closed=True,
+    ),
+)
 
 
 def adakv_capacities(scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Tensor, capacity: int, rule: str, floor: float) -> Tensor:

@@ -292,13 +292,13 @@ def chunk_attention(
     `own_from`: the keys before it are earlier tokens that every real query sees, and from it on each row's chunk
     holds its own keys in query order (its padding's slots after them): both parts then run the CPU flash kernel
     without a mask (`split_chunk_attention`), as a one-shot prefill does. kvlab's native prefill attention takes
-    every case where it runs."""
+    every case where it runs; elsewhere keys and values in another dtype (a float16 recording's) are widened to q's."""
     if kernels.takes_prefill_attention(q, k, v):
         return prefill_attention(q, k, v, key_pos, query_pos)[0]
     if own_from is not None and own_from > 0 and k.device.type == "cpu":
-        return split_chunk_attention(q, k, v, own_from)
+        return split_chunk_attention(q, k.to(q.dtype), v.to(q.dtype), own_from)
     seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)
-    return grouped_attention(q, k, v, attention_mask(key_pos, seeing), False)[0]
+    return grouped_attention(q, k.to(q.dtype), v.to(q.dtype), attention_mask(key_pos, seeing), False)[0]
 
 
 def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, own_from: int) -> Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels
@@ -125,12 +126,19 @@ class KVzip(ModelScored):
             passes.append(Pass([*asked, *request.header, *prompt[s : s + self.chunk]], 0, (s, min(s + self.chunk, len(prompt)))))
         return passes
 
-    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor) -> Tensor:
+    def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor, own_from: int) -> Tensor:
         """Between prefill chunks the chunk itself is repeated, after the instruction, in the same forward pass
-        (`EvictionCache.prefill_chunk`'s probe): k [B, H_kv, S + P, D] are the held and chunk keys followed by the
-        repeat's own, q [B, H, N, D] at query_pos [B, N] the repeating tokens. A key's score: the largest attention
-        one of them pays it. The cache keeps each held token's largest over the chunks."""
-        return chunk_attention(key_pos, k, query_pos, q, None).amax(dim=3).amax(dim=2)
+        (`EvictionCache.prefill_chunk`'s probe): k [B, H_kv, S, D] at key_pos [B, H_kv, S] are the held keys (in
+        position order: the sinks first), then from column `own_from` the chunk's and the repeat's own; q [B, H, N, D]
+        at query_pos [B, N] the repeating tokens. A chunk key's score: the largest attention one of them pays it in
+        KVzip's scope, a softmax over the sinks, the chunk and the repeat's own keys (only these are computed); a held
+        key scores 0 (it keeps what its own chunk's repeat paid it)."""
+        sinks = min(KVZIP_SINKS, own_from)
+        sink_pos = key_pos[..., :sinks]
+        scope_pos = torch.cat([sink_pos.masked_fill(sink_pos >= KVZIP_SINKS, -1), key_pos[..., own_from:]], dim=-1)
+        scope_k = torch.cat([k[:, :, :sinks], k[:, :, own_from:]], dim=2)
+        scores = chunk_attention(scope_pos, scope_k, query_pos, q, None).amax(dim=3).amax(dim=2)
+        return F.pad(scores[..., sinks:], (own_from, 0))
 
 
 class Oracle(ModelScored):
@@ -173,12 +181,12 @@ class AttentionProbe(nn.Module):
         return torch.cat([self.k, self.own_k], dim=2), torch.cat([self.v, self.own_v], dim=2), self.key_pos
 
     def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        keys, values, key_pos = self.update(input_pos, k, v, q)
-        if not kernels.takes_prefill_attention(q, keys, values):
+        if not kernels.takes_prefill_attention(q, self.k, self.v):
+            keys, values, key_pos = self.update(input_pos, k, v, q)
             y, probs = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), attention_mask(key_pos, input_pos), True)
             self.observe(probs)
             return y
-        y, lse = prefill_attention(q, keys, values, key_pos, input_pos)
+        y, lse, key_pos = self.split_attention(input_pos, k, v, q)
         skip = self.first_counted(q.shape[2])
         if skip is None:
             return y
@@ -191,6 +199,19 @@ class AttentionProbe(nn.Module):
         own = key_probabilities(q, self.own_k, lse, key_pos[:, T:], query_pos)
         self.receive_in_scope(sinks, window, own)
         return y
+
+    def split_attention(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The output, log-sum-exps and key positions of the queries over the prompt (every key seen) and the pass's own
+        keys (causal), by the native kernel over each, merged by their log-sum-exps: the prompt's keys are read in
+        place, never copied beside the pass's (a long document's every layer, every part)."""
+        self.own_k, self.own_v = torch.cat([self.own_k, k], dim=2), torch.cat([self.own_v, v], dim=2)
+        self.key_pos = torch.cat([self.key_pos, input_pos], dim=1)
+        T = self.k.shape[2]
+        y_prompt, lse_prompt = prefill_attention(q, self.k, self.v, self.key_pos[:, :T], input_pos)
+        y_own, lse_own = prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos)
+        lse = torch.logaddexp(lse_prompt, lse_own)
+        y = y_prompt * (lse_prompt - lse).exp()[..., None] + y_own * (lse_own - lse).exp()[..., None]
+        return y.to(q.dtype), lse, self.key_pos
 
     def observe(self, probs: Tensor) -> None:
         """A part's probabilities [1, H_kv, group, queries, T + own keys], torch's."""
@@ -214,7 +235,7 @@ class AttentionProbe(nn.Module):
         """KVzip's scope: the window's probabilities renormalised over the sinks, the window and the pass's own keys."""
         start, end = self.counted.window
         in_scope = sinks.sum(-1) + window.sum(-1) + own.sum(-1)
-        self.receive(window / in_scope[..., None], start, end)
+        self.receive(window.div_(in_scope[..., None]), start, end)
 
     def receive(self, probs: Tensor, start: int = 0, end: int | None = None) -> None:
         """Prompt keys start..end received probs [1, H_kv, group, counted queries, end - start]."""
@@ -230,10 +251,10 @@ def key_probabilities(q: Tensor, k: Tensor, lse: Tensor, key_pos: Tensor | None 
     [B, n]), zero where a key follows its query."""
     B, H, n, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
-    logits = q.float().reshape(B, n_kv, H // n_kv * n, D) @ k.float().transpose(-1, -2)
-    probs = (logits * (1.0 / math.sqrt(D)) - lse.reshape(B, n_kv, -1, 1)).exp().view(B, n_kv, H // n_kv, n, S)
+    logits = (q.float() * (1.0 / math.sqrt(D))).reshape(B, n_kv, H // n_kv * n, D) @ k.float().transpose(-1, -2)
+    probs = logits.sub_(lse.reshape(B, n_kv, -1, 1)).exp_().view(B, n_kv, H // n_kv, n, S)
     if key_pos is not None:
-        probs = probs.masked_fill(~attention_mask(key_pos, query_pos)[:, :, None], 0.0)
+        probs.masked_fill_(~attention_mask(key_pos, query_pos)[:, :, None], 0.0)
     return probs
 
 
@@ -262,7 +283,8 @@ def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]
             part = part_length(model, n + len(counted.ids))
             for s in range(0, len(counted.ids), part):
                 ids = counted.ids[s : s + part]
-                model(torch.tensor([ids], device=device), n + s + torch.arange(len(ids), device=device)[None])
+                no_logits = torch.zeros(1, 1, dtype=torch.long, device=device)  # the attention is what counts, not the logits
+                model(torch.tensor([ids], device=device), n + s + torch.arange(len(ids), device=device)[None], logits_at=no_logits)
     finally:
         model.setup_caches(saved)
     return [p.scores[0] for p in probes]

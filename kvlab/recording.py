@@ -4,7 +4,7 @@ compressors (KVzip, the oracle) are scored on it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -13,24 +13,52 @@ from torch import Tensor
 
 from kvlab.budget import mean_over_prompt, residual_similarity
 from kvlab.cache import KVCache
+from kvlab.memory import lean_heap
 from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.reconstruction import RepeatRequest, prompt_attention_from
 
 
 class PrefillRecorder(nn.Module):
-    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored."""
+    """Stands in for every layer's cache during one prefill and keeps what each layer would have stored. In chunks
+    (`start_chunks`): each layer's keys, values and queries fill buffers of the whole prompt's columns, and each chunk
+    attends over the columns recorded so far and itself, exactly (no log-sum-exps are kept then)."""
 
     needs_attention, needs_tokens, needs_prompt_lse = False, False, True
 
-    def __init__(self) -> None:
+    def __init__(self, queries: bool = True, chunk_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.queries = queries  # False: each layer's queries are kept as an empty [B, H, 0, D] (nothing replayed reads them)
+        self.chunk_dtype = chunk_dtype  # in chunks, keys and values held as the caches will hold them (float16)
         self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
-        self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU)
+        self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU, or in chunks)
+        self.positions: Tensor | None = None  # [B, T] a chunked recording's whole prompt
+        self.offset, self.turn = 0, 0  # the chunk's first column; the layer whose call comes next
+
+    def start_chunks(self, input_pos: Tensor) -> None:
+        self.positions = input_pos
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
-        self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))  # not views keeping the layer's qkv alive
-        self.lse.append(lse)
+        q = q if self.queries else q[:, :, :0]
+        if self.positions is None:
+            self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))  # not views keeping the qkv output alive
+            self.lse.append(lse)
+            return
+        T = self.positions.shape[1]
+        kv_dtype = self.chunk_dtype or k.dtype
+        whole = tuple(x.new_empty(*x.shape[:2], T if x.shape[2] else 0, x.shape[3], dtype=d) for x, d in ((k, kv_dtype), (v, kv_dtype), (q, q.dtype)))
+        for buffer, x in zip(whole, (k, v, q), strict=True):
+            buffer[:, :, : x.shape[2]] = x
+        self.layers.append(whole)
+        self.lse.append(None)
+
+    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        layer, end = self.turn, self.offset + k.shape[2]
+        self.turn = (self.turn + 1) % len(self.layers)
+        for buffer, x in zip(self.layers[layer], (k, v, q if self.queries else q[:, :, :0]), strict=True):
+            buffer[:, :, self.offset : self.offset + x.shape[2]] = x
+        keys, values, _ = self.layers[layer]
+        return attend(keys[:, :, :end], values[:, :, :end], self.positions[:, :end])
 
 
 class ScoredOnce(PromptCompressor):
@@ -54,27 +82,47 @@ class RecordedPrefill:
     compressor settings) is scored once (the same H2O scores serve every cache size).
     Memory: the whole prompt's keys, values and queries of every layer, until the object is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, queries: bool = True, chunk_dtype: torch.dtype | None = None) -> None:
         self.inputs: tuple[Tensor, Tensor] | None = None
-        self.recorder = PrefillRecorder()
+        self.recorder = PrefillRecorder(queries, chunk_dtype)
         self.scores: dict[tuple[int, str], Tensor] = {}
         self.references: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}  # a full cache run's continuations (the oracle's)
         self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
         self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
 
-    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor) -> None:
+    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, chunk: int | None = None) -> None:
         """Run the prefill (the first call only; later calls must pass the same batch), keeping the logits
-        of the columns `logits_at` [B, K] (e.g. each row's last prompt token)."""
+        of the columns `logits_at` [B, K] (e.g. each row's last prompt token); with `chunk`, `chunk` columns at a time
+        (the activations of one chunk, the same keys, values and queries up to rounding)."""
         if self.inputs is None:
             caches = [layer.attention.kv_cache for layer in model.layers]
             model.setup_caches([self.recorder] * len(caches))
-            with residual_similarity(model) as per_token:
-                self.logits = model(tokens, input_pos, prefill=True, logits_at=logits_at)
-            model.setup_caches(caches)
-            self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_token], dim=1)
+            try:
+                with residual_similarity(model) as per_token, lean_heap():
+                    self.logits = self.run(model, tokens, input_pos, logits_at, chunk or tokens.shape[1])
+            finally:
+                model.setup_caches(caches)
+            n_layer = len(caches)
+            per_layer = [torch.cat(per_token[i::n_layer], dim=1) for i in range(n_layer)]  # a layer's chunks in turn
+            self.similarity = torch.stack([mean_over_prompt(s, input_pos) for s in per_layer], dim=1)
             self.inputs = (tokens, input_pos)
         elif not (torch.equal(tokens, self.inputs[0]) and torch.equal(input_pos, self.inputs[1])):
             raise ValueError("a recorded prefill replays one batch of prompts only")
+
+    def run(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, chunk: int) -> Tensor:
+        """The prefill through the recorder, in chunks of `chunk` columns: the logits [B, K, V] at `logits_at`."""
+        T = tokens.shape[1]
+        if chunk >= T:
+            return model(tokens, input_pos, prefill=True, logits_at=logits_at)
+        self.recorder.start_chunks(input_pos)
+        logits = None
+        for start in range(0, T, chunk):
+            self.recorder.offset, end = start, min(start + chunk, T)
+            at = (logits_at - start).clamp(0, end - start - 1)
+            out = model(tokens[:, start:end], input_pos[:, start:end], prefill=start == 0, chunk=start > 0, logits_at=at)
+            inside = ((logits_at >= start) & (logits_at < end))[..., None]
+            logits = out if logits is None else torch.where(inside, out, logits)
+        return logits
 
     def replay(self, model: Transformer, caches: Sequence[KVCache], compact: bool = False) -> None:
         """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill

@@ -25,7 +25,7 @@ from kvlab.model import Transformer
 from kvlab.quantize import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
-from kvlab.strategies import CACHE_STRATEGIES
+from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS
 from kvlab.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "The history of the printing press begins"
@@ -36,13 +36,16 @@ def with_defaults(settings: dict, dtype: torch.dtype, attention_loss: bool) -> t
     """generate.py's cache defaults where neither flags nor the config set them, and what to tell the user (None if
     nothing). A float32 model's keys and values are stored as float16 (llama.cpp's default cache), which
     measures no loss (docs/results/long_document.md), by every strategy that takes --cache_bits; a full cache
-    prefills a long prompt DEFAULT_PREFILL_CHUNK tokens at a time, which bounds its activations."""
+    prefills a long prompt DEFAULT_PREFILL_CHUNK tokens at a time, which bounds its activations, and so does KVzip's
+    model-wide ranking (its prompt recorded in chunks, the one-shot choice: `chunked.whole_prompt_scoring`)."""
     strategy = settings.get("cache_strategy", "full")
     names = set(strategy if isinstance(strategy, list) else [strategy])
     if not names or not names <= CACHE_STRATEGIES.keys():  # cache_spec names the bad value
         return settings, None
     settings = dict(settings)
-    if names == {"full"} and "prefill_chunk" not in settings and not attention_loss:
+    compressor = PROMPT_COMPRESSORS.get(settings.get("prompt_compression_strategy", ""))
+    ranks_whole = settings.get("head_budget") == "global" and getattr(compressor, "needs_model", False)
+    if (names == {"full"} or ranks_whole) and "prefill_chunk" not in settings and not attention_loss:
         settings["prefill_chunk"] = DEFAULT_PREFILL_CHUNK
     if dtype != torch.float32 or "cache_bits" in settings:
         return settings, None

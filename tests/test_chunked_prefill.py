@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT, fast_few, miniature_smollm, paul_graham_text
 from kvlab.chunked import prefill_chunk_step
-from kvlab.config import cache_spec, parse_flag
+from kvlab.config import cache_spec, load_cache_config, parse_flag
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
 from kvlab.paged import PagedKV
@@ -212,9 +212,10 @@ def test_kvzip_repeats_what_fits_after_a_long_prompt(tiny_model, capsys, given):
 
 
 def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm, essay):
-    """Two chunks of 80 and a budget that evicts nothing: after the second, each token's score is the larger of what
-    the first chunk's repeat paid it (over the first chunk alone) and what the second's pays it (over both chunks),
-    each computed here by a separate pass of the model over the recorded keys, as one-shot KVzip scores."""
+    """Two chunks of 80 and a budget that evicts nothing: after the second, a first chunk's token keeps what the first
+    chunk's repeat paid it (over the first chunk alone), a second chunk's token what the second's pays it (after both
+    chunks, in KVzip's scope: the sinks, the second chunk and the repeat), each computed here by a separate pass of the
+    model over the recorded keys, as one-shot KVzip scores."""
     model, tokenizer, _ = smollm
     prompt, N = essay[:160], 80
     settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 200, "prefill_chunk": N}
@@ -229,7 +230,7 @@ def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm
     instruction = list(spec.repeat.instruction)
     one_shot = KVzip().queries(prompt[:N], [], spec.repeat)  # the first chunk is scored as one-shot KVzip scores a prompt
     first = prompt_attention_from(model, [(k[:, :, :N], v[:, :, :N]) for k, v, _ in recorder.layers], one_shot, "max")
-    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [Pass(instruction + prompt[N:], len(instruction))], "max")
+    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [Pass(instruction + prompt[N:], len(instruction), (N, 2 * N))], "max")
     for cache, a, b in zip(caches, first, second, strict=True):
         assert torch.equal(cache.pos[0, :, :160], torch.arange(160).expand(cache.pos.shape[1], 160))
         # fp32 attention through 30 layers by other kernels (one pass vs two, masked vs causal): 3e-6 measured on AVX2
@@ -320,3 +321,60 @@ def test_a_full_cache_chunk_attends_over_the_filled_slots_eager_and_every_slot_c
     torch._dynamo.reset()
     compiled = generate(tiny_model, [prompt], 6, spec, chunk_step=torch.compile(prefill_chunk_step, fullgraph=True))
     assert compiled.tokens == one_shot.tokens
+
+
+def test_the_model_wide_ranking_between_chunks_keeps_the_one_shot_choice_when_nothing_is_evicted_before_the_last(tiny_model):
+    """head_budget global under --prefill_chunk ranks every layer's held and chunk tokens together after each chunk. With
+    a key score (l2) and a total that holds the first chunk whole, the last ranking sees every prompt token with its
+    exact key: the same tokens kept per head, and the same text, as the one-shot prefill's ranking."""
+    settings = {"cache_strategy": "l2", "head_budget": "global", "max_cache_length": 48, "global_tokens": 2}
+    prompt = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(4)).tolist()
+    held = {}
+    for chunk in (None, 40):
+        spec = cache_spec({**settings, **({"prefill_chunk": chunk} if chunk else {})}, tiny_model.config.n_layer)
+        out = generate(tiny_model, [prompt], 1, spec)
+        held[chunk] = (out.tokens, [sorted(p.tolist()) for c in (b.attention.kv_cache for b in tiny_model.layers) for p in c.pos[0]])
+    assert held[40] == held[None]
+    counts = [sum(p >= 0 for p in head) for head in held[40][1]]
+    assert sum(counts) == 48 * len(counts) and len(set(counts)) > 1  # the one-shot total, shared unevenly
+
+
+@pytest.mark.parametrize("ratio", [None, 0.75])
+def test_the_model_wide_ranking_between_chunks_holds_the_one_shot_total(tiny_model, chunk_log, ratio):
+    """After each chunk every layer's held tokens are ranked together, so a head may hold more than the budget (others
+    less) while the model's total after the prompt is the one-shot prefill's: the budget's L x H x slots, or kvpress's
+    count at a compression ratio; the chunks attend over what is held, not the whole prompt."""
+    budget, chunk, n_layer, heads = 16, 16, tiny_model.config.n_layer, tiny_model.config.n_local_heads
+    limit = {"compression_ratio": ratio} if ratio else {"max_cache_length": budget}
+    settings = {"cache_strategy": "keydiff", "head_budget": "global", "global_tokens": 2, "recent_window": 0}
+    spec = cache_spec({**settings, **limit, "prefill_chunk": chunk}, n_layer)
+    prompt = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    generate(tiny_model, [prompt], 1, spec)
+    caches = [b.attention.kv_cache for b in tiny_model.layers]
+    total = n_layer * heads * len(prompt)
+    assert sum(int((c.pos >= 0).sum()) for c in caches) == (total - int(total * ratio) if ratio else n_layer * heads * budget)
+    assert max(chunk_log["held"]) > budget and all(c.storage.compacted for c in caches)
+    assert max(chunk_log["attended"]) < len(prompt)
+
+
+@pytest.mark.parametrize("ratio", [None, 0.75])
+def test_kvzips_model_wide_ranking_under_chunks_records_the_prompt_in_chunks_and_keeps_the_one_shot_choice(
+    tiny_model, monkeypatch, ratio
+):
+    """configs/kvzip.yaml under --prefill_chunk: the prompt is recorded chunk by chunk (each attending over the
+    recorded columns), then scored by KVzip's repeat, ranked over the model and replayed as one-shot: the same tokens
+    kept by every head, and the same text, as without chunks."""
+    calls = []
+    original = PrefillRecorder.prefill_chunk
+    monkeypatch.setattr(PrefillRecorder, "prefill_chunk", lambda self, *a, **k: calls.append(a[1].shape[2]) or original(self, *a, **k))
+    kvzip = {k: v for k, v in load_cache_config("kvzip").items() if k != "max_cache_length"}
+    limit = {"compression_ratio": ratio} if ratio else {"max_cache_length": 16}
+    prompt = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    kept = {}
+    for chunk in (None, 16):
+        spec = cache_spec({**kvzip, **limit, **({"prefill_chunk": chunk} if chunk else {})}, tiny_model.config.n_layer)
+        out = generate(tiny_model, [prompt], 6, spec)
+        caches = [b.attention.kv_cache for b in tiny_model.layers]
+        kept[chunk] = (out.tokens, [sorted(p.tolist()) for c in caches for p in c.pos[0]])
+    assert kept[16] == kept[None]
+    assert calls and max(calls) == 16 and len(calls) == tiny_model.config.n_layer * (len(prompt) // 16)

@@ -14,8 +14,10 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import generate as cli
 from conftest import ROOT, run_main
+from kvlab import memory
 from kvlab.build import make_caches
 from kvlab.cli import peak_memory_bytes
+from kvlab.config import load_cache_config
 from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
 from kvlab.hybrid import HybridCache
 from kvlab.memory import high_water_bytes
@@ -230,6 +232,8 @@ def test_cli_stores_a_float32_models_cache_as_float16_unless_told_and_says_so(ge
         ({"cache_bits": 8, "prefill_chunk": 64}, torch.float32, False, {}),
         ({"cache_strategy": []}, torch.float32, False, {}),  # left to cache_spec's error
         ({"cache_strategy": "bogus"}, torch.float32, False, {}),
+        (load_cache_config("kvzip"), torch.float32, False, {"prefill_chunk": 512, "cache_bits": 16}),  # recorded in chunks
+        (load_cache_config("kvzip_uniform"), torch.float32, False, {"cache_bits": 16}),  # chunks would evict: none
     ],
 )
 def test_generate_defaults_apply_only_where_nothing_was_given(settings, dtype, attention_loss, added):
@@ -354,3 +358,23 @@ def test_the_peak_rss_is_the_process_own_high_water_mark():
     peak, kind = peak_memory_bytes(torch.device("cpu"))
     assert kind == "process RSS" and 0 < resident <= peak <= high_water_bytes()  # a high-water mark only rises
     assert high_water_bytes(2**31) is None
+
+
+def test_a_lean_heap_maps_large_blocks_inside_and_gives_the_free_heap_back_after(monkeypatch):
+    calls = []
+
+    class FakeGlibc:
+        def mallopt(self, parameter, value):
+            calls.append(("mallopt", parameter, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("malloc_trim", pad))
+
+    monkeypatch.setattr(memory, "glibc", FakeGlibc)
+    with memory.lean_heap():
+        assert calls == [("mallopt", memory.M_MMAP_THRESHOLD, 2**20)]
+    assert calls[1:] == [("mallopt", memory.M_MMAP_THRESHOLD, 32 * 2**20), ("malloc_trim", 0)]
+    monkeypatch.setattr(memory, "glibc", lambda: None)  # another C library: nothing to set
+    with memory.lean_heap():
+        pass
+    assert len(calls) == 3

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlab import kernels, reconstruction
+from kvlab.chunked import reads_recorded_queries
 from kvlab.config import cache_spec, load_cache_config
 from kvlab.engine import generate
 from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
@@ -148,3 +149,36 @@ def test_global_head_budget_keeps_the_top_scores_of_every_layer_and_head_ranked_
             held[layer, head, [p for p in pos[head].tolist() if 0 <= p < n]] = True
     assert int(held.sum()) == kept and len(set(held.sum(dim=-1).flatten().tolist())) > 1
     assert ((held != (scores >= cut)) <= ((scores - cut).abs() < 1e-4)).all()
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_a_prefill_recorded_in_chunks_holds_the_one_shot_recording(tiny_model, chunk):
+    """Each chunk attends over the recorded columns and itself: the same keys, values, queries, logits and layer
+    similarities as one prefill (to float32 rounding), in buffers of the whole prompt; padding rows included."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 64, (2, 40), generator=g)
+    positions = torch.arange(40).expand(2, 40).clone()
+    positions[1, 33:] = -1  # the second row's prompt is 33 tokens long
+    at = torch.tensor([[39], [32]])
+    whole, chunked = RecordedPrefill(), RecordedPrefill()
+    whole.record(tiny_model, tokens, positions, at)
+    chunked.record(tiny_model, tokens, positions, at, chunk)
+    for a, b in zip(whole.recorder.layers, chunked.recorder.layers, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y[0], x[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(y[1, :, :33], x[1, :, :33], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked.similarity, whole.similarity, atol=1e-5, rtol=1e-5)
+    assert chunked.recorder.lse == [None] * tiny_model.config.n_layer
+
+
+def test_a_recording_for_kvzip_keeps_no_queries_and_one_in_chunks_holds_the_caches_float16(tiny_model):
+    half = RecordedPrefill(queries=False, chunk_dtype=torch.float16)
+    tokens, positions = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(8)), torch.arange(30)[None]
+    half.record(tiny_model, tokens, positions, positions[:, -1:], 8)
+    k, v, q = half.recorder.layers[0]
+    assert k.dtype == v.dtype == torch.float16 and k.shape[2] == 30 and q.shape[2] == 0
+    assert reads_recorded_queries(cache_spec(load_cache_config("kvzip"), 2)) is False
+    for name in ("snapkv", "expected_attention", "kvzip_think"):
+        settings = load_cache_config(name) if name != "kvzip_think" else {**load_cache_config("kvzip"), "key_channel_pruning": 0.5}
+        assert reads_recorded_queries(cache_spec(settings, 2)) is True
