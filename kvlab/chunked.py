@@ -109,7 +109,7 @@ def reads_recorded_queries(spec: CacheSpec) -> bool:
     """Whether caches of this spec read the prompt's queries when a recorded prefill is replayed into them: not where a
     pass of the model scores the prompt (KVzip, the oracle: stored before the replay) and every layer's prefill
     stores what it is given (a full cache, or an evicting one whose strategy adds nothing at prefill), without key
-    pruning (ThinK picks channels by the queries). Recordings that need no queries hold none (40% of their bytes)."""
+    pruning (ThinK picks channels by the queries). Recordings that need no queries hold none (60% of their bytes)."""
     plain = [FullCache.prefill, EvictionCache.prefill]
     stores_only = all(CACHE_STRATEGIES[s].prefill in plain for s in spec.strategies)
     scored = model_scored(spec.strategies, spec.options)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from kvlab import kernels
 from kvlab.cache import KVCache
+from kvlab.scores import merged_attention
 
 
 class ConfigError(ValueError):
@@ -310,9 +311,7 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, own_from: int) -> Ten
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     y_held, lse_held = flash(q.reshape(B, H // group, group * N, D), k[:, :, :own_from], v[:, :, :own_from])[:2]
     y_own, lse_own = causal_attention_lse(q, k[:, :, own_from:], v[:, :, own_from:])
-    lse_held = lse_held.reshape(B, H, N)
-    lse = torch.logaddexp(lse_held, lse_own)
-    y = y_held.reshape(B, H, N, D) * (lse_held - lse).exp()[..., None] + y_own * (lse_own - lse).exp()[..., None]
+    y, _ = merged_attention(y_held.reshape(B, H, N, D), lse_held.reshape(B, H, N), y_own, lse_own)
     return y.to(q.dtype)
 
 

@@ -18,7 +18,7 @@ from kvlab import kernels
 from kvlab.model import Transformer, attention_mask, grouped_attention, prefill_attention
 from kvlab.options import integer
 from kvlab.prompt_compression import PromptCompressor
-from kvlab.scores import chunk_attention
+from kvlab.scores import chunk_attention, merged_attention
 from kvlab.tokenizer import Tokenizer
 
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
@@ -176,9 +176,13 @@ class AttentionProbe(nn.Module):
         self.key_pos = torch.arange(self.k.shape[2], device=self.k.device)[None]
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.append(input_pos, k, v)
+        return torch.cat([self.k, self.own_k], dim=2), torch.cat([self.v, self.own_v], dim=2), self.key_pos
+
+    def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """A part's keys and values after the pass's earlier ones, its positions after every key's so far."""
         self.own_k, self.own_v = torch.cat([self.own_k, k], dim=2), torch.cat([self.own_v, v], dim=2)
         self.key_pos = torch.cat([self.key_pos, input_pos], dim=1)
-        return torch.cat([self.k, self.own_k], dim=2), torch.cat([self.v, self.own_v], dim=2), self.key_pos
 
     def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         if not kernels.takes_prefill_attention(q, self.k, self.v):
@@ -204,13 +208,10 @@ class AttentionProbe(nn.Module):
         """The output, log-sum-exps and key positions of the queries over the prompt (every key seen) and the pass's own
         keys (causal), by the native kernel over each, merged by their log-sum-exps: the prompt's keys are read in
         place, never copied beside the pass's (a long document's every layer, every part)."""
-        self.own_k, self.own_v = torch.cat([self.own_k, k], dim=2), torch.cat([self.own_v, v], dim=2)
-        self.key_pos = torch.cat([self.key_pos, input_pos], dim=1)
+        self.append(input_pos, k, v)
         T = self.k.shape[2]
-        y_prompt, lse_prompt = prefill_attention(q, self.k, self.v, self.key_pos[:, :T], input_pos)
-        y_own, lse_own = prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos)
-        lse = torch.logaddexp(lse_prompt, lse_own)
-        y = y_prompt * (lse_prompt - lse).exp()[..., None] + y_own * (lse_own - lse).exp()[..., None]
+        prompt = prefill_attention(q, self.k, self.v, self.key_pos[:, :T], input_pos)
+        y, lse = merged_attention(*prompt, *prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos))
         return y.to(q.dtype), lse, self.key_pos
 
     def observe(self, probs: Tensor) -> None:

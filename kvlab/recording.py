@@ -36,17 +36,22 @@ class PrefillRecorder(nn.Module):
         self.offset, self.turn = 0, 0  # the chunk's first column; the layer whose call comes next
 
     def start_chunks(self, input_pos: Tensor) -> None:
+        """A recording in chunks of the prompt at positions input_pos [B, T] follows."""
         self.positions = input_pos
 
+    def kept_queries(self, q: Tensor) -> Tensor:
+        return q if self.queries else q[:, :, :0]
+
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
-        q = q if self.queries else q[:, :, :0]
+        q = self.kept_queries(q)
         if self.positions is None:
             self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))  # not views keeping the qkv output alive
             self.lse.append(lse)
             return
         T = self.positions.shape[1]
         kv_dtype = self.chunk_dtype or k.dtype
-        whole = tuple(x.new_empty(*x.shape[:2], T if x.shape[2] else 0, x.shape[3], dtype=d) for x, d in ((k, kv_dtype), (v, kv_dtype), (q, q.dtype)))
+        typed = ((k, kv_dtype), (v, kv_dtype), (q, q.dtype))
+        whole = tuple(x.new_empty(*x.shape[:2], T if x.shape[2] else 0, x.shape[3], dtype=d) for x, d in typed)
         for buffer, x in zip(whole, (k, v, q), strict=True):
             buffer[:, :, : x.shape[2]] = x
         self.layers.append(whole)
@@ -55,7 +60,7 @@ class PrefillRecorder(nn.Module):
     def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor]) -> Tensor:
         layer, end = self.turn, self.offset + k.shape[2]
         self.turn = (self.turn + 1) % len(self.layers)
-        for buffer, x in zip(self.layers[layer], (k, v, q if self.queries else q[:, :, :0]), strict=True):
+        for buffer, x in zip(self.layers[layer], (k, v, self.kept_queries(q)), strict=True):
             buffer[:, :, self.offset : self.offset + x.shape[2]] = x
         keys, values, _ = self.layers[layer]
         return attend(keys[:, :, :end], values[:, :, :end], self.positions[:, :end])

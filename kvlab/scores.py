@@ -79,6 +79,13 @@ def causal_softmax(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, mas
     return scores.softmax(dim=-1)
 
 
+def merged_attention(y_a: Tensor, lse_a: Tensor, y_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """The attention outputs [B, H, N, D] of the same queries over two sets of keys, with their log-sum-exps [B, H, N],
+    merged into the one softmax over both sets: the output (float32) and its log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return y_a * (lse_a - lse).exp()[..., None] + y_b * (lse_b - lse).exp()[..., None], lse
+
+
 def prompt_attention(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, chunk: int = 512) -> Tensor:
     """Causal attention probabilities of prompt queries q [B, H, t, D] over prompt keys k [B, H_kv, T, D],
     as [B, H_kv, group, t, T]; padding (position -1) neither attends nor is attended. Computed in query
