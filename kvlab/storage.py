@@ -72,10 +72,11 @@ class KVStorage(nn.Module):
     def write(self, slots: Tensor, k: Tensor, v: Tensor, prompt: bool = False) -> None:
         """Store k, v [B, H_kv, N, D] into slots [B, H_kv, N]; `prompt` marks the prefill's write. Written as
         an index_put_ (not scatter_), which torch.compile writes in place: a scatter_ on a buffer is compiled
-        as a copy of the whole buffer, twice, every step."""
+        as a copy of the whole buffer, twice, every step. Keys and values in another dtype (a float16 recording's,
+        replayed into a float32 cache) are converted."""
         index = rows_and_heads(slots) + (slots,)
-        self.k.index_put_(index, k)
-        self.v.index_put_(index, v)
+        self.k.index_put_(index, k.to(self.k.dtype))
+        self.v.index_put_(index, v.to(self.v.dtype))
 
     def read(self) -> tuple[Tensor, Tensor]:
         """Every slot's keys and values, [B, H_kv, C, D] in the model's dtype."""
