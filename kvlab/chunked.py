@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.build import build_caches, say_once, share_over_model
-from kvlab.cache import FullCache, KVCache
+from kvlab.cache import KVCache
 from kvlab.config import CacheSpec, model_scored
 from kvlab.eviction import EvictionCache
 from kvlab.model import Transformer
@@ -103,17 +103,6 @@ def whole_prompt_scoring(spec: CacheSpec) -> tuple[CacheSpec, int | None]:
     if spec.prefill_chunk and spec.options.get("head_budget") == "global" and model_scored(spec.strategies, spec.options):
         return dataclasses.replace(spec, prefill_chunk=None), spec.prefill_chunk
     return spec, None
-
-
-def reads_recorded_queries(spec: CacheSpec) -> bool:
-    """Whether caches of this spec read the prompt's queries when a recorded prefill is replayed into them: not where a
-    pass of the model scores the prompt (KVzip, the oracle: stored before the replay) and every layer's prefill
-    stores what it is given (a full cache, or an evicting one whose strategy adds nothing at prefill), without key
-    pruning (ThinK picks channels by the queries). Recordings that need no queries hold none (60% of their bytes)."""
-    plain = [FullCache.prefill, EvictionCache.prefill]
-    stores_only = all(CACHE_STRATEGIES[s].prefill in plain for s in spec.strategies)
-    scored = model_scored(spec.strategies, spec.options)
-    return not (scored and stores_only and not spec.options.get("key_channel_pruning"))
 
 
 def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec:

@@ -29,7 +29,6 @@ from kvlab.chunked import (
     open_rows,
     prefill_chunk_step,
     prefill_rest,
-    reads_recorded_queries,
     whole_prompt_scoring,
 )
 from kvlab.compiled import CompiledStep, compiled_step_options
@@ -37,7 +36,7 @@ from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe
 from kvlab.generation import Generation, summarize
 from kvlab.model import Transformer
-from kvlab.recording import RecordedPrefill
+from kvlab.recording import RecordedPrefill, reads_recorded_queries
 
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
 
@@ -225,13 +224,12 @@ def planned_recording(
     `shared` one (of whole prompts) where given, else one of its own, without the queries where nothing replayed
     reads them (`reads_recorded_queries`); a chunked prefill records its first chunk only where it needs one."""
     needed = spec.layer_budget != "uniform" or scored_by_model
+    if chunked and not needed:
+        return None
+    if not chunked and (shared is not None or not (needed or spec.options.get("head_budget") == "global")):
+        return shared
     half = torch.float16 if spec.options.get("cache_bits") == 16 else None  # a chunked recording holds the caches' dtype
-    own = RecordedPrefill(queries=attention_loss or reads_recorded_queries(spec), chunk_dtype=half)
-    if chunked:
-        return own if needed else None
-    if needed or spec.options.get("head_budget") == "global":
-        return shared or own
-    return shared
+    return RecordedPrefill(queries=attention_loss or reads_recorded_queries(spec), chunk_dtype=half)
 
 
 def prefill_batch(

@@ -12,11 +12,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from kvlab.budget import mean_over_prompt, residual_similarity
-from kvlab.cache import KVCache
+from kvlab.cache import FullCache, KVCache
+from kvlab.config import CacheSpec, model_scored
+from kvlab.eviction import EvictionCache
 from kvlab.memory import lean_heap
 from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.reconstruction import RepeatRequest, prompt_attention_from
+from kvlab.strategies import CACHE_STRATEGIES
 
 
 class PrefillRecorder(nn.Module):
@@ -192,6 +195,17 @@ class RecordedPrefill:
                 for row, n in enumerate(prefilled):
                     scores[row, :, :n] = per_row[row][layer]
                 self.scores[layer, key] = scores
+
+
+def reads_recorded_queries(spec: CacheSpec) -> bool:
+    """Whether caches of this spec read the prompt's queries when a recorded prefill is replayed into them: not where a
+    pass of the model scores the prompt (KVzip, the oracle: stored before the replay) and every layer's prefill
+    stores what it is given (a full cache, or an evicting one whose strategy adds nothing at prefill), without key
+    pruning (ThinK picks channels by the queries). Recordings that need no queries hold none (60% of their bytes)."""
+    plain = [FullCache.prefill, EvictionCache.prefill]
+    stores_only = all(CACHE_STRATEGIES[s].prefill in plain for s in spec.strategies)
+    scored = model_scored(spec.strategies, spec.options)
+    return not (scored and stores_only and not spec.options.get("key_channel_pruning"))
 
 
 def compressor_key(compressor: PromptCompressor) -> str:

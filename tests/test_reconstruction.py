@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from kvlab import kernels, reconstruction
-from kvlab.chunked import reads_recorded_queries
 from kvlab.config import cache_spec, load_cache_config
 from kvlab.engine import generate
 from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
-from kvlab.recording import RecordedPrefill
+from kvlab.recording import RecordedPrefill, reads_recorded_queries
 from kvlab.scores import prompt_attention
 from kvlab.strategies import make_prompt_compressor
 
