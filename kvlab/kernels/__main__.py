@@ -197,7 +197,7 @@ def check() -> list[str]:
     """Every native op against its torch reference; the failures, one line each."""
     g = torch.Generator().manual_seed(0)
     failures = []
-    for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5), (100, 70, 37)]:
+    for rows, k, n in [(1, 576, 1536), (3, 577, 1001), (8, 64, 49), (2, 7, 5), (100, 70, 37), (16, 576, 96)]:
         failures += check_matvec(g, rows, k, n)
     for shape in [
         (1, 9, 3, 1, 600, 64, False, torch.float32),

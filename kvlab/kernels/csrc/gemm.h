@@ -21,14 +21,43 @@ namespace kvlab {
 constexpr int64_t kPanel = 32;     // weight rows per panel: two AVX-512 vectors of float32
 constexpr int64_t kGemmRows = 9;  // rows of x past a decode step's (kvlab.kernels.MAX_ROWS): a prompt's or a chunk's
 
-// Weight rows [n0, n0 + 32) as a panel [K, 32], rows past N zero.
+// Eight weight rows from `src` (row stride K), k in [0, 8), transposed into the panel's columns from `dst`: each
+// of the eight stores holds one k's values of the eight rows (three shuffle stages, no scalar stores).
+template <typename W>
+__attribute__((target("avx2,fma,f16c"))) void transpose8(const W* src, int64_t K, float* dst) {
+  __m256 r[8], t[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(src + i * K);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * kPanel, _mm256_permute2f128_ps(s[c], s[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * kPanel, _mm256_permute2f128_ps(s[c], s[c + 4], 0x31));
+  }
+}
+
+// Weight rows [n0, n0 + 32) as a panel [K, 32], rows past N zero: a whole panel eight rows by eight k at a time,
+// the rest value by value. A decode batch of 9 or more rows packs every weight once per step, so the copy's speed
+// is the product's.
 template <typename W>
 void pack_panel(const W* w, int64_t N, int64_t K, int64_t n0, float* panel) {
   const int64_t rows = std::min(kPanel, N - n0);
   if (rows < kPanel) std::memset(panel, 0, K * kPanel * sizeof(float));
+  int64_t k0 = 0;
+  if (rows == kPanel) {
+    for (; k0 + 8 <= K; k0 += 8)
+      for (int64_t j = 0; j < kPanel; j += 8) transpose8(w + (n0 + j) * K + k0, K, panel + k0 * kPanel + j);
+  }
   for (int64_t j = 0; j < rows; ++j) {
     const W* src = w + (n0 + j) * K;
-    for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = static_cast<float>(src[k]);
+    for (int64_t k = k0; k < K; ++k) panel[k * kPanel + j] = static_cast<float>(src[k]);
   }
 }
 
@@ -73,16 +102,18 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t K, c
   }
 }
 
-// Output columns [n0, n1) for the M rows of x, panel by panel (this thread's panel buffer reused across calls).
+// Output columns [n0, n1) for the M rows of x, panel by panel (this thread's panel buffer reused across calls), in
+// passes of equal rows (16 rows: two of 8, not 14 and 2), up to 14 (AVX2: 6).
 template <typename W>
 void gemm_rows(bool avx512, const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   static thread_local std::vector<float> panel;
   panel.resize(K * kPanel);
+  const int64_t most = avx512 ? 14 : 6, passes = (M + most - 1) / most, pass = (M + passes - 1) / passes;
   for (int64_t n = n0; n < n1; n += kPanel) {
     pack_panel(w, N, K, n, panel.data());
     const int64_t cols = std::min(kPanel, n1 - n);
     for (int64_t m = 0; m < M;) {
-      const int64_t rows = std::min<int64_t>(M - m, avx512 ? 14 : 6);
+      const int64_t rows = std::min<int64_t>(M - m, pass);
       const float* xm = x + m * K;
       float* ym = y + m * N + n;
       if (avx512)
