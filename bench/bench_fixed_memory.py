@@ -81,7 +81,7 @@ def static_cell(bench, args, prompts: list[list[int]], method: str, ratio: float
         result = generate(
             bench.model, prompts[start : start + batch], args.new_tokens, spec, decode_step=step, max_seq_length=seq
         )
-        decoded += len(result.tokens) * (result.decode_steps)
+        decoded += len(result.tokens) * result.decode_steps
         decode_seconds += result.first_step_seconds + result.decode_seconds
         kv_bytes = max(kv_bytes, result.kv_cache_bytes)
     sync(bench.device)

@@ -18,9 +18,10 @@ native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (70, 37), (33, 100), (5, 1)])
 def test_panel_product_equals_torch_and_each_block_of_rows_its_own(rows, k, n):
     """Rows of x in passes of equal rows (at most 14), panels of 32 weight rows (packed eight rows by eight k, the
-    rest of k value by value) and a partial last one, k of any length: within the reordering of float32 sums of torch's product (with bias, and gated: |silu'| <= 1.1 as in
-    test_kernels). Each output is one sum over k in order, so any MAX_ROWS + 1 rows of x give exactly the rows they
-    give among the others (a row of a batch what it gets alone)."""
+    rest of k value by value) and a partial last one, k of any length: within the reordering of float32 sums of
+    torch's product (with bias, and gated: |silu'| <= 1.1 as in test_kernels). Each output is one sum over k in
+    order, so any MAX_ROWS + 1 rows of x give exactly the rows they give among the others (a row of a batch what it
+    gets alone)."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     x, w, b, up = (
         torch.randn(rows, k, generator=g),
