@@ -27,8 +27,9 @@ import json
 import math
 import time
 
+from bench_real_bytes import spec as config_spec
+
 from common import RESULTS, bench_parser, load_bench, machine, mean, parse_bench_args, row, table, write_results
-from kvlab.config import cache_spec, load_cache_config, resolve_settings
 from kvlab.engine import compile_decode_step, decode_one_token, generate, sync
 from kvlab.serving import serve
 
@@ -54,12 +55,6 @@ def build_parser():
     return p
 
 
-def cache_settings(bench, method: str, ratio: float):
-    """The cache spec of `method` at compression `ratio` (kvcompress: a pool of `pool_blocks`, set by the caller)."""
-    settings = resolve_settings({"compression_ratio": ratio}, load_cache_config(method))
-    return cache_spec(settings, bench.model.config.n_layer, bench.tokenizer)
-
-
 def decode_step(bench, eager: bool):
     """The step every cell decodes with: compiled (its own copy per cell) unless `eager`."""
     return decode_one_token if eager else compile_decode_step(bench.device)
@@ -69,7 +64,7 @@ def static_cell(bench, args, prompts: list[list[int]], method: str, ratio: float
     """Static batches of as many sequences as the memory holds, each through `method` at `ratio` (full: ratio 0)."""
     held = (1 - ratio) * args.prompt_length + args.new_tokens
     batch = min(len(prompts), math.floor(args.memory_sequences * (args.prompt_length + args.new_tokens) / held))
-    spec = None if method == "full" else cache_settings(bench, method, ratio)
+    spec = None if method == "full" else config_spec(bench, method, ratio, "compact")
     step = decode_step(bench, args.eager)
     seq = args.prompt_length + args.new_tokens
     sizes = [min(batch, len(prompts) - start) for start in range(0, len(prompts), batch)]  # each decodes as long
