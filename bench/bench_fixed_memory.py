@@ -82,7 +82,6 @@ def static_cell(bench, args, prompts: list[list[int]], method: str, ratio: float
     sync(bench.device)
     seconds = time.perf_counter() - t0
     return cell(
-        args,
         f"static batches of {batch}",
         sizes,
         decoded,
@@ -105,11 +104,10 @@ def paged_cell(bench, args, prompts: list[list[int]], ratio: float) -> dict:
     flight = result.rows_in_flight
     engine = f"continuous batching, {pool} blocks"
     kv_bytes = result.peak_blocks * result.block_bytes
-    return cell(args, engine, flight, sum(flight), result.decode_seconds, result.generated, result.seconds, kv_bytes)
+    return cell(engine, flight, sum(flight), result.decode_seconds, result.generated, result.seconds, kv_bytes)
 
 
 def cell(
-    args,
     engine: str,
     flight: list[int],
     decoded: int,
@@ -118,6 +116,7 @@ def cell(
     seconds: float,
     kv_bytes: int,
 ) -> dict:
+    """A cell's record: the engine, sequences in flight per step (mean, most), decode and overall tokens/s, KV MiB."""
     return {
         "engine": engine,
         "in_flight_mean": mean(flight),
