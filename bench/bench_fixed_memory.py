@@ -1,16 +1,16 @@
 """Throughput at a fixed KV memory (KV-Compress's measure): the decode tokens/s each method reaches when its cache may
 use the bytes of `--memory_sequences` full sequences, against the full cache's in the same bytes.
 
-    python bench/bench_fixed_memory.py                      # full, kvzip, kvzip_uniform, ada_expected_attention, kvcompress
+    python bench/bench_fixed_memory.py          # full, kvzip, kvzip_uniform, ada_expected_attention, kvcompress
     python bench/bench_fixed_memory.py --methods kvzip kvcompress --ratios 0.75 0.875
 
 `--requests` prompts of `--prompt_length` tokens (stretches of the benchmark's essays), `--new_tokens` greedy tokens
 each (stop tokens ignored), the decode step compiled (`--eager`: not) and warmed on short prompts at every batch size
 first, so no cell pays a compilation (kvcompress's serving loop decodes eagerly: its rows in flight and block tables'
-widths change from step to step). The full cache and the configs of configs/ at kvpress's compression ratio (their compact store:
-each head holds what it keeps, every decoded token kept) run static batches of as many sequences as the memory holds:
-a sequence holds (1 - ratio) x its prompt + its new tokens, so at most memory_sequences x (prompt + new) / that many
-(the bytes each batch allocated are in the table). kvcompress serves every request by continuous batching in a block
+widths change from step to step). The full cache and the configs of configs/ at kvpress's compression ratio (their
+compact store: each head holds what it keeps, every decoded token kept) run static batches of as many sequences as
+the memory holds: a sequence holds (1 - ratio) x its prompt + its new tokens, so at most memory_sequences x (prompt +
+new) / that many (the bytes each batch allocated are in the table). kvcompress serves every request by continuous batching in a block
 pool of the same bytes, its budget 1 - ratio of each sequence's tokens (prompt and decoded alike), compressing every
 16 steps. Decode tokens/s: tokens produced by decode steps over their time; overall: every generated token over the
 whole run, prefills (and KVzip's scoring) included.
@@ -157,8 +157,8 @@ def markdown(found: dict) -> list[str]:
     return [
         f"# Throughput at a fixed KV memory, SmolLM2-135M-Instruct, {s['machine']}, float32",
         "",
-        f"{s['requests']} requests of {s['prompt_length']} prompt tokens, {s['new_tokens']} new tokens each; KV memory of "
-        f"{s['memory_sequences']} full sequences ({s['memory_mib']:.0f} MiB); decode step {s['decode']}. "
+        f"{s['requests']} requests of {s['prompt_length']} prompt tokens, {s['new_tokens']} new tokens each; "
+        f"KV memory of {s['memory_sequences']} full sequences ({s['memory_mib']:.0f} MiB); decode step {s['decode']}. "
         "Rebuild: `python bench/bench_fixed_memory.py`.",
         "",
         *table(
