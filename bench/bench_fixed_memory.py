@@ -8,12 +8,12 @@ use the bytes of `--memory_sequences` full sequences, against the full cache's i
 each (stop tokens ignored), the decode step compiled (`--eager`: not) and warmed on short prompts at every batch size
 first, so no cell pays a compilation (kvcompress's serving loop decodes eagerly: its rows in flight and block tables'
 widths change from step to step). The full cache and the configs of configs/ at kvpress's compression ratio (their
-compact store: each head holds what it keeps, every decoded token kept) run static batches of as many sequences as
-the memory holds: a sequence holds (1 - ratio) x its prompt + its new tokens, so at most memory_sequences x (prompt +
-new) / that many (the bytes each batch allocated are in the table). kvcompress serves every request by continuous
-batching in a block pool of the same bytes, its budget 1 - ratio of each sequence's tokens (prompt and decoded alike), compressing every
-16 steps. Decode tokens/s: tokens produced by decode steps over their time; overall: every generated token over the
-whole run, prefills (and KVzip's scoring) included.
+compact store: each head holds what it keeps, every decoded token kept) run static batches of as many sequences as the
+memory holds: a sequence holds (1 - ratio) x its prompt + its new tokens, so at most memory_sequences x (prompt + new) /
+that many (the bytes each batch allocated are in the table). kvcompress serves every request by continuous batching in a
+block pool of the same bytes, its budget 1 - ratio of each sequence's tokens (prompt and decoded alike), compressing
+every 16 steps. Decode tokens/s: tokens produced by decode steps over their time; overall: every generated token over
+the whole run, prefills (and KVzip's scoring) included.
 
 Each cell is written to bench/results/real_bytes_<device>.json as it finishes ("fixed_memory": settings and cells;
 "throughput_at_fixed_memory": decode tokens/s over the full cache's; "throughput_at_fixed_memory_overall" beside it)
