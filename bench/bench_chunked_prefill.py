@@ -1,6 +1,6 @@
 """Chunked prefill against one-shot prefill, same strategy and budget: peak KV bytes, peak RSS, prefill seconds.
 
-    python bench/bench_chunked_prefill.py                  # keydiff, budget 512, prompts of 2K/4K/8K, chunks 256 and 512
+    python bench/bench_chunked_prefill.py   # keydiff, budget 512, prompts of 2K/4K/8K, chunks 256 and 512
 
 Each row runs in a process of its own (peak RSS is a process's high-water mark): the default model in
 float32, one prompt of N - 1 tokens of the benchmark prose and 1 generated token (N in all, 8192 being
@@ -82,7 +82,8 @@ def measure(strategy: str, budget: int, size: int, chunk: int | None, repeats: i
     peak = count_kv_bytes(bench.model)
     seconds = [generate(bench.model, [prompt], 1, spec).prefill_seconds for _ in range(repeats)]
     cfg = bench.model.config
-    slot_bytes = 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * bench.dtype.itemsize  # a key and a value in every layer
+    # a key and a value in every layer
+    slot_bytes = 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * bench.dtype.itemsize
     return {
         "peak_kv_bytes": peak["bytes"],
         "rss_loaded_mb": rss_before,
@@ -106,8 +107,19 @@ def main() -> None:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument("--strategy", default="keydiff", help="the cache strategy of every row (default: keydiff)")
     p.add_argument("--budget", type=int, default=512, help="slots per layer and KV head (default: 512)")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per row, after a warm-up; the median is reported (default: 3)")
-    p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="N, the prompt + generated tokens of each row (default: 2048 4096 8192)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed prefills per row, after a warm-up; the median is reported (default: 3)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=SIZES,
+        help="N, the prompt + generated tokens of each row (default: 2048 4096 8192)",
+    )
     args = parse_bench_args(p, "chunked_prefill")
     results: dict = {"strategy": args.strategy, "budget": args.budget, "cpu": machine(torch.device("cpu")), "rows": {}}
     rows = []
@@ -118,9 +130,19 @@ def main() -> None:
             results["rows"][f"{size}/{label}"] = got
             kind = "oneshot" if chunk is None else "chunked"
             if chunk in (None, 512):
-                results[f"peak_kv_bytes_{kind}_{size}"], results[f"prefill_s_{kind}_{size}"] = got["peak_kv_bytes"], got["prefill_s"]
+                results[f"peak_kv_bytes_{kind}_{size}"], results[f"prefill_s_{kind}_{size}"] = (
+                    got["peak_kv_bytes"],
+                    got["prefill_s"],
+                )
             rows.append(
-                row(size, label, f"{got['peak_kv_bytes'] / 2**20:.1f}", f"{got['rss_loaded_mb']:.0f}", f"{got['rss_peak_mb']:.0f}", f"{got['prefill_s']:.2f}")
+                row(
+                    size,
+                    label,
+                    f"{got['peak_kv_bytes'] / 2**20:.1f}",
+                    f"{got['rss_loaded_mb']:.0f}",
+                    f"{got['rss_peak_mb']:.0f}",
+                    f"{got['prefill_s']:.2f}",
+                )
             )
             print(rows[-1], file=sys.stderr, flush=True)
     kv_slots = got["slot_bytes"] * (args.budget + max(CHUNKS))  # every layer's budget + chunk slots, keys and values
@@ -128,10 +150,12 @@ def main() -> None:
     lines = [
         f"# Chunked prefill against one-shot ({results['cpu']})",
         "",
-        f"torch {torch.__version__}; SmolLM2-135M-Instruct in float32; --cache_strategy {args.strategy} --max_cache_length {args.budget}; "
-        f"a prompt of N - 1 tokens and 1 generated token; median of {args.repeats} prefills after a warm-up. Peak KV: every layer's cache "
-        "buffers plus the keys and values of the layer being prefilled (the prompt's, or the held + chunk's). RSS: the process's, once the "
-        f"model is loaded and warmed up, and its peak. Budget + chunk {max(CHUNKS)} slots in every layer: {kv_slots / 2**20:.1f} MiB.",
+        f"torch {torch.__version__}; SmolLM2-135M-Instruct in float32; --cache_strategy {args.strategy} "
+        f"--max_cache_length {args.budget}; a prompt of N - 1 tokens and 1 generated token; median of "
+        f"{args.repeats} prefills after a warm-up. Peak KV: every layer's cache buffers plus the keys and "
+        "values of the layer being prefilled (the prompt's, or the held + chunk's). RSS: the process's, once "
+        f"the model is loaded and warmed up, and its peak. Budget + chunk {max(CHUNKS)} slots in every layer: "
+        f"{kv_slots / 2**20:.1f} MiB.",
         "",
         *table("N | prefill | peak KV (MiB) | RSS loaded (MB) | RSS peak (MB) | prefill (s)", rows, align="---:"),
     ]

@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
-from common import after_warmup, bench_parser, machine, median_decode_rate, parse_bench_args, row, table, time_hf, write_results
+from common import (
+    after_warmup,
+    bench_parser,
+    machine,
+    median_decode_rate,
+    parse_bench_args,
+    row,
+    table,
+    time_hf,
+    write_results,
+)
 from kvlab.build import make_caches
 from kvlab.compiled import CompiledStep, compiled_step_options
 from kvlab.convert import model_from_hf
@@ -31,8 +41,22 @@ from kvlab.engine import compile_decode_step, generate, sync
 from kvlab.model import Transformer
 
 SHAPES = {
-    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama-3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 GPT_FAST = {"model": "Llama-3.1-8B", "card": "A100-80GB", "tok_s": 93.89, "gb_s": 1410.76, "card_gb_s": 2039.0}
 
@@ -42,7 +66,10 @@ def hf_llama(shape: str, device: torch.device, dtype: torch.dtype, seed: int) ->
     import transformers
 
     config = transformers.LlamaConfig(
-        **SHAPES[shape], rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, max_position_embeddings=8192, rms_norm_eps=1e-5
+        **SHAPES[shape],
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
     )
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
@@ -82,7 +109,18 @@ def logits_error(model: Transformer, hf: torch.nn.Module, prompt: list[int]) -> 
     """||kvlab - HF|| / ||HF|| of the prompt's logits in one prefill: that both sides compute the same model
     (bfloat16 rounding lands near 1e-2), which near-tied random logits keep greedy tokens from showing."""
     a, tokens = model.config, torch.tensor([prompt], device=step_device(model))
-    model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(prompt), a.head_dim, model.tok_embeddings.weight.dtype, tokens.device))
+    model.setup_caches(
+        make_caches(
+            "full",
+            a.n_layer,
+            1,
+            a.n_local_heads,
+            len(prompt),
+            a.head_dim,
+            model.tok_embeddings.weight.dtype,
+            tokens.device,
+        )
+    )
     ours = model(tokens, torch.arange(len(prompt), device=tokens.device)[None], prefill=True).float()
     ref = hf(tokens).logits.float()
     return float((ours - ref).norm() / ref.norm())
@@ -93,7 +131,13 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def measure(
-    model: Transformer, step: CompiledStep, tuned: CompiledStep | None, hf: torch.nn.Module, prompt: list[int], args: argparse.Namespace, hf_compile: Any
+    model: Transformer,
+    step: CompiledStep,
+    tuned: CompiledStep | None,
+    hf: torch.nn.Module,
+    prompt: list[int],
+    args: argparse.Namespace,
+    hf_compile: Any,
 ) -> dict:
     """kvlab's compiled decode (and with `tuned`, the step compiled with coordinate-descent tuning) and HF's
     compiled static-cache decode on one prompt, each side's cache `args.cache_length` slots long."""
@@ -101,15 +145,29 @@ def measure(
     t0 = time.perf_counter()
     generate(model, [prompt], new_tokens, decode_step=step, max_seq_length=args.cache_length)  # warm-up: compiles
     warm = time.perf_counter() - t0
-    runs = [generate(model, [prompt], new_tokens, decode_step=step, max_seq_length=args.cache_length) for _ in range(repeats)]
+    runs = [
+        generate(model, [prompt], new_tokens, decode_step=step, max_seq_length=args.cache_length)
+        for _ in range(repeats)
+    ]
     kvlab_rate = median_decode_rate(runs)
     tuned_rate = float("nan")
     if tuned is not None:
         tuned_rate = median_decode_rate(
-            after_warmup(lambda: generate(model, [prompt], new_tokens, decode_step=tuned, max_seq_length=args.cache_length), repeats)
+            after_warmup(
+                lambda: generate(model, [prompt], new_tokens, decode_step=tuned, max_seq_length=args.cache_length),
+                repeats,
+            )
         )
     t0 = time.perf_counter()
-    _, hf_rate, hf_tokens = time_hf(hf, prompt, new_tokens, repeats, cache_implementation="static", max_cache_len=args.cache_length, compile_config=hf_compile)
+    _, hf_rate, hf_tokens = time_hf(
+        hf,
+        prompt,
+        new_tokens,
+        repeats,
+        cache_implementation="static",
+        max_cache_len=args.cache_length,
+        compile_config=hf_compile,
+    )
     hf_seconds = time.perf_counter() - t0
     step_bytes = bytes_per_step(model, args.cache_length)
     return {
@@ -143,25 +201,31 @@ def profile(model: Transformer, step: CompiledStep, prompt: list[int], args: arg
     print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=80), flush=True)
 
 
-def report(args: argparse.Namespace, device: torch.device, model: Transformer, rows: list[dict], bandwidth: float) -> None:
+def report(
+    args: argparse.Namespace, device: torch.device, model: Transformer, rows: list[dict], bandwidth: float
+) -> None:
     import transformers
 
     share = GPT_FAST["gb_s"] / GPT_FAST["card_gb_s"]
     lines = [
         f"# Compiled decode on {device.type} ({machine(device)}): kvlab against HF transformers' compiled static cache",
         "",
-        f"torch {torch.__version__}, transformers {transformers.__version__}; {args.shape}-shaped random weights in bfloat16,"
-        f" {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, the same tensors on both sides; batch 1; greedy;"
-        f" {args.new_tokens} new tokens; median of {args.repeats} runs after a warm-up run (which compiles).",
-        "kvlab: `generate` with `compile_decode_step` (Inductor, CUDA graphs, the step's graph replayed). HF: `generate(...,"
-        ' cache_implementation="static", max_cache_len=..., compile_config=CompileConfig(fullgraph=True))` (mode reduce-overhead).',
-        f"Both caches hold {args.cache_length} slots at every prompt length (one compile a side), and a step attends over all of them."
-        f" Read bandwidth: bytes a step reads (weights but the embedding table, and those slots) x tokens/s;"
-        f" device copy bandwidth in this run: {bandwidth:.0f} GB/s (read + write). GPT-Fast's published {GPT_FAST['model']}"
-        f" bf16 figure, {GPT_FAST['tok_s']} tok/s at {GPT_FAST['gb_s']:.0f} GB/s on an {GPT_FAST['card']}, is {share:.0%} of that card's bandwidth.",
+        f"torch {torch.__version__}, transformers {transformers.__version__}; {args.shape}-shaped random "
+        f"weights in bfloat16, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, the same "
+        f"tensors on both sides; batch 1; greedy; {args.new_tokens} new tokens; median of {args.repeats} runs "
+        "after a warm-up run (which compiles).",
+        "kvlab: `generate` with `compile_decode_step` (Inductor, CUDA graphs, the step's graph replayed). "
+        'HF: `generate(..., cache_implementation="static", max_cache_len=..., '
+        "compile_config=CompileConfig(fullgraph=True))` (mode reduce-overhead).",
+        f"Both caches hold {args.cache_length} slots at every prompt length (one compile a side), and a step "
+        "attends over all of them. Read bandwidth: bytes a step reads (weights but the embedding table, and "
+        f"those slots) x tokens/s; device copy bandwidth in this run: {bandwidth:.0f} GB/s (read + write). "
+        f"GPT-Fast's published {GPT_FAST['model']} bf16 figure, {GPT_FAST['tok_s']} tok/s at "
+        f"{GPT_FAST['gb_s']:.0f} GB/s on an {GPT_FAST['card']}, is {share:.0%} of that card's bandwidth.",
         "",
         *table(
-            "prompt tokens | kvlab tok/s | kvlab, coordinate descent tok/s | HF tok/s | kvlab / HF | kvlab GB/s | HF GB/s | kvlab / copy bandwidth | GPT-Fast / its card | logits vs HF | same greedy tokens",
+            "prompt tokens | kvlab tok/s | kvlab, coordinate descent tok/s | HF tok/s | kvlab / HF | kvlab GB/s "
+            "| HF GB/s | kvlab / copy bandwidth | GPT-Fast / its card | logits vs HF | same greedy tokens",
             (
                 row(
                     r["prompt"],
@@ -185,28 +249,49 @@ def report(args: argparse.Namespace, device: torch.device, model: Transformer, r
         + "; HF, all its runs: "
         + ", ".join(f"{r['prompt']}: {r['hf_all_s']:.0f}" for r in rows)
         + ".",
-        "Logits vs HF: ||kvlab - HF|| / ||HF|| over the prompt's prefill logits. Greedy tokens are compared from the start: random weights"
-        " give near-tied logits, so the two sides' bfloat16 rounding parts them early.",
+        "Logits vs HF: ||kvlab - HF|| / ||HF|| over the prompt's prefill logits. Greedy tokens are compared "
+        "from the start: random weights give near-tied logits, so the two sides' bfloat16 rounding parts them "
+        "early.",
         "",
     ]
-    results = {"device": machine(device), "shape": args.shape, "copy_gb_s": bandwidth, "gpt_fast": GPT_FAST, "rows": rows}
+    results = {
+        "device": machine(device),
+        "shape": args.shape,
+        "copy_gb_s": bandwidth,
+        "gpt_fast": GPT_FAST,
+        "rows": rows,
+    }
     write_results(lines, args.out, "cuda_vs_hf", device, results=results)
 
 
 def main() -> None:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES), help="model shape (default: llama-3-8b)")
-    p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
-    p.add_argument("--new_tokens", type=int, default=128, help="tokens decoded per run (default: 128)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)")
     p.add_argument(
-        "--coordinate_descent", action="store_true", help="also time kvlab's step compiled with Inductor's coordinate-descent tuning (GPT-Fast's setting)"
+        "--prompt_lengths",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="prompt lengths in tokens (default: 512 2048)",
     )
-    p.add_argument("--profile", action="store_true", help="print the device time of the kernels of one kvlab decode run, by kernel")
+    p.add_argument("--new_tokens", type=int, default=128, help="tokens decoded per run (default: 128)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)"
+    )
+    p.add_argument(
+        "--coordinate_descent",
+        action="store_true",
+        help="also time kvlab's step compiled with Inductor's coordinate-descent tuning (GPT-Fast's setting)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="print the device time of the kernels of one kvlab decode run, by kernel"
+    )
     args = parse_bench_args(p, "cuda_vs_hf")
     import transformers
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu"))
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    )
     hf = hf_llama(args.shape, device, torch.bfloat16, seed=0)
     model = model_from_hf(hf)
     hf_compile = transformers.CompileConfig(fullgraph=True)
@@ -215,14 +300,19 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     args.cache_length = max(args.prompt_lengths) + args.new_tokens  # one size for every prompt: each side compiles once
     step = compile_decode_step(device)
-    tuned = compile_decode_step(device, inductor={**compiled_step_options(device), "coordinate_descent_tuning": True}) if args.coordinate_descent else None
+    tuned = (
+        compile_decode_step(device, inductor={**compiled_step_options(device), "coordinate_descent_tuning": True})
+        if args.coordinate_descent
+        else None
+    )
     rows = []
     with torch.no_grad():
         for n in args.prompt_lengths:
             prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             rows.append(measure(model, step, tuned, hf, prompt, args, hf_compile))
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-            report(args, device, model, rows, bandwidth)  # after each prompt length: a cut-off run keeps what it measured
+            # after each prompt length: a cut-off run keeps what it measured
+            report(args, device, model, rows, bandwidth)
         if args.profile:
             profile(model, step, prompt, args)
 

@@ -3,7 +3,8 @@
     python bench/bench_decode_profile.py                  # CPU, float32, 512-token prompt
     python bench/bench_decode_profile.py --prompt_length 2048
     python bench/bench_decode_profile.py --weights int8 --settings default   # bench/results/decode_profile_int8_cpu.md
-    python bench/bench_decode_profile.py --settings default --out bench/results/decode_profile_native_cpu.md   # with kvlab's native kernels
+    # with kvlab's native kernels:
+    python bench/bench_decode_profile.py --settings default --out bench/results/decode_profile_native_cpu.md
 
 Three parts, all from one run:
 1. the floor: seconds to stream the model's weights once (a batch-1 pass over every Linear and the LM
@@ -67,7 +68,11 @@ CATEGORIES = (
 def weight_floor(model, device: torch.device, dtype: torch.dtype) -> tuple[float, float, int]:
     """(seconds for a batch-1 pass over every Linear, float or quantized, read GB/s of a 1 GiB sum, the
     bytes that pass reads)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear | Int4Linear) and not isinstance(m, Int8Embedding)]
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear | Int8Linear | Int4Linear) and not isinstance(m, Int8Embedding)
+    ]
     x = {m: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
     weights = sum(read_bytes(m) for m in linears)
     pass_seconds = seconds_per_call(lambda: [m(x[m]) for m in linears], device=device)
@@ -110,7 +115,8 @@ def profile_step(model, device: torch.device, prompt: list[int], steps: int) -> 
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         step = compile_decode_step(device)
         n = len(prompt) + 4
-        generate(model, [prompt], 4, decode_step=step, max_seq_length=n + steps + 1)  # compiles; leaves the caches set up
+        # compiles; leaves the caches set up
+        generate(model, [prompt], 4, decode_step=step, max_seq_length=n + steps + 1)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         positions = [torch.tensor([[n + i]], device=device) for i in range(steps + 1)]
         step(model, token, positions[0], 0.0, None)  # any recompile for the direct call happens here, unprofiled
@@ -131,30 +137,48 @@ def main() -> None:
     p.add_argument("--prompt_length", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per timed run (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the median is reported (default: 3)")
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="Inductor settings to time (default: all)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=list(SETTINGS),
+        choices=list(SETTINGS),
+        help="Inductor settings to time (default: all)",
+    )
     args = parse_bench_args(p, "decode_profile")
     kernels.load()
     bench = load_bench(args.device, args.dtype, args.weights)
     device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
 
     pass_seconds, bandwidth, weight_bytes = weight_floor(model, device, bench.dtype)
-    print(f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth {bandwidth:.1f} GB/s", flush=True)
+    print(
+        f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth "
+        f"{bandwidth:.1f} GB/s",
+        flush=True,
+    )
     eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
     rates = {}
-    compare_layouts = device.type == "cpu" and args.weights == "float" and not kernels.NATIVE  # native kernels read row-major weights only
+    # native kernels read row-major weights only
+    compare_layouts = device.type == "cpu" and args.weights == "float" and not kernels.NATIVE
     if compare_layouts:  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
         with row_major_weights(model):
-            row_major_eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
+            row_major_eager = median_decode_rate(
+                after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats)
+            )
             step = compile_decode_step(device)
             rates["default, row-major weights"] = median_decode_rate(
                 after_warmup(lambda: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats)
             )
-        print(f"row-major weights: eager {row_major_eager:.1f}, compiled {rates['default, row-major weights']:.1f} tok/s", flush=True)
+        print(
+            f"row-major weights: eager {row_major_eager:.1f}, compiled {rates['default, row-major weights']:.1f} tok/s",
+            flush=True,
+        )
     for name in args.settings:
         torch._dynamo.reset()
         step = compile_decode_step(device, decode_one_token, SETTINGS[name])
         t0 = time.perf_counter()
-        rates[name] = median_decode_rate(after_warmup(lambda step=step: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats))
+        rates[name] = median_decode_rate(
+            after_warmup(lambda step=step: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats)
+        )
         print(f"{name}: {rates[name]:.1f} tok/s ({time.perf_counter() - t0:.0f} s with compilation)", flush=True)
 
     torch._dynamo.reset()
@@ -165,12 +189,14 @@ def main() -> None:
         f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}"
         + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
-        f"torch {torch.__version__}; kernels: {kernels.path()}; batch 1; {len(prompt)}-token prompt; full cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
+        f"torch {torch.__version__}; kernels: {kernels.path()}; batch 1; {len(prompt)}-token prompt; full "
+        f"cache; {args.new_tokens} new tokens per run, median of {args.repeats} after a warm-up.",
         "",
         "## The floor",
         "",
         *table(
-            "weights (Linear + LM head) | batch-1 pass over them | the pass's GB/s | read bandwidth (1 GiB sum) | weights / bandwidth | tok/s bound",
+            "weights (Linear + LM head) | batch-1 pass over them | the pass's GB/s | read bandwidth (1 GiB sum) "
+            "| weights / bandwidth | tok/s bound",
             [
                 row(
                     f"{weight_bytes / 1e6:.0f} MB",
@@ -186,18 +212,47 @@ def main() -> None:
         "",
         *table(
             "setting | decode tok/s | / default compile | / eager | ms per step | share of step in the weight pass",
-            [row("eager", f"{eager:.1f}", f"{eager / base:.2f}x", "1.00x", f"{1e3 / eager:.1f}", f"{pass_seconds * eager:.0%}")]
+            [
+                row(
+                    "eager",
+                    f"{eager:.1f}",
+                    f"{eager / base:.2f}x",
+                    "1.00x",
+                    f"{1e3 / eager:.1f}",
+                    f"{pass_seconds * eager:.0%}",
+                )
+            ]
             + [
-                row("eager, row-major weights", f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}")
+                row(
+                    "eager, row-major weights",
+                    f"{r:.1f}",
+                    f"{r / base:.2f}x",
+                    f"{r / eager:.2f}x",
+                    f"{1e3 / r:.1f}",
+                    f"{pass_seconds * r:.0%}",
+                )
                 for r in ([row_major_eager] if compare_layouts else [])
             ]
-            + [row(name, f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}") for name, r in rates.items()],
+            + [
+                row(
+                    name,
+                    f"{r:.1f}",
+                    f"{r / base:.2f}x",
+                    f"{r / eager:.2f}x",
+                    f"{1e3 / r:.1f}",
+                    f"{pass_seconds * r:.0%}",
+                )
+                for name, r in rates.items()
+            ],
         ),
         "## Where the default compiled step's time goes (torch.profiler, self CPU time)",
         "",
         *table(
             "part | ms per step | share of the step",
-            [row(k, f"{v * 1e3:.1f}", f"{v / step_seconds:.0%}") for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])]
+            [
+                row(k, f"{v * 1e3:.1f}", f"{v / step_seconds:.0%}")
+                for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
+            ]
             + [
                 row(
                     "not in any op (Python, dispatch, profiler)",
@@ -208,7 +263,9 @@ def main() -> None:
             + [row("**step (wall, profiled)**", f"{step_seconds * 1e3:.1f}", "100%")],
         ),
     ]
-    write_results(lines, args.out, "decode_profile" if args.weights == "float" else f"decode_profile_{args.weights}", device)
+    write_results(
+        lines, args.out, "decode_profile" if args.weights == "float" else f"decode_profile_{args.weights}", device
+    )
 
 
 if __name__ == "__main__":

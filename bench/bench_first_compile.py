@@ -31,7 +31,8 @@ from common import bench_parser, machine, parse_bench_args, row, table, write_re
 ROOT = Path(__file__).resolve().parent.parent
 
 
-OTHER_PROMPT = "In a small village at the edge of a great forest, there lived an old clockmaker who"  # not the default's length
+# not the default's length
+OTHER_PROMPT = "In a small village at the edge of a great forest, there lived an old clockmaker who"
 ROWS = {"cold": [], "warm": [], "warm_other_length": ["--prompt", OTHER_PROMPT]}  # row -> generate.py's extra flags
 
 
@@ -64,9 +65,9 @@ def main() -> None:
     lines = [
         f"# The first compiled decode step, cold and warm ({machine(torch.device('cpu'))})",
         "",
-        f"torch {torch.__version__}; `generate.py --compile --max_new_tokens 16` on the default prompt, each run a new process; "
-        f"median of {args.repeats}. cold: an empty compile cache; warm: the cache a cold run filled; "
-        "warm_other_length: that cache, a prompt of another length.",
+        f"torch {torch.__version__}; `generate.py --compile --max_new_tokens 16` on the default prompt, each "
+        f"run a new process; median of {args.repeats}. cold: an empty compile cache; warm: the cache a cold run "
+        "filled; warm_other_length: that cache, a prompt of another length.",
         "",
         *table("compile cache | first decode step (s) | process wall (s)", rows, align="---:"),
     ]

@@ -20,7 +20,19 @@ import time
 
 import torch
 
-from common import QUANTIZATIONS, after_warmup, bench_parser, load_bench, machine, median_decode_rate, parse_bench_args, row, table, time_hf, write_results
+from common import (
+    QUANTIZATIONS,
+    after_warmup,
+    bench_parser,
+    load_bench,
+    machine,
+    median_decode_rate,
+    parse_bench_args,
+    row,
+    table,
+    time_hf,
+    write_results,
+)
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.quantize import FUSED, quantize_model, weight_bytes
@@ -35,14 +47,28 @@ def time_kvlab(model, prompt: list[int], new_tokens: int, decode_step, repeats: 
 
 def kernel_path(device: torch.device, mode: str) -> str:
     kernel = FUSED.get((device.type, mode))
-    return "dequantize-then-matmul" if kernel is None else f"torch's fused kernel in {str(kernel.dtype).removeprefix('torch.')}"
+    return (
+        "dequantize-then-matmul"
+        if kernel is None
+        else f"torch's fused kernel in {str(kernel.dtype).removeprefix('torch.')}"
+    )
 
 
 def main() -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
-    p.add_argument("--new_tokens", type=int, default=None, help="tokens decoded per run (default: 64 on CPU, 256 on CUDA)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)")
+    p.add_argument(
+        "--prompt_lengths",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="prompt lengths in tokens (default: 512 2048)",
+    )
+    p.add_argument(
+        "--new_tokens", type=int, default=None, help="tokens decoded per run (default: 64 on CPU, 256 on CUDA)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)"
+    )
     p.add_argument("--no_hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument(
         "--weights",
@@ -61,7 +87,13 @@ def main() -> None:
         import transformers
 
         gguf = default_gguf_path()
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).to(device, dtype).eval()
+        hf_model = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
+            .to(device, dtype)
+            .eval()
+        )
 
     compiled_step = compile_decode_step(device)
     rows = []
@@ -71,10 +103,15 @@ def main() -> None:
         t0 = time.perf_counter()
         _, compiled_decode = time_kvlab(bench.model, prompt, new_tokens, compiled_step, args.repeats)
         compile_run_seconds = time.perf_counter() - t0
-        hf_prefill, hf_decode, _ = time_hf(hf_model, prompt, new_tokens, args.repeats) if hf_model is not None else (float("nan"), float("nan"))
+        hf_prefill, hf_decode, _ = (
+            time_hf(hf_model, prompt, new_tokens, args.repeats)
+            if hf_model is not None
+            else (float("nan"), float("nan"))
+        )
         rows.append((n, eager_prefill, hf_prefill, eager_decode, compiled_decode, hf_decode, compile_run_seconds))
         print(
-            f"prompt {n}: prefill {eager_prefill:.0f} tok/s (HF {hf_prefill:.0f}); decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s",
+            f"prompt {n}: prefill {eager_prefill:.0f} tok/s (HF {hf_prefill:.0f}); decode eager "
+            f"{eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s",
             flush=True,
         )
 
@@ -86,39 +123,58 @@ def main() -> None:
         for n, *_, compiled_float, hf_decode, _ in rows:
             _, eager_decode = time_kvlab(model, bench.ids[:n], new_tokens, decode_one_token, args.repeats)
             _, compiled_decode = time_kvlab(model, bench.ids[:n], new_tokens, step, args.repeats)
-            quantized_rows.append((n, name, weight_bytes(model), eager_decode, compiled_decode, compiled_float, hf_decode))
-            print(f"{name}, prompt {n}: decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f} tok/s", flush=True)
+            quantized_rows.append(
+                (n, name, weight_bytes(model), eager_decode, compiled_decode, compiled_float, hf_decode)
+            )
+            print(
+                f"{name}, prompt {n}: decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f} tok/s", flush=True
+            )
         del model
 
     kernels = ", ".join(f"{name} {kernel_path(device, QUANTIZATIONS[name].mode)}" for name in args.weights)
     lines = [
         f"# Generation throughput: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}",
         "",
-        f"torch {torch.__version__}; batch 1; greedy; {new_tokens} new tokens per run; median of {args.repeats} runs after a warm-up run.",
+        f"torch {torch.__version__}; batch 1; greedy; {new_tokens} new tokens per run; median of {args.repeats} "
+        "runs after a warm-up run.",
         "Decode tokens/s exclude the first decode step (it compiles under `--compile`). HF: `transformers` "
         + (f"{__import__('transformers').__version__} " if hf_model is not None else "")
         + "`generate` (dynamic cache, eager) on the same GGUF weights.",
         "",
         *table(
-            "prompt tokens | prefill tok/s (kvlab) | prefill tok/s (HF) | decode tok/s eager | decode tok/s compiled | decode tok/s HF | compiled / eager | compiled / HF | eager / HF",
+            "prompt tokens | prefill tok/s (kvlab) | prefill tok/s (HF) | decode tok/s eager | decode tok/s "
+            "compiled | decode tok/s HF | compiled / eager | compiled / HF | eager / HF",
             (
-                row(n, f"{ep:.0f}", f"{hp:.0f}", f"{ed:.1f}", f"{cd:.1f}", f"{hd:.1f}", f"{cd / ed:.2f}x", f"{cd / hd:.2f}x", f"{ed / hd:.2f}x")
+                row(
+                    n,
+                    f"{ep:.0f}",
+                    f"{hp:.0f}",
+                    f"{ed:.1f}",
+                    f"{cd:.1f}",
+                    f"{hd:.1f}",
+                    f"{cd / ed:.2f}x",
+                    f"{cd / hd:.2f}x",
+                    f"{ed / hd:.2f}x",
+                )
                 for n, ep, hp, ed, cd, hd, _ in rows
             ),
             align="---:",
         ),
-        "Warm-up + timed compiled runs (includes compilation): " + ", ".join(f"{n} tokens: {s:.0f} s" for n, *_, s in rows),
+        "Warm-up + timed compiled runs (includes compilation): "
+        + ", ".join(f"{n} tokens: {s:.0f} s" for n, *_, s in rows),
         "",
     ]
     if quantized_rows:
         lines += [
             "## Weight-only quantization (same run)",
             "",
-            f"Decode with int8 (per channel) and int4 (g=32) weights, the tied embedding / LM head int8 in both; kernels: {kernels}.",
+            "Decode with int8 (per channel) and int4 (g=32) weights, the tied embedding / LM head int8 in "
+            f"both; kernels: {kernels}.",
             f"`/ HF`: against HF's {bench.dtype_name} decode above.",
             "",
             *table(
-                "prompt tokens | weights | weight MB | decode tok/s eager | decode tok/s compiled | compiled / HF | compiled / compiled float",
+                "prompt tokens | weights | weight MB | decode tok/s eager | decode tok/s compiled | compiled / "
+                "HF | compiled / compiled float",
                 (
                     row(n, name, f"{mb / 1e6:.0f}", f"{ed:.1f}", f"{cd:.1f}", f"{cd / hd:.2f}x", f"{cd / cf:.2f}x")
                     for n, name, mb, ed, cd, cf, hd in quantized_rows

@@ -26,7 +26,9 @@ def main() -> None:
     prompt = bench.ids[: args.prompt_length]
     rows = []
     for frac in args.recovery:
-        hybrid = generate(model, [prompt], args.new_tokens, bench.spec("hybrid", min_recovery_frac=frac), attention_loss=True)
+        hybrid = generate(
+            model, [prompt], args.new_tokens, bench.spec("hybrid", min_recovery_frac=frac), attention_loss=True
+        )
         held = mean(hybrid.tokens_held)
         h2o = generate(model, [prompt], args.new_tokens, bench.spec("heavy_hitter", round(held)), attention_loss=True)
         loss = {name: mean(r.attention_loss["per_step"]) for name, r in (("hybrid", hybrid), ("h2o", h2o))}
@@ -40,12 +42,14 @@ def main() -> None:
         [
             f"# FastGen hybrid, SmolLM2-135M-Instruct, {device.type}, float32",
             "",
-            f"A {args.prompt_length}-token essay prompt, {args.new_tokens} greedy tokens. Heads per policy over 30 layers x 3 KV heads, in the order "
+            f"A {args.prompt_length}-token essay prompt, {args.new_tokens} greedy tokens. Heads per policy over "
+            "30 layers x 3 KV heads, in the order "
             + " / ".join(HybridCache.policies)
             + ". H2O runs with a cache of the hybrid's average tokens held.",
             "",
             *table(
-                "min_recovery_frac | tokens held (mean per layer and head) | compression | heads per policy | attention loss, hybrid | attention loss, H2O at equal tokens",
+                "min_recovery_frac | tokens held (mean per layer and head) | compression | heads per policy | "
+                "attention loss, hybrid | attention loss, H2O at equal tokens",
                 rows,
             ),
         ],

@@ -47,7 +47,9 @@ import numpy as np
 gguf, ids_file, new_tokens, threads, flash = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 ids = json.load(open(ids_file))
 size = len(ids) + new_tokens + 8
-llm = llama_cpp.Llama(gguf, n_ctx=size, n_threads=threads, n_threads_batch=threads, flash_attn=flash == "on", verbose=False)
+llm = llama_cpp.Llama(
+    gguf, n_ctx=size, n_threads=threads, n_threads_batch=threads, flash_attn=flash == "on", verbose=False
+)
 t1 = time.perf_counter()
 llm.eval(ids)
 t2 = time.perf_counter()
@@ -92,7 +94,8 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[str, s
 
 
 def llamacpp_row(ids: list[int], new_tokens: int, threads: int, flash: bool = True) -> dict:
-    """llama.cpp's run in a process of its own (with flash attention, its tools' default on CPUs, unless `flash` is False)."""
+    """llama.cpp's run in a process of its own (with flash attention, its tools' default on CPUs, unless `flash` is
+    False)."""
     from bench_vs_llamacpp import gguf_file
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -182,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill_chunk", type=int, default=512, help="the compressed rows' --prefill_chunk (default: 512)")
     methods = ["keydiff", "tova", "expected_attention", "l2", "config:kvzip_uniform"]
     p.add_argument(
-        "--methods", nargs="+", default=methods, help=f"strategies, or config:NAME, to try in order (default: {methods})"
+        "--methods",
+        nargs="+",
+        default=methods,
+        help=f"strategies, or config:NAME, to try in order (default: {methods})",
     )
     p.add_argument("--compile", action="store_true", help="kvlab rows with --compile (for 32 tokens eager is sooner)")
     p.add_argument("--memory_child", help=argparse.SUPPRESS)  # a prompt file: report where this process's memory goes
@@ -277,8 +283,10 @@ def write(results: dict, args) -> None:
         f"Compressed methods tried at {args.slots} slots, --prefill_chunk {args.prefill_chunk}: {tried}.",
         "",
         *table("run | load (s) | prefill (s) | decode (tok/s) | wall (s) | peak RSS (MB) | answer", rows, align="---:"),
-        "Where kvlab's peak goes (MB; another process each, the same prompt): the runtime (Python, torch, kvlab and its",
-        "kernels), the weights, the KV cache allocated, what prefill and decode held for a while (peak - resident after),",
+        "Where kvlab's peak goes (MB; another process each, the same prompt): the runtime (Python, torch, kvlab "
+        "and its",
+        "kernels), the weights, the KV cache allocated, what prefill and decode held for a while (peak - "
+        "resident after),",
         "and the rest resident after the answer.",
         "",
         *table(

@@ -59,9 +59,13 @@ def matvec_rows(model) -> list[tuple[str, int, float, float]]:
             copies = 1 if name == "output" else model.config.n_layer
             weights, x = [torch.randn(n, k) for _ in range(copies)], torch.randn(1, 1, k)
             column_major = [w.t().contiguous().t() if n > k else w for w in weights]
-            native = seconds_per_call(lambda x=x, weights=weights: [torch.ops.kvlab.linear_fp32(x, w, None) for w in weights], 10)
+            native = seconds_per_call(
+                lambda x=x, weights=weights: [torch.ops.kvlab.linear_fp32(x, w, None) for w in weights], 10
+            )
             stock = seconds_per_call(lambda x=x, column_major=column_major: [F.linear(x, w) for w in column_major], 10)
-            out.append((f"{name.split('.')[-1]} [{n}, {k}] x {copies}", copies * weights[0].nbytes, native * 1e3, stock * 1e3))
+            out.append(
+                (f"{name.split('.')[-1]} [{n}, {k}] x {copies}", copies * weights[0].nbytes, native * 1e3, stock * 1e3)
+            )
     return out
 
 
@@ -94,9 +98,17 @@ def native_against_torch(bench, weights: str, args) -> dict[int, tuple[float, fl
 
 def main() -> None:
     p = bench_parser(__doc__, dtype=False)
-    p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
+    p.add_argument(
+        "--prompt_lengths",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="prompt lengths in tokens (default: 512 2048)",
+    )
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per run (default: 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)"
+    )
     args = parse_bench_args(p, "native_kernels")
     if not kernels.load():
         raise SystemExit(f"error: the native kernels do not run here ({kernels.REASON})")
@@ -104,21 +116,39 @@ def main() -> None:
     bandwidth = read_bandwidth()
     matvecs = matvec_rows(bench.model)
     decode = {weights: native_against_torch(bench, weights, args) for weights in ("fp32", "int8", "int4")}
-    results = {f"decode_{w}_{n}": {"native": nat, "torch": st, "ratio": nat / st} for w, rates in decode.items() for n, (nat, st, _) in rates.items()}
+    results = {
+        f"decode_{w}_{n}": {"native": nat, "torch": st, "ratio": nat / st}
+        for w, rates in decode.items()
+        for n, (nat, st, _) in rates.items()
+    }
     results["matvec"] = {name: {"bytes": b, "native_ms": nm, "torch_ms": tm} for name, b, nm, tm in matvecs}
-    results |= {"bandwidth_gbs": bandwidth, "isa": kernels.REASON, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    results |= {
+        "bandwidth_gbs": bandwidth,
+        "isa": kernels.REASON,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
     results["load"] = os.getloadavg()
     lines = [
         f"# Native CPU kernels against torch's: {bench.config['name']}, float32 ({machine(bench.device)})",
         "",
-        f"torch {torch.__version__}; native path: {kernels.REASON}; batch 1; read bandwidth (1 GiB sum): {bandwidth:.1f} GB/s.",
+        f"torch {torch.__version__}; native path: {kernels.REASON}; batch 1; read bandwidth (1 GiB sum): "
+        f"{bandwidth:.1f} GB/s.",
         "",
         "## One decode step's matrix-vector products (batch 1)",
         "",
         *table(
             "weights | MB per pass | native ms | native GB/s | torch ms | torch GB/s | native / torch speed",
             (
-                row(name, f"{b / 1e6:.1f}", f"{nm:.3f}", f"{b / nm / 1e6:.1f}", f"{tm:.3f}", f"{b / tm / 1e6:.1f}", f"{tm / nm:.2f}x")
+                row(
+                    name,
+                    f"{b / 1e6:.1f}",
+                    f"{nm:.3f}",
+                    f"{b / nm / 1e6:.1f}",
+                    f"{tm:.3f}",
+                    f"{b / tm / 1e6:.1f}",
+                    f"{tm / nm:.2f}x",
+                )
                 for name, b, nm, tm in matvecs
             ),
             align="---:",

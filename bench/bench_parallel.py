@@ -32,14 +32,32 @@ PATTERNS = {
 }
 
 
-def run_generate(ranks: int, strategy: str, prompt: Path, new_tokens: int, device: str, threads: int) -> dict[str, float]:
+def run_generate(
+    ranks: int, strategy: str, prompt: Path, new_tokens: int, device: str, threads: int
+) -> dict[str, float]:
     """One generate.py run; the figures its report prints (rank 0's, under torchrun)."""
-    flags = ["--prompt", str(prompt), "--max_new_tokens", str(new_tokens), "--ignore_eos", "--cache_strategy", strategy, "--device", device]
+    flags = [
+        "--prompt",
+        str(prompt),
+        "--max_new_tokens",
+        str(new_tokens),
+        "--ignore_eos",
+        "--cache_strategy",
+        strategy,
+        "--device",
+        device,
+    ]
     if strategy != "full":
         flags += ["--max_cache_length", "0.5"]
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    launch = (
+        [sys.executable]
+        if ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    )
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, threads // ranks)))
-    done = subprocess.run([*launch, str(ROOT / "generate.py"), *flags], capture_output=True, text=True, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [*launch, str(ROOT / "generate.py"), *flags], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     if done.returncode != 0:
         raise RuntimeError(f"generate.py on {ranks} rank(s) failed:\n{done.stderr[-2000:]}")
     return {key: float(re.search(pattern, done.stderr).group(1)) for key, pattern in PATTERNS.items()}
@@ -47,8 +65,15 @@ def run_generate(ranks: int, strategy: str, prompt: Path, new_tokens: int, devic
 
 def main() -> None:
     p = bench_parser(__doc__, dtype=False)
-    p.add_argument("--ranks", type=int, default=2, help="tensor-parallel ranks to compare with one process (default: 2)")
-    p.add_argument("--prompt_chars", type=int, default=2400, help="prompt length in characters of the essay text (default: 2400, about 512 tokens)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="tensor-parallel ranks to compare with one process (default: 2)"
+    )
+    p.add_argument(
+        "--prompt_chars",
+        type=int,
+        default=2400,
+        help="prompt length in characters of the essay text (default: 2400, about 512 tokens)",
+    )
     p.add_argument("--new_tokens", type=int, default=32, help="decoded tokens (default: 32)")
     args = parse_bench_args(p, "parallel")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -69,12 +94,16 @@ def main() -> None:
         ]
         rows.append("| " + " | ".join(cells) + " |")
     Path(f.name).unlink()
-    header = "cache | params per rank (M): 1 / N | KV MiB per rank: 1 / N | peak memory per rank (GiB): 1 / N | decode tokens/s: 1 / N | N ranks vs 1"
+    header = (
+        "cache | params per rank (M): 1 / N | KV MiB per rank: 1 / N | peak memory per rank (GiB): 1 / N | "
+        "decode tokens/s: 1 / N | N ranks vs 1"
+    )
     lines = [
         f"# Tensor parallelism, SmolLM2-135M-Instruct, {device}, {args.ranks} ranks vs 1 process, {threads} cores",
         "",
-        f"generate.py, a {int(one['prompt'])}-token prompt, {args.new_tokens} tokens (eager), batch 1; compressed caches at --max_cache_length 0.5. "
-        "Per-rank figures are rank 0's (the rank with the most KV heads when they do not divide).",
+        f"generate.py, a {int(one['prompt'])}-token prompt, {args.new_tokens} tokens (eager), batch 1; "
+        "compressed caches at --max_cache_length 0.5. Per-rank figures are rank 0's (the rank with the most KV "
+        "heads when they do not divide).",
         "",
         *table(header, rows),
     ]

@@ -25,7 +25,10 @@ from kvlab.config import cache_spec
 from kvlab.engine import generate
 from kvlab.model import lay_out_for_matvec
 
-KERNELS = {"torch": "torch's (MKL products, CPU flash attention)", "native": "kvlab's (panel products, prefill attention)"}
+KERNELS = {
+    "torch": "torch's (MKL products, CPU flash attention)",
+    "native": "kvlab's (panel products, prefill attention)",
+}
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "kvlab::linear_fp32", "kvlab::gated_fp32")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "kvlab::attend_prefill")
 
@@ -89,20 +92,23 @@ def main() -> None:
             results[str(n)][name] = profile_prefill(bench.model, bench.ids[:n], native)
     results |= {"mkl_gflop_s": mkl_rate(), "isa": kernels.REASON, "threads": torch.get_num_threads()}
     rows = [
-        row(n, KERNELS[name], f"{r['tok_s']:.0f}", f"{r['products_s']:.2f}", f"{r['products_gflop_s']:.0f}", f"{r['attention_s']:.2f}",
-         f"{r['attention_gflop_s']:.0f}", f"{r['rest_s']:.2f}")
+        row(n, KERNELS[name], f"{r['tok_s']:.0f}", f"{r['products_s']:.2f}", f"{r['products_gflop_s']:.0f}",
+            f"{r['attention_s']:.2f}", f"{r['attention_gflop_s']:.0f}", f"{r['rest_s']:.2f}")
         for n in args.prompt_lengths
         for name, r in results[str(n)].items()
     ]  # fmt: skip
     lines = [
         f"# Where a float32 prefill's time goes ({kernels.path()}, {torch.get_num_threads()} threads)",
         "",
-        "Self time from torch's profiler over one prefill (full cache, float32 weights), in seconds; GFLOP/s of useful work",
-        f"(products: every Linear but the LM head; attention: the causal half). MKL alone here: {results['mkl_gflop_s']:.0f} GFLOP/s",
+        "Self time from torch's profiler over one prefill (full cache, float32 weights), in seconds; GFLOP/s of "
+        "useful work",
+        "(products: every Linear but the LM head; attention: the causal half). MKL alone here: "
+        f"{results['mkl_gflop_s']:.0f} GFLOP/s",
         "on the gate/up product (2048 x 576 x 1536).",
         "",
         *table(
-            "prompt tokens | kernels | tok/s | products s | products GFLOP/s | attention s | attention GFLOP/s | rest s",
+            "prompt tokens | kernels | tok/s | products s | products GFLOP/s | attention s | attention GFLOP/s "
+            "| rest s",
             rows,
         ),
     ]

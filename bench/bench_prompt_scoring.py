@@ -46,11 +46,24 @@ def measure(bench, n: int) -> str:
 
     recorder = prefill().recorder
     with torch.no_grad():
-        lse = seconds(lambda: [received_attention(q, k, positions, lse=lse) for (k, _, q), lse in zip(recorder.layers, recorder.lse, strict=True)])
+        lse = seconds(
+            lambda: [
+                received_attention(q, k, positions, lse=lse)
+                for (k, _, q), lse in zip(recorder.layers, recorder.lse, strict=True)
+            ]
+        )
         chunks = seconds(lambda: [received_attention(q, k, positions) for k, _, q in recorder.layers])
-        whole = seconds(lambda: [attention_mass(prompt_attention(q, k, positions, positions)) for k, _, q in recorder.layers])
+        whole = seconds(
+            lambda: [attention_mass(prompt_attention(q, k, positions, positions)) for k, _, q in recorder.layers]
+        )
         base = seconds(prefill)
-    return row(n, f"{base:.2f}", *(f"{t:.2f} | {t / base:.0%}" for t in (lse, chunks, whole)), f"{chunks / lse:.2f}x", f"{whole / lse:.1f}x")
+    return row(
+        n,
+        f"{base:.2f}",
+        *(f"{t:.2f} | {t / base:.0%}" for t in (lse, chunks, whole)),
+        f"{chunks / lse:.2f}x",
+        f"{whole / lse:.1f}x",
+    )
 
 
 def main() -> None:
@@ -58,8 +71,8 @@ def main() -> None:
     bench = load_bench(args.device, args.dtype)
     rows = [measure(bench, n) for n in LENGTHS]
     header = (
-        "prompt tokens | prefill (s) | scoring from the LSE (s) | / prefill | softmax chunks (s) | / prefill | whole matrix (s) | / prefill"
-        " | LSE vs softmax chunks | LSE vs whole matrix"
+        "prompt tokens | prefill (s) | scoring from the LSE (s) | / prefill | softmax chunks (s) | / prefill | "
+        "whole matrix (s) | / prefill | LSE vs softmax chunks | LSE vs whole matrix"
     )
     lines = [f"# H2O prompt scoring vs prefill ({machine(bench.device)}, {bench.dtype_name})", "", *table(header, rows)]
     write_results(lines, args.out, "prompt_scoring", bench.device)

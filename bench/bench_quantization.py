@@ -21,7 +21,16 @@ from common import bench_parser, decode_rate, load_bench, machine, parse_bench_a
 from kvlab.build import make_caches
 from kvlab.engine import compile_decode_step, generate
 
-SETTINGS = [(None, None), (16, None), (8, "token"), (8, "channel"), (4, "token"), (4, "channel"), (2, "token"), (2, "channel")]
+SETTINGS = [
+    (None, None),
+    (16, None),
+    (8, "token"),
+    (8, "channel"),
+    (4, "token"),
+    (4, "channel"),
+    (2, "token"),
+    (2, "channel"),
+]
 
 
 BITS_NAMES = {16: "16 (float16)"}
@@ -34,20 +43,46 @@ def storage_options(bits: int | None, axis: str | None) -> dict:
 def teacher_forced(model, ids: list[int], n_prompt: int, bits: int | None, axis: str | None) -> torch.Tensor:
     """Logits of every token after the prompt, each decoded through the (quantized) cache."""
     a, weight = model.config, model.tok_embeddings.weight
-    model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, weight.dtype, weight.device, **storage_options(bits, axis)))
+    model.setup_caches(
+        make_caches(
+            "full",
+            a.n_layer,
+            1,
+            a.n_local_heads,
+            len(ids),
+            a.head_dim,
+            weight.dtype,
+            weight.device,
+            **storage_options(bits, axis),
+        )
+    )
     model.cache_key = None
     with torch.no_grad():
-        model(torch.tensor([ids[:n_prompt]], device=weight.device), torch.arange(n_prompt, device=weight.device)[None], prefill=True)
-        steps = [model(torch.tensor([[ids[p]]], device=weight.device), torch.tensor([[p]], device=weight.device))[0] for p in range(n_prompt, len(ids) - 1)]
+        model(
+            torch.tensor([ids[:n_prompt]], device=weight.device),
+            torch.arange(n_prompt, device=weight.device)[None],
+            prefill=True,
+        )
+        steps = [
+            model(torch.tensor([[ids[p]]], device=weight.device), torch.tensor([[p]], device=weight.device))[0]
+            for p in range(n_prompt, len(ids) - 1)
+        ]
     return torch.cat(steps).float()
 
 
 def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=1000, help="prompt tokens per sample (default: 1000)")
-    p.add_argument("--decode_length", type=int, default=64, help="teacher-forced tokens scored per sample (default: 64)")
+    p.add_argument(
+        "--decode_length", type=int, default=64, help="teacher-forced tokens scored per sample (default: 64)"
+    )
     p.add_argument("--samples", type=int, default=4, help="samples at different offsets of the text (default: 4)")
-    p.add_argument("--speed_tokens", type=int, default=None, help="decoded tokens for the speed column (default: 32 on CPU, 256 on CUDA)")
+    p.add_argument(
+        "--speed_tokens",
+        type=int,
+        default=None,
+        help="decoded tokens for the speed column (default: 32 on CPU, 256 on CUDA)",
+    )
     args = parse_bench_args(p, "quantization")
 
     bench = load_bench(args.device, args.dtype)
@@ -84,8 +119,9 @@ def main() -> None:
         nll = statistics.mean(q[0] for q in quality[bits, axis])
         report(
             rows,
-            f"| {BITS_NAMES.get(bits, bits) if bits else 'none (' + bench.dtype_name + ')'} | {axis or '-'} | {nll:.4f} | {nll - full_nll:+.4f} | "
-            f"{max(q[1] for q in quality[bits, axis]):.3f} | {statistics.mean(q[2] for q in quality[bits, axis]):.3f} | "
+            f"| {BITS_NAMES.get(bits, bits) if bits else 'none (' + bench.dtype_name + ')'} | {axis or '-'} | "
+            f"{nll:.4f} | {nll - full_nll:+.4f} | {max(q[1] for q in quality[bits, axis]):.3f} | "
+            f"{statistics.mean(q[2] for q in quality[bits, axis]):.3f} | "
             f"{run.full_cache_bytes / run.kv_cache_bytes:.2f}x | {decode_rate(run):.1f} |",
         )
 
@@ -93,13 +129,15 @@ def main() -> None:
         [
             f"# Quantized KV storage, SmolLM2-135M-Instruct, {machine(device, 'CPU')}, {dtype}",
             "",
-            f"{args.samples} samples of the Paul Graham essays: {args.prompt_length}-token prompt, then {args.decode_length} tokens "
-            "teacher-forced through the cache (each decode step attends to dequantized keys/values).",
-            "Memory: allocated cache bytes against the same cache in the model's dtype. Speed: compiled decode, one run, "
-            f"{speed_tokens} tokens after a {args.prompt_length}-token prompt, batch 1.",
+            f"{args.samples} samples of the Paul Graham essays: {args.prompt_length}-token prompt, then "
+            f"{args.decode_length} tokens teacher-forced through the cache (each decode step attends to "
+            "dequantized keys/values).",
+            "Memory: allocated cache bytes against the same cache in the model's dtype. Speed: compiled "
+            f"decode, one run, {speed_tokens} tokens after a {args.prompt_length}-token prompt, batch 1.",
             "",
             *table(
-                "bits | key scales | next-token loss | vs full | max abs logit error | top-1 agreement | memory saved | decode tokens/s",
+                "bits | key scales | next-token loss | vs full | max abs logit error | top-1 agreement | memory "
+                "saved | decode tokens/s",
                 rows,
             ),
         ],

@@ -39,12 +39,19 @@ def scoring_every_step():
 
 def main() -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--strategies", nargs="+", default=["lagkv", "keydiff", "heavy_hitter"], help="evicting strategies (default: lagkv keydiff heavy_hitter)")
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["lagkv", "keydiff", "heavy_hitter"],
+        help="evicting strategies (default: lagkv keydiff heavy_hitter)",
+    )
     p.add_argument("--task", default="niah_single_1", help="RULER task (default: niah_single_1)")
     p.add_argument("--context_length", type=int, default=1024, help="RULER context length (default: 1024)")
     p.add_argument("--batch_size", type=int, default=8, help="examples in the batch (default: 8)")
     p.add_argument("--ratio", type=float, default=0.75, help="compression ratio (default: 0.75)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs of each variant; the fastest is reported (default: 2)")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="timed runs of each variant; the fastest is reported (default: 2)"
+    )
     args = parse_bench_args(p, "ratio_decode")
     bench = load_bench(args.device, args.dtype)
     (task,) = resolve_tasks([args.task])
@@ -59,16 +66,28 @@ def main() -> None:
                 bench.model.cache_key = None
                 with scoring_every_step() if variant == "scored" else nullcontext():
                     t0 = time.perf_counter()
-                    tokens[variant] = generate(bench.model, prompts, task.max_new_tokens, spec, decoded_prompt_tokens=questions).tokens
+                    tokens[variant] = generate(
+                        bench.model, prompts, task.max_new_tokens, spec, decoded_prompt_tokens=questions
+                    ).tokens
                     seconds[variant].append(time.perf_counter() - t0)
         scored, skipped = min(seconds["scored"]), min(seconds["skipped"])
-        rows.append(row(strategy, f"{scored:.1f}", f"{skipped:.1f}", f"{scored / skipped:.2f}x", tokens["scored"] == tokens["skipped"]))
+        rows.append(
+            row(
+                strategy,
+                f"{scored:.1f}",
+                f"{skipped:.1f}",
+                f"{scored / skipped:.2f}x",
+                tokens["scored"] == tokens["skipped"],
+            )
+        )
         print(rows[-1], flush=True)
     lines = [
-        f"# A ratio batch with and without the eviction score: {bench.config['name']} on {bench.device.type} ({machine(bench.device)}), {bench.dtype_name}",
+        f"# A ratio batch with and without the eviction score: {bench.config['name']} on {bench.device.type} "
+        f"({machine(bench.device)}), {bench.dtype_name}",
         "",
-        f"RULER {args.task} at {args.context_length} tokens, {len(prompts)} examples in one batch, ratio {args.ratio}, query-agnostic "
-        f"(context prefilled and compressed, question and answer decoded), eager; fastest of {args.repeats} runs per variant, alternating.",
+        f"RULER {args.task} at {args.context_length} tokens, {len(prompts)} examples in one batch, ratio "
+        f"{args.ratio}, query-agnostic (context prefilled and compressed, question and answer decoded), eager; "
+        f"fastest of {args.repeats} runs per variant, alternating.",
         "",
         *table("strategy | score every step (s) | score skipped (s) | speed-up | same tokens", rows),
     ]

@@ -34,7 +34,8 @@ WINDOW = 1024  # tokens per point of a curve
 
 
 def run(strategy: str, budget: int, chunk: int, tokens: int) -> dict:
-    """One streamed run in this process: per-window perplexities, the whole text's, seconds, RSS loaded and at peak (MB)."""
+    """One streamed run in this process: per-window perplexities, the whole text's, seconds, RSS loaded and at peak
+    (MB)."""
     bench = load_bench("cpu", "float32")
     ids = bench.tokenizer.encode(kjv_books()[0][1])[:tokens]
     if len(ids) < tokens:
@@ -43,7 +44,9 @@ def run(strategy: str, budget: int, chunk: int, tokens: int) -> dict:
     stream_losses(bench.model, ids[: 2 * chunk], spec, chunk)  # warm-up: the weights paged in, one-time initialisation
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    losses = stream_losses(bench.model, ids, spec, chunk, on_chunk=lambda n: print(f"{strategy}: {n} tokens", file=sys.stderr, flush=True))
+    losses = stream_losses(
+        bench.model, ids, spec, chunk, on_chunk=lambda n: print(f"{strategy}: {n} tokens", file=sys.stderr, flush=True)
+    )
     seconds = time.perf_counter() - t0
     windows = losses[: len(losses) // WINDOW * WINDOW].view(-1, WINDOW).mean(dim=1).exp().tolist()
     return {
@@ -58,7 +61,9 @@ def run(strategy: str, budget: int, chunk: int, tokens: int) -> dict:
 
 
 def in_process(*arguments) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--run", json.dumps(arguments)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--run", json.dumps(arguments)], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -88,16 +93,28 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512, help="slots per layer and KV head (default: 512)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default: 512)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens read for each curve (default: 16384)")
-    p.add_argument("--long_tokens", type=int, default=100_000, help="tokens of the long keydiff run (default: 100000; 0 skips it)")
+    p.add_argument(
+        "--long_tokens", type=int, default=100_000, help="tokens of the long keydiff run (default: 100000; 0 skips it)"
+    )
     args = parse_bench_args(p, "streaming")
     curves = {s: in_process(s, args.budget, args.chunk, args.tokens) for s in STRATEGIES}
     results = {"cpu": machine(torch.device("cpu")), "budget": args.budget, "chunk": args.chunk, "curves": curves}
     rows = [
-        row(s, args.tokens, f"{c['ppl']:.2f}", f"{c['window_ppl'][0]:.2f}", f"{c['window_ppl'][-1]:.2f}", f"{c['tokens_per_s']:.0f}", f"{c['rss_peak_mb']:.0f}")
+        row(
+            s,
+            args.tokens,
+            f"{c['ppl']:.2f}",
+            f"{c['window_ppl'][0]:.2f}",
+            f"{c['window_ppl'][-1]:.2f}",
+            f"{c['tokens_per_s']:.0f}",
+            f"{c['rss_peak_mb']:.0f}",
+        )
         for s, c in curves.items()
     ]
     if args.long_tokens:
-        results["long"] = long = in_process("keydiff", args.budget, args.chunk, args.long_tokens) | {"strategy": "keydiff"}
+        results["long"] = long = in_process("keydiff", args.budget, args.chunk, args.long_tokens) | {
+            "strategy": "keydiff"
+        }
         rows.append(
             row(
                 "keydiff",
@@ -114,17 +131,20 @@ def main() -> None:
     lines = [
         f"# Streaming perplexity beyond the context ({results['cpu']})",
         "",
-        f"torch {torch.__version__}; SmolLM2-135M-Instruct (context 8,192) in float32; the King James Bible from its start; "
-        f"--max_cache_length {args.budget}, chunks of {args.chunk}; StreamingLLM's positions within the cache (keys re-rotated). "
-        f"Window: {WINDOW} tokens. RSS once loaded and warmed up: {curves['keydiff']['rss_loaded_mb']:.0f} MB. Curves: {out.with_suffix('.png').name}.",
+        f"torch {torch.__version__}; SmolLM2-135M-Instruct (context 8,192) in float32; the King James Bible "
+        f"from its start; --max_cache_length {args.budget}, chunks of {args.chunk}; StreamingLLM's positions "
+        f"within the cache (keys re-rotated). Window: {WINDOW} tokens. RSS once loaded and warmed up: "
+        f"{curves['keydiff']['rss_loaded_mb']:.0f} MB. Curves: {out.with_suffix('.png').name}.",
         "",
-        *table("strategy | tokens | perplexity | first window | last window | tokens/s | peak RSS (MB)", rows, align="---:"),
+        *table(
+            "strategy | tokens | perplexity | first window | last window | tokens/s | peak RSS (MB)", rows, align="---:"
+        ),
     ]
     if args.long_tokens:
         lines.insert(
             -1,
-            f"The {args.long_tokens:,}-token keydiff run took {long['seconds'] / 60:.1f} min, peak RSS {long['rss_peak_mb']:.0f} MB "
-            f"({long['rss_loaded_mb']:.0f} MB once loaded and warmed up).\n",
+            f"The {args.long_tokens:,}-token keydiff run took {long['seconds'] / 60:.1f} min, peak RSS "
+            f"{long['rss_peak_mb']:.0f} MB ({long['rss_loaded_mb']:.0f} MB once loaded and warmed up).\n",
         )
     write_results(lines, out, "streaming", torch.device("cpu"), results=results)
 

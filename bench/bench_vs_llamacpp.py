@@ -1,8 +1,10 @@
-"""kvlab against llama.cpp on this CPU, in one run: same prompts (the same token ids), same threads, same weights (issue 31).
+"""kvlab against llama.cpp on this CPU, in one run: same prompts (the same token ids), same threads, same weights (issue
+31).
 
     pip install -e ".[bench]"          # llama-cpp-python, built from source with this CPU's flags (~5 min)
     python bench/bench_vs_llamacpp.py  # prompts of 512 and 2048 tokens, 64 new tokens, 5 interleaved rounds
-    python bench/bench_vs_llamacpp.py --groups bf16 --out bench/results/vs_llamacpp_bf16_cpu.md   # some groups of weights only
+    # some groups of weights only:
+    python bench/bench_vs_llamacpp.py --groups bf16 --out bench/results/vs_llamacpp_bf16_cpu.md
 
 Weights: llama.cpp reads GGUFs written from the shipped Q4_1 file by llama-cpp-python's
 `llama_model_quantize` (F32: its dequantized weights, which are kvlab's float32 checkpoint; Q8_0; Q4_0;
@@ -21,8 +23,9 @@ default is off, 7-20% slower); the float32 rows are measured against it with fla
 labelled so. Both sides decode greedily from the same prompt ids. Prefill: one call over the prompt (llama.cpp
 in its default batches of 512; kvlab eager, as generate.py runs it), for every group of weights. Decode: tok/s
 over the steps after the first, kvlab's compiled (generate.py --compile). A long prompt (--long_prompt, 8,191
-tokens by default: with the token it answers, SmolLM2's whole context) is prefilled alone: kvlab float32 at once and in chunks of 512 (--prefill_chunk 512), against
-llama.cpp F32, in --long_repeats rounds. Without llama-cpp-python the bench says so and measures kvlab alone.
+tokens by default: with the token it answers, SmolLM2's whole context) is prefilled alone: kvlab float32 at once and in
+chunks of 512 (--prefill_chunk 512), against llama.cpp F32, in --long_repeats rounds. Without llama-cpp-python the bench
+says so and measures kvlab alone.
 
 Writes bench/results/vs_llamacpp_cpu.md and .json: {"decode_<fp32|int8|int4|int4_x32|int4_x8|fp32_kv32|bf16>_<n>",
 "prefill_<fp32|int8|int4|bf16>_<n>", "<decode|prefill>_fp32_flash_off_<n>" (against llama.cpp without flash
@@ -50,7 +53,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import QUANTIZATIONS, RESULTS, Bench, bench_parser, interleaved, load_bench, machine, parse_bench_args, row, table, write_results
+from common import (
+    QUANTIZATIONS,
+    RESULTS,
+    Bench,
+    bench_parser,
+    interleaved,
+    load_bench,
+    machine,
+    parse_bench_args,
+    row,
+    table,
+    write_results,
+)
 from kvlab import kernels
 from kvlab.config import cache_spec
 from kvlab.convert import default_gguf_path
@@ -139,7 +154,9 @@ def same_greedy_tokens(model, prompt: list[int], new_tokens: int) -> int:
     import llama_cpp
 
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(str(gguf_file("F32")), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(
+        str(gguf_file("F32")), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, flash_attn=True, verbose=False
+    )
     llm.eval(prompt)
     theirs = []
     for _ in range(new_tokens):
@@ -172,7 +189,9 @@ def load_ggufs(group: str, n_ctx: int, only: str | None = None) -> dict:
 
     threads = torch.get_num_threads()
     return {
-        name: llama_cpp.Llama(str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash, verbose=False)
+        name: llama_cpp.Llama(
+            str(gguf_file(g)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash, verbose=False
+        )
         for name, (g, flash) in LLAMA_RUNS[group].items()
         if only in (None, name)
     }
@@ -190,18 +209,26 @@ def measure(args) -> tuple[Bench, dict]:
         torch._dynamo.reset()
         model = weights_of(bench, group)
         lay_out_for_matvec(model)
-        models = {name: with_x_bits(copy.deepcopy(model), bits) if bits else model for name, (_, bits) in variants.items()}
+        models = {
+            name: with_x_bits(copy.deepcopy(model), bits) if bits else model for name, (_, bits) in variants.items()
+        }
         llms = load_ggufs(group, max(args.prompt_lengths) + args.new_tokens + 8) if with_llamacpp else {}
         for n in args.prompt_lengths:
             ids = bench.ids[:n]
-            steps = {name: compile_decode_step(torch.device("cpu")) for name in variants}  # each its own graphs: one process, one model, as generate.py
-            runs = {name: kvlab_run(models[name], steps[name], cache, ids, args.new_tokens) for name, (cache, _) in variants.items()}
+            # each its own graphs: one process, one model, as generate.py
+            steps = {name: compile_decode_step(torch.device("cpu")) for name in variants}
+            runs = {
+                name: kvlab_run(models[name], steps[name], cache, ids, args.new_tokens)
+                for name, (cache, _) in variants.items()
+            }
             runs |= {g: llamacpp_run(llm, ids, args.new_tokens) for g, llm in llms.items()}
             print(f"{group} @{n}: {', '.join(runs)} interleaved, {args.repeats} rounds", file=sys.stderr, flush=True)
             samples[group, n] = interleaved(runs, args.repeats)
         del llms
     if with_llamacpp and "fp32" in args.groups:
-        samples["same_greedy_tokens"] = same_greedy_tokens(bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens)
+        samples["same_greedy_tokens"] = same_greedy_tokens(
+            bench.model, bench.ids[: min(args.prompt_lengths)], args.new_tokens
+        )
     return bench, samples
 
 
@@ -217,7 +244,11 @@ def measure_long_prompt(bench: Bench, args, with_llamacpp: bool) -> dict:
     }
     if with_llamacpp:
         runs["F32"] = llamacpp_run(load_ggufs("fp32", len(ids) + 8, only="F32")["F32"], ids, 1)
-    print(f"long prompt @{len(ids)}: {', '.join(runs)} interleaved, {args.long_repeats} rounds", file=sys.stderr, flush=True)
+    print(
+        f"long prompt @{len(ids)}: {', '.join(runs)} interleaved, {args.long_repeats} rounds",
+        file=sys.stderr,
+        flush=True,
+    )
     return interleaved(runs, args.long_repeats)
 
 
@@ -247,29 +278,50 @@ def results_of(args, samples: dict) -> dict:
     rates."""
     lengths = args.prompt_lengths
     with_llamacpp = all(g in samples[group, lengths[0]] for group in args.groups for g in LLAMA_RUNS[group])
-    by_gguf = {g: {n: [median_of(samples[group, n][g], w) for w in (0, 1)] for n in lengths} for group in args.groups for g in LLAMA_RUNS[group]}
+    by_gguf = {
+        g: {n: [median_of(samples[group, n][g], w) for w in (0, 1)] for n in lengths}
+        for group in args.groups
+        for g in LLAMA_RUNS[group]
+    }
     flash_on = {group: [g for g, (_, flash) in LLAMA_RUNS[group].items() if flash] for group in args.groups}
-    best = {group: max(flash_on[group], key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group in args.groups} if with_llamacpp else {}
+    best = (
+        {group: max(flash_on[group], key=lambda g: sum(by_gguf[g][n][1] for n in lengths)) for group in args.groups}
+        if with_llamacpp
+        else {}
+    )
     results: dict = {}
     for group in args.groups:
         for name in GROUPS[group]:
             for n in lengths:
-                results[f"decode_{name}_{n}"] = cell(samples[group, n][name], samples[group, n][best[group]] if with_llamacpp else None, 1)
+                results[f"decode_{name}_{n}"] = cell(
+                    samples[group, n][name], samples[group, n][best[group]] if with_llamacpp else None, 1
+                )
         for n in lengths:
             anchor = flash_on[group][0]
-            results[f"prefill_{group}_{n}"] = cell(samples[group, n][group], samples[group, n][anchor] if with_llamacpp else None, 0)
+            results[f"prefill_{group}_{n}"] = cell(
+                samples[group, n][group], samples[group, n][anchor] if with_llamacpp else None, 0
+            )
     for which, key in ((1, "decode"), (0, "prefill")):
         for n in lengths if with_llamacpp and "fp32" in args.groups else ():
-            results[f"{key}_fp32_flash_off_{n}"] = cell(samples["fp32", n]["fp32"], samples["fp32", n][FLASH_OFF], which)
+            results[f"{key}_fp32_flash_off_{n}"] = cell(
+                samples["fp32", n]["fp32"], samples["fp32", n][FLASH_OFF], which
+            )
     if args.long_prompt:
         long = samples["long", args.long_prompt]
         for name in (n for n in long if n.startswith("fp32")):
             results[f"prefill_{name}_{args.long_prompt}"] = cell(long[name], long.get("F32"), 0)
-    results |= {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "load": os.getloadavg(), "isa": kernels.REASON}
+    results |= {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "load": os.getloadavg(),
+        "isa": kernels.REASON,
+    }
     if with_llamacpp:
         results |= {"llamacpp_flash_attn": True, "llamacpp_int4": best.get("int4"), "llamacpp_by_gguf": by_gguf}
         results["same_greedy_tokens_fp32"] = samples.get("same_greedy_tokens")
-    results["rounds"] = {f"{group}@{n}": runs for (group, n), runs in ((k, v) for k, v in samples.items() if isinstance(k, tuple))}
+    results["rounds"] = {
+        f"{group}@{n}": runs for (group, n), runs in ((k, v) for k, v in samples.items() if isinstance(k, tuple))
+    }
     return results
 
 
@@ -279,7 +331,15 @@ def fmt(v: float | None, spec: str = ".1f") -> str:
 
 def report_lines(args, bench, results: dict) -> list[str]:
     int4 = results.get("llamacpp_int4") or "Q4_0/Q4_1"
-    gguf_of = {"fp32": "F32", "int8": "Q8_0", "int4": int4, "int4_x32": int4, "int4_x8": int4, "fp32_kv32": "F32", "bf16": "BF16"}
+    gguf_of = {
+        "fp32": "F32",
+        "int8": "Q8_0",
+        "int4": int4,
+        "int4_x32": int4,
+        "int4_x8": int4,
+        "fp32_kv32": "F32",
+        "bf16": "BF16",
+    }
     gguf_of |= {"fp32_flash_off": "F32, flash attention off", f"fp32_chunk{LONG_CHUNK}": "F32"}
     weights_of = {
         f"fp32_chunk{LONG_CHUNK}": f"fp32, float32 cache, --prefill_chunk {LONG_CHUNK}",
@@ -289,28 +349,51 @@ def report_lines(args, bench, results: dict) -> list[str]:
         "fp32_kv32": "fp32, float32 cache",
         "bf16": "bf16, bfloat16 cache",
     }
-    cells = [(key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v) for key, v in results.items() if isinstance(v, dict) and "kvlab" in v]
-    cells = [(m, "fp32_kv32" if m == "prefill" and kind == "fp32" and n == str(args.long_prompt) else kind, n, v) for m, kind, n, v in cells]
+    cells = [
+        (key.split("_")[0], "_".join(key.split("_")[1:-1]), key.split("_")[-1], v)
+        for key, v in results.items()
+        if isinstance(v, dict) and "kvlab" in v
+    ]
+    cells = [
+        (m, "fp32_kv32" if m == "prefill" and kind == "fp32" and n == str(args.long_prompt) else kind, n, v)
+        for m, kind, n, v in cells
+    ]
     lines = [
         f"# kvlab against llama.cpp: {bench.config['name']} ({machine(bench.device)})",
         "",
-        f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy; the same prompt ids on both sides;",
-        "a float16 cache on both sides (llama.cpp's default; kvlab's --cache_bits 16) but in the rows marked float32 cache;",
+        f"torch {torch.__version__}; kvlab's kernels: {kernels.path()}; batch 1, greedy; the same prompt ids on "
+        "both sides;",
+        "a float16 cache on both sides (llama.cpp's default; kvlab's --cache_bits 16) but in the rows marked "
+        "float32 cache;",
         "llama.cpp with flash attention on (flash_attn=True) but in the rows marked off.",
-        f"{args.new_tokens} new tokens; {args.repeats} rounds after a warm-up, each running every kvlab variant and GGUF of",
-        "a row's weights in turn (this machine's memory bandwidth moves between rounds); rates are medians over the rounds,",
+        f"{args.new_tokens} new tokens; {args.repeats} rounds after a warm-up, each running every kvlab variant "
+        "and GGUF of",
+        "a row's weights in turn (this machine's memory bandwidth moves between rounds); rates are medians over "
+        "the rounds,",
         "ratios the median of the rounds' ratios.",
         "",
         *table(
-            "measure | prompt tokens | kvlab weights | llama.cpp GGUF | kvlab tok/s | llama.cpp tok/s | kvlab / llama.cpp",
-            (row(m, n, weights_of.get(kind, kind), gguf_of[kind], fmt(v["kvlab"]), fmt(v["llamacpp"]), fmt(v["ratio"], ".2f")) for m, kind, n, v in cells),
+            "measure | prompt tokens | kvlab weights | llama.cpp GGUF | kvlab tok/s | llama.cpp tok/s | kvlab / "
+            "llama.cpp",
+            (
+                row(
+                    m,
+                    n,
+                    weights_of.get(kind, kind),
+                    gguf_of[kind],
+                    fmt(v["kvlab"]),
+                    fmt(v["llamacpp"]),
+                    fmt(v["ratio"], ".2f"),
+                )
+                for m, kind, n, v in cells
+            ),
             align="---:",
         ),
     ]
     if results.get("same_greedy_tokens_fp32") is not None:
         lines += [
-            f"kvlab float32 and llama.cpp F32 agree on the first {results['same_greedy_tokens_fp32']} of {args.new_tokens} greedy tokens "
-            f"from the {min(args.prompt_lengths)}-token prompt.",
+            f"kvlab float32 and llama.cpp F32 agree on the first {results['same_greedy_tokens_fp32']} of "
+            f"{args.new_tokens} greedy tokens from the {min(args.prompt_lengths)}-token prompt.",
             "",
         ]
     if results.get("llamacpp_by_gguf"):
@@ -319,7 +402,10 @@ def report_lines(args, bench, results: dict) -> list[str]:
             "",
             *table(
                 "GGUF | " + " | ".join(f"{n} tokens" for n in args.prompt_lengths),
-                (row(g, *(f"{r[n][0]:.0f} / {r[n][1]:.1f}" for n in args.prompt_lengths)) for g, r in results["llamacpp_by_gguf"].items()),
+                (
+                    row(g, *(f"{r[n][0]:.0f} / {r[n][1]:.1f}" for n in args.prompt_lengths))
+                    for g, r in results["llamacpp_by_gguf"].items()
+                ),
             ),
         ]
     return lines
@@ -333,9 +419,20 @@ def sections_of_other_benches(out: Path) -> dict:
 
 def main() -> None:
     p = bench_parser(__doc__, dtype=False)
-    p.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths in tokens (default: 512 2048)")
+    p.add_argument(
+        "--prompt_lengths",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="prompt lengths in tokens (default: 512 2048)",
+    )
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per run (default: 64)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up; medians over them are reported (default: 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds after a warm-up; medians over them are reported (default: 5)",
+    )
     p.add_argument(
         "--groups",
         nargs="+",
@@ -347,9 +444,12 @@ def main() -> None:
         "--long_prompt",
         type=int,
         default=8191,
-        help="the long prompt's tokens, prefilled alone (default: 8191, with the token it answers the model's whole context; 0: none)",
+        help="the long prompt's tokens, prefilled alone (default: 8191, with the token it answers the model's "
+        "whole context; 0: none)",
     )
-    p.add_argument("--long_repeats", type=int, default=2, help="timed rounds of the long prompt after a warm-up (default: 2)")
+    p.add_argument(
+        "--long_repeats", type=int, default=2, help="timed rounds of the long prompt after a warm-up (default: 2)"
+    )
     args = parse_bench_args(p, "vs_llamacpp")
     kernels.load()
     bench, samples = measure(args)

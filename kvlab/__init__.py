@@ -29,7 +29,10 @@ def kernel_sources_digest() -> str:
 
 
 if "KVLAB_COMPILE_CACHE" in os.environ or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    _cache_root = os.environ.get("KVLAB_COMPILE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor"
+    _cache_root = (
+        os.environ.get("KVLAB_COMPILE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab" / "inductor"
+    )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(_cache_root) / f"kernels-{kernel_sources_digest()}")
 
 

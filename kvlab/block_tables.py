@@ -57,19 +57,31 @@ class BlockTables(nn.Module):
         self.full_pool = n_layer * batch_size * n_kv_heads * self.max_blocks  # every sequence uncompressed
         self.auto_pool = pool_blocks is None
         if pool_blocks is not None:
-            check_fits("kvc_pool_blocks", pool_blocks, BlockPool.block_footprint(block_size, head_dim, dtype), torch.device(device or "cpu"))
+            check_fits(
+                "kvc_pool_blocks",
+                pool_blocks,
+                BlockPool.block_footprint(block_size, head_dim, dtype),
+                torch.device(device or "cpu"),
+            )
         self.pool = BlockPool(0 if pool_blocks is None else pool_blocks, block_size, head_dim, dtype, device)
         L, B, H = n_layer, batch_size, n_kv_heads
-        self.register_buffer("table", torch.full((L, B, H, self.max_blocks), -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer(
+            "table", torch.full((L, B, H, self.max_blocks), -1, dtype=torch.long, device=device), persistent=False
+        )
         self.register_buffer("length", torch.zeros(L, B, H, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("last_pos", torch.full((B,), -1, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("active", torch.zeros(B, dtype=torch.bool, device=device), persistent=False)
         # (layer, row, head) holding each slot's block, for FlexAttention's mask function; kept up to date host-side
         # (`_track_owners`): built inside a compiled step, or read per block (owner[kv // block]), it broke
         # Inductor's CPU flex kernel (torch 2.13: wrong values, then C++ that did not compile)
-        self.register_buffer("owner", torch.full(((self.pool.n_blocks + 1) * block_size,), -1, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer(
+            "owner",
+            torch.full(((self.pool.n_blocks + 1) * block_size,), -1, dtype=torch.long, device=device),
+            persistent=False,
+        )
         self.prefill_rows: Tensor | None = None
-        self.view_blocks = view_width(0, self.max_blocks)  # blocks per head the attention view gathers (host-side: see view_width)
+        # blocks per head the attention view gathers (host-side: see view_width)
+        self.view_blocks = view_width(0, self.max_blocks)
 
     def block_mask(self, layer: int, input_pos: Tensor, n_query_heads: int) -> BlockMask:
         """FlexAttention's block mask over the whole pool for one decode step of a layer, from its block
@@ -107,11 +119,15 @@ class BlockTables(nn.Module):
         R = input_pos.shape[0]
         n = self.length[layer, :R]  # [R, H]
         writes = (input_pos >= 0).expand_as(n)
-        block = self.table[layer, :R].gather(2, (n // self.block_size).clamp(max=self.max_blocks - 1)[..., None])[..., 0]
+        block = self.table[layer, :R].gather(2, (n // self.block_size).clamp(max=self.max_blocks - 1)[..., None])[
+            ..., 0
+        ]
         block = torch.where(writes & (block >= 0), block, 0)
         offset = n % self.block_size
-        self.pool.k[block, offset] = torch.where(writes[..., None], k[:, :, 0], 0.0)  # an idle row's k, v may be NaN (it attends
-        self.pool.v[block, offset] = torch.where(writes[..., None], v[:, :, 0], 0.0)  # nothing); the null block must stay finite
+        # an idle row's k, v may be NaN (it attends
+        self.pool.k[block, offset] = torch.where(writes[..., None], k[:, :, 0], 0.0)
+        # nothing); the null block must stay finite
+        self.pool.v[block, offset] = torch.where(writes[..., None], v[:, :, 0], 0.0)
         self.pool.pos[block, offset] = torch.where(writes, input_pos, -1)
         self.pool.metric[block, offset] = 0.0
         self.length[layer, :R] += writes.long()
@@ -133,7 +149,9 @@ class BlockTables(nn.Module):
         index = torch.arange(self.max_blocks, device=k.device)
         fresh = (index >= have[..., None]) & (index < need[..., None])
         table[fresh] = self.pool.allocate(int(fresh.sum()))
-        slots = self._slot_ids(table).gather(2, (n[..., None] + torch.arange(N, device=k.device)).clamp(max=self.max_blocks * self.block_size - 1))
+        slots = self._slot_ids(table).gather(
+            2, (n[..., None] + torch.arange(N, device=k.device)).clamp(max=self.max_blocks * self.block_size - 1)
+        )
         filled = (input_pos >= 0)[:, None, :].expand(B, H, N)
         self.pool.k.view(-1, D)[slots[filled]] = k[filled]
         self.pool.v.view(-1, D)[slots[filled]] = v[filled]
@@ -158,24 +176,32 @@ class BlockTables(nn.Module):
         self.pool.pos.view(-1)[slots[real]] = pos[real]
         self.pool.metric.view(-1)[slots[real]] = metric[real]
         self.length[:, row][heads] = kept
-        emptied = (torch.arange(self.max_blocks, device=slots.device) >= ((kept + self.block_size - 1) // self.block_size)[..., None]) & (table >= 0)
+        emptied = (
+            torch.arange(self.max_blocks, device=slots.device)
+            >= ((kept + self.block_size - 1) // self.block_size)[..., None]
+        ) & (table >= 0)
         self.pool.release(table[emptied])
         self.table[:, row][heads] = table.masked_fill(emptied, -1)
 
     def _track_owners(self) -> None:
-        """After the host changed block tables: each slot's (layer, row, head), for FlexAttention's mask (`block_mask`)."""
+        """After the host changed block tables: each slot's (layer, row, head), for FlexAttention's mask
+        (`block_mask`)."""
         if self.attention != "flex":
             return
         held = self.table >= 0
         owner = torch.full((self.pool.n_blocks + 1,), -1, dtype=torch.long, device=self.table.device)
-        owner[self.table[held]] = torch.arange(held.numel() // held.shape[-1], device=held.device).repeat_interleave(held.shape[-1])[held.flatten()]
+        owner[self.table[held]] = torch.arange(held.numel() // held.shape[-1], device=held.device).repeat_interleave(
+            held.shape[-1]
+        )[held.flatten()]
         owner = owner.repeat_interleave(self.block_size)
         if owner.shape == self.owner.shape:  # in place: a CUDA graph keeps reading the same buffer
             self.owner.copy_(owner)
             return
         self.owner = owner
-        for pooled in (self.pool.k, self.pool.v, self.pool.pos, self.owner):  # a resized pool recompiles the step at its new size: with
-            torch._dynamo.mark_static(pooled)  # the KV length symbolic, Inductor's CPU flex kernel emits C++ that does not compile (torch 2.13)
+        # a resized pool recompiles the step at its new size: with
+        for pooled in (self.pool.k, self.pool.v, self.pool.pos, self.owner):
+            # the KV length symbolic, Inductor's CPU flex kernel emits C++ that does not compile (torch 2.13)
+            torch._dynamo.mark_static(pooled)
 
     def release_all(self) -> None:
         """Free every row's blocks."""
@@ -199,7 +225,9 @@ class BlockTables(nn.Module):
 
     def _slot_ids(self, table: Tensor) -> Tensor:
         """[..., M] block ids -> [..., M x block] flat slot ids (unused entries point into the null block)."""
-        return (table.clamp(min=0)[..., None] * self.block_size + torch.arange(self.block_size, device=table.device)).flatten(-2)
+        return (
+            table.clamp(min=0)[..., None] * self.block_size + torch.arange(self.block_size, device=table.device)
+        ).flatten(-2)
 
     def blocks_in_use(self) -> int:
         return int(self._blocks_held().sum())

@@ -35,12 +35,20 @@ LAYER_BUDGET_OPTION = choice(
     "layer_budget",
     LAYER_BUDGETS,
     "uniform",
-    "split each sequence's total budget (max_cache_length x compressing layers) over the layers at prefill, per prompt: uniform "
-    "(as configured), pyramid (PyramidKV), funnel (pyramid reversed) or squeeze (SqueezeAttention)",
+    "split each sequence's total budget (max_cache_length x compressing layers) over the layers at prefill, per "
+    "prompt: uniform (as configured), pyramid (PyramidKV), funnel (pyramid reversed) or squeeze "
+    "(SqueezeAttention)",
 )
-SQUEEZE_P = fraction("squeeze_p", DEFAULT_SQUEEZE_P, "layer_budget squeeze: the least important layers' share of the uniform budget")
-PYRAMID_BETA = integer("pyramid_beta", DEFAULT_PYRAMID_BETA, "layer_budget pyramid/funnel: the smallest layer keeps 1/beta of the average's unprotected slots")
-PLANNER_OPTIONS = {"squeeze": (SQUEEZE_P,), "pyramid": (PYRAMID_BETA,), "funnel": (PYRAMID_BETA,)}  # the settings each planner takes
+SQUEEZE_P = fraction(
+    "squeeze_p", DEFAULT_SQUEEZE_P, "layer_budget squeeze: the least important layers' share of the uniform budget"
+)
+PYRAMID_BETA = integer(
+    "pyramid_beta",
+    DEFAULT_PYRAMID_BETA,
+    "layer_budget pyramid/funnel: the smallest layer keeps 1/beta of the average's unprotected slots",
+)
+# the settings each planner takes
+PLANNER_OPTIONS = {"squeeze": (SQUEEZE_P,), "pyramid": (PYRAMID_BETA,), "funnel": (PYRAMID_BETA,)}
 
 
 def split_budget(weights: Sequence[float], total: int, floor: Sequence[int], ceiling: Sequence[int]) -> list[int]:
@@ -73,7 +81,9 @@ def split_budget(weights: Sequence[float], total: int, floor: Sequence[int], cei
     return counts
 
 
-def pyramid_schedule(budget: int, window: int, n_layer: int, length: int, beta: int = DEFAULT_PYRAMID_BETA) -> list[int]:
+def pyramid_schedule(
+    budget: int, window: int, n_layer: int, length: int, beta: int = DEFAULT_PYRAMID_BETA
+) -> list[int]:
     """PyramidKV's per-layer slots for an average of `budget` per layer (`window` of them protected):
     from max down to min = (budget - window) // beta in equal integer steps, with max = 2(budget - window)
     - min, capped at the sequence length; uniform when the sequence is shorter than 2(budget - window)."""
@@ -88,7 +98,9 @@ def pyramid_schedule(budget: int, window: int, n_layer: int, length: int, beta: 
     return [high - layer * step + window for layer in range(n_layer)]
 
 
-def pyramid_ratio_schedule(length: int, ratio: float, n_layer: int, window: int, beta: int = DEFAULT_PYRAMID_BETA) -> list[int]:
+def pyramid_ratio_schedule(
+    length: int, ratio: float, n_layer: int, window: int, beta: int = DEFAULT_PYRAMID_BETA
+) -> list[int]:
     """kvpress's PyramidKVPress: prompt tokens each of `n_layer` layers keeps from a `length`-token prompt
     at compression `ratio`, falling linearly with depth from max to min = length(1 - ratio) / beta, with
     max + min = 2 length(1 - ratio) (so the layers keep the uniform total), max capped at length - window.
@@ -157,7 +169,8 @@ def plan_budgets(
         weights = squeeze_weights(similarity, squeeze_p)
     else:
         raise ValueError(f"unknown layer budget planner {planner!r}; choose from: {', '.join(LAYER_BUDGETS)}")
-    return split_budget(weights, total, floor, [max(length, f) for f in floor])  # a floor above the sequence keeps all of it
+    # a floor above the sequence keeps all of it
+    return split_budget(weights, total, floor, [max(length, f) for f in floor])
 
 
 @contextmanager
@@ -166,11 +179,16 @@ def residual_similarity(model: Transformer) -> Iterator[list[Tensor]]:
     similarity between the hidden state entering the layer and the state after its attention residual,
     per token [B, T]. Yields the list the layers append to (in order). Uses hooks, so model.py stays as it is."""
     similarities: list[Tensor] = []
-    entering: dict[str, Tensor] = {}  # the running layer's input only (every layer's would stay alive for the whole pass)
+    # the running layer's input only (every layer's would stay alive for the whole pass)
+    entering: dict[str, Tensor] = {}
     handles = []
     for layer in model.layers:
         handles.append(layer.register_forward_pre_hook(lambda module, args: entering.update(x=args[0])))
-        handles.append(layer.attention.register_forward_hook(lambda module, args, out: similarities.append(_cosine(entering["x"], out))))
+        handles.append(
+            layer.attention.register_forward_hook(
+                lambda module, args, out: similarities.append(_cosine(entering["x"], out))
+            )
+        )
     try:
         yield similarities
     finally:

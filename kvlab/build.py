@@ -49,7 +49,9 @@ def make_caches(
     accepted = strategy_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"cache strategy {strategy!r} does not take {', '.join(unknown)}; it takes: {', '.join(accepted)}")
+        raise ValueError(
+            f"cache strategy {strategy!r} does not take {', '.join(unknown)}; it takes: {', '.join(accepted)}"
+        )
     if cls.shares_pool:  # one block pool for all the layers
         return cls.for_layers(n_layer, batch_size, n_kv_heads, capacity, head_dim, dtype, device, history, **options)
     kwargs: dict[str, Any] = {}
@@ -61,7 +63,8 @@ def make_caches(
             name = strategy  # its own prompt compressor takes its own options (lagkv with --lagkv_size)
         if compressor_options and name is None:
             raise ValueError(
-                f"{', '.join(compressor_options)} apply to --prompt_compression_strategy {', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}"
+                f"{', '.join(compressor_options)} apply to --prompt_compression_strategy "
+                f"{', '.join({COMPRESSOR_OPTIONS[k] for k in compressor_options})}"
             )
         if name is not None:
             kwargs["prompt_compressor"] = make_prompt_compressor(name, **compressor_options)
@@ -111,7 +114,8 @@ def layer_slots(spec: CacheSpec, max_seq_length: int) -> list[int]:
         if isinstance(n, float) and fitted > given:
             outcome = "nothing is evicted" if fitted >= max_seq_length else f"using {fitted}"
             say_once(
-                f"note: --max_cache_length {n} gives {given} of {max_seq_length} slots here; {s} needs at least {fitted} (its protected tokens + 1), so {outcome}"
+                f"note: --max_cache_length {n} gives {given} of {max_seq_length} slots here; {s} needs at least "
+                f"{fitted} (its protected tokens + 1), so {outcome}"
             )
         slots.append(fitted)
     return slots
@@ -138,12 +142,23 @@ def quiet_notices() -> Iterator[None]:
         _QUIET[0] = False
 
 
-def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacities: list[int], history: int) -> list[KVCache]:
+def setup_caches(
+    model: Transformer, spec: CacheSpec, batch_size: int, capacities: list[int], history: int
+) -> list[KVCache]:
     """Attach one cache per layer (strategies per layer; each layer takes the options its strategy declares).
     Reuses the model's caches when they were built for the same spec and are still the ones attached (not
     caches a caller attached since), so a compiled decode step is not recompiled between calls."""
-    weight, attention = model.norm.weight, model.layers[0].attention  # the model's dtype (quantized weights are integers); this rank's heads
-    key = (tuple(spec.strategies), batch_size, tuple(capacities), history, weight.dtype, sorted(spec.options.items()), sorted(spec.token_classes.items()))
+    # the model's dtype (quantized weights are integers); this rank's heads
+    weight, attention = model.norm.weight, model.layers[0].attention
+    key = (
+        tuple(spec.strategies),
+        batch_size,
+        tuple(capacities),
+        history,
+        weight.dtype,
+        sorted(spec.options.items()),
+        sorted(spec.token_classes.items()),
+    )
     current = [layer.attention.kv_cache for layer in model.layers]
     built = getattr(model, "cache_key", None)
     if built is not None and built[0] == key and all(c is b() for c, b in zip(current, built[1], strict=True)):
@@ -154,15 +169,37 @@ def setup_caches(model: Transformer, spec: CacheSpec, batch_size: int, capacitie
     shape, rope = (batch_size, attention.n_local_heads), (model.rope_cos, model.rope_sin)
     for s in dict.fromkeys(spec.strategies):
         layers = [i for i, name in enumerate(spec.strategies) if name == s]
-        common = dict(n_heads=attention.n_head, history=history, token_classes=spec.token_classes, rope=rope, **layer_options(s, spec.options))
+        common = dict(
+            n_heads=attention.n_head,
+            history=history,
+            token_classes=spec.token_classes,
+            rope=rope,
+            **layer_options(s, spec.options),
+        )
         if CACHE_STRATEGIES[s].shares_pool:  # these layers share one block pool
-            built = make_caches(s, len(layers), *shape, capacities[layers[0]], attention.head_dim, weight.dtype, weight.device, **common)
+            built = make_caches(
+                s, len(layers), *shape, capacities[layers[0]], attention.head_dim, weight.dtype, weight.device, **common
+            )
         else:
-            built = [make_caches(s, 1, *shape, capacities[i], attention.head_dim, weight.dtype, weight.device, first_layer=i, **common)[0] for i in layers]
+            built = [
+                make_caches(
+                    s,
+                    1,
+                    *shape,
+                    capacities[i],
+                    attention.head_dim,
+                    weight.dtype,
+                    weight.device,
+                    first_layer=i,
+                    **common,
+                )[0]
+                for i in layers
+            ]
         for i, cache in zip(layers, built, strict=True):
             caches[i] = cache
             mark_slots_dynamic(cache)
-            if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":  # CriticalKV weighs values through the layer's output projection
+            # CriticalKV weighs values through the layer's output projection
+            if isinstance(cache, EvictionCache) and cache.value_weight == "wo_l1":
                 cache.output_weight = model.layers[i].attention.wo.dequantize()
     model.setup_caches(caches)
     model.cache_key = (key, [weakref.ref(c) for c in caches])  # weak: a key keeps no replaced cache alive
@@ -185,7 +222,10 @@ def build_caches(
     `prefilled` prompt tokens (default: the whole prompt) plus room for every token decoded after them."""
     n_layer = model.config.n_layer
     if len(spec.strategies) != n_layer or len(spec.lengths) != n_layer:
-        raise ValueError(f"per-layer cache settings need {n_layer} values, got {len(spec.strategies)} strategies and {len(spec.lengths)} lengths")
+        raise ValueError(
+            f"per-layer cache settings need {n_layer} values, got {len(spec.strategies)} strategies and "
+            f"{len(spec.lengths)} lengths"
+        )
     if any(length is not None and s == "full" for s, length in zip(spec.strategies, spec.lengths, strict=True)):
         raise ValueError("the full cache keeps every token; a cache length needs a compressing --cache_strategy")
     if spec.compression_ratio is not None:
@@ -194,25 +234,36 @@ def build_caches(
         slots = layer_slots(spec, max_seq_length)
     else:
         largest = budgets.max(dim=0).values.tolist()
-        slots = [max_seq_length if n is None else m for n, m in zip(spec.lengths, largest, strict=True)]  # m <= max(sequence, layer floor)
+        # m <= max(sequence, layer floor)
+        slots = [max_seq_length if n is None else m for n, m in zip(spec.lengths, largest, strict=True)]
     capacities = [
         s if n is None else min(head_slots(model, s, layer_options(strategy, spec.options)), max(max_seq_length, s))
         for strategy, s, n in zip(spec.strategies, slots, spec.lengths, strict=True)
     ]
     caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
-    for layer, (cache, strategy, length, most) in enumerate(zip(caches, spec.strategies, spec.lengths, slots, strict=True)):
+    for layer, (cache, strategy, length, most) in enumerate(
+        zip(caches, spec.strategies, spec.lengths, slots, strict=True)
+    ):
         if budgets is not None and length is not None:
             own = budgets[:, layer].tolist()
         elif budgets is not None:
             own = [most] * len(prompt_lengths)
         else:
-            own = [fitted_slots(strategy, spec.options, length, n + max_new_tokens) if isinstance(length, float) else most for n in prompt_lengths]
+            own = [
+                fitted_slots(strategy, spec.options, length, n + max_new_tokens) if isinstance(length, float) else most
+                for n in prompt_lengths
+            ]
         cache.limit_rows(torch.tensor(own, device=model.tok_embeddings.weight.device))
     return caches
 
 
 def ratio_caches(
-    model: Transformer, spec: CacheSpec, prompt_lengths: Sequence[int], prefilled: Sequence[int], max_new_tokens: int, max_seq_length: int
+    model: Transformer,
+    spec: CacheSpec,
+    prompt_lengths: Sequence[int],
+    prefilled: Sequence[int],
+    max_new_tokens: int,
+    max_seq_length: int,
 ) -> list[KVCache]:
     """kvpress's compression ratio: a sequence keeps int((1 - ratio) x its prefilled tokens) of them in
     every compressing layer (with --layer_budget pyramid or funnel, kvpress's PyramidKVPress counts per
@@ -224,7 +275,9 @@ def ratio_caches(
     own = [[k + r for k in row] for row, r in zip(keep, room, strict=True)]
     most = max(max(row) for row in own)
     capacities = [
-        max_seq_length if n is None else min(head_slots(model, most, layer_options(s, spec.options)), max(max_seq_length, most))
+        max_seq_length
+        if n is None
+        else min(head_slots(model, most, layer_options(s, spec.options)), max(max_seq_length, most))
         for s, n in zip(spec.strategies, spec.lengths, strict=True)
     ]
     caches = setup_caches(model, spec, len(prompt_lengths), capacities, max(max_seq_length, *capacities))
@@ -233,35 +286,48 @@ def ratio_caches(
         if length is None:
             cache.limit_rows(torch.tensor([max_seq_length] * len(own), device=device))
         else:
-            cache.limit_rows(torch.tensor([row[layer] for row in own], device=device), torch.tensor(room, device=device))
+            cache.limit_rows(
+                torch.tensor([row[layer] for row in own], device=device), torch.tensor(room, device=device)
+            )
     return caches
 
 
 def ratio_keep(spec: CacheSpec, prefilled: Sequence[int]) -> list[list[int]]:
     """Prompt tokens each sequence keeps in each layer at spec.compression_ratio: int((1 - ratio) x its
-    prefilled tokens) (with chunk_size, whole chunks: `chunk_ratio_keep`), or PyramidKVPress's per-layer counts (`pyramid_ratio_schedule`, over the
-    compressing layers; reversed for funnel), each raised to what the layer's strategy needs
-    (min_slots), with one line saying so. Full layers' entries are unused."""
+    prefilled tokens) (with chunk_size, whole chunks: `chunk_ratio_keep`), or PyramidKVPress's per-layer counts
+    (`pyramid_ratio_schedule`, over the compressing layers; reversed for funnel), each raised to what the layer's
+    strategy needs (min_slots), with one line saying so. Full layers' entries are unused."""
     ratio, n_layer = spec.compression_ratio, len(spec.strategies)
     compressing = [i for i, n in enumerate(spec.lengths) if n is not None]
-    least = [0 if n is None else CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options)) for s, n in zip(spec.strategies, spec.lengths, strict=True)]
+    least = [
+        0 if n is None else CACHE_STRATEGIES[s].min_slots(layer_options(s, spec.options))
+        for s, n in zip(spec.strategies, spec.lengths, strict=True)
+    ]
     keep = []
     chunk = spec.options.get("chunk_size")
     for p in prefilled:
         row = [int((1 - ratio) * p) if chunk is None else chunk_ratio_keep(p, ratio, chunk)] * n_layer
         if spec.layer_budget in ("pyramid", "funnel"):
             window = spec.options.get("snapkv_window", max(least[i] for i in compressing) - 1)
-            planned = pyramid_ratio_schedule(p, ratio, len(compressing), window, spec.budget_options.get("pyramid_beta", DEFAULT_PYRAMID_BETA))
+            planned = pyramid_ratio_schedule(
+                p, ratio, len(compressing), window, spec.budget_options.get("pyramid_beta", DEFAULT_PYRAMID_BETA)
+            )
             for i, k in zip(compressing, planned[:: -1 if spec.layer_budget == "funnel" else 1], strict=True):
                 row[i] = k
         keep.append(row)
-    short = [(k, p, least[i]) for row, p in zip(keep, prefilled, strict=True) for i in compressing if (k := row[i]) < least[i]]
+    short = [
+        (k, p, least[i])
+        for row, p in zip(keep, prefilled, strict=True)
+        for i in compressing
+        if (k := row[i]) < least[i]
+    ]
     if short:
         k, p, need = min(short)
         outcome = "nothing is evicted" if need >= p else f"keeping {need}"
         names = "/".join(dict.fromkeys(spec.strategies[i] for i in compressing))
         say_once(
-            f"note: --compression_ratio {ratio} keeps {k} of {p} prompt tokens here; {names} needs at least {need} (its protected tokens + 1), so {outcome}"
+            f"note: --compression_ratio {ratio} keeps {k} of {p} prompt tokens here; {names} needs at least "
+            f"{need} (its protected tokens + 1), so {outcome}"
         )
     return [[max(k, need) for k, need in zip(row, least, strict=True)] for row in keep]
 
@@ -286,7 +352,9 @@ def head_slots(model: Transformer, budget: int, options: dict[str, Any]) -> int:
     heads = cfg.n_head if options.get("snapkv_gqa") == "query" else cfg.n_local_heads
     if options["head_budget"] == "global":
         return cfg.n_layer * heads * budget
-    return adakv_slots(budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR), options["head_budget"] == "adakv_safeguard")
+    return adakv_slots(
+        budget, heads, options.get("adakv_floor", DEFAULT_ADAKV_FLOOR), options["head_budget"] == "adakv_safeguard"
+    )
 
 
 def mark_slots_dynamic(cache: KVCache) -> None:
@@ -324,8 +392,13 @@ def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: 
         total = sum(cache_slots(spec.lengths[i], own) for i in compressing)
         if total < sum(floor):
             outcome = "nothing is evicted" if min(floor) >= own else "raising each layer to its minimum"
-            say_once(f"note: the cache lengths give {total} slots over the compressing layers here; their strategies need {sum(floor)}, so {outcome}")
-        planned = plan_budgets(spec.layer_budget, total, own, floor, similarity[row, compressing], **spec.budget_options)
+            say_once(
+                f"note: the cache lengths give {total} slots over the compressing layers here; their strategies "
+                f"need {sum(floor)}, so {outcome}"
+            )
+        planned = plan_budgets(
+            spec.layer_budget, total, own, floor, similarity[row, compressing], **spec.budget_options
+        )
         budgets = [0] * len(spec.lengths)
         for i, slots in zip(compressing, planned, strict=True):
             budgets[i] = slots
@@ -333,16 +406,20 @@ def plan_layer_budgets(spec: CacheSpec, lengths: Sequence[int], max_new_tokens: 
     return torch.tensor(rows)
 
 
-def share_over_model(caches: Sequence[KVCache], rankings: list[Tensor | None], ratio: float | None, prefilled: Sequence[int]) -> None:
+def share_over_model(
+    caches: Sequence[KVCache], rankings: list[Tensor | None], ratio: float | None, prefilled: Sequence[int]
+) -> None:
     """head_budget global, as kvpress's KVzipPress: the prompt tokens a sequence keeps over its L compressing layers
     and H KV heads (at a compression ratio, L x H x n - int(L x H x n x ratio) of its n prefilled tokens, as kvpress
     counts; else the sum of the layers' budgets) go to the top of their `rankings` ([B, H, T] per layer, None for a
     layer keeping every token) ranked together. A head's capacity: its count plus the slots its layer's budget leaves
     for later tokens (the decode room under a ratio), at least its protected tokens + 1."""
     layers = [i for i, r in enumerate(rankings) if r is not None]
-    stacked = torch.stack([parallel.gather_heads(rankings[i]) for i in layers], dim=1)  # [B, L, H, T], every rank's heads
+    # [B, L, H, T], every rank's heads
+    stacked = torch.stack([parallel.gather_heads(rankings[i]) for i in layers], dim=1)
     for row, n in enumerate(prefilled):
-        prompt_parts = [min(int(caches[i].row_budget[row] - caches[i].decode_room[row]), n) for i in layers]  # each layer's share of the prompt
+        # each layer's share of the prompt
+        prompt_parts = [min(int(caches[i].row_budget[row] - caches[i].decode_room[row]), n) for i in layers]
         total = stacked.shape[1] * stacked.shape[2] * n
         kept = total - int(total * ratio) if ratio is not None else stacked.shape[2] * sum(prompt_parts)
         ranked = stacked[row, ..., :n]  # [L, H, n]: the prompt, or between prefill chunks the slots that hold it
@@ -350,5 +427,8 @@ def share_over_model(caches: Sequence[KVCache], rankings: list[Tensor | None], r
         counts = parallel.local_heads((rank < kept).sum(dim=-1))  # [L, this rank's H]
         for j, i in enumerate(layers):
             cache = caches[i]
-            later = int(cache.row_budget[row]) - prompt_parts[j]  # the slots its budget leaves for tokens after the prompt
-            cache.row_capacity[row, :, 0] = (counts[j] + later).clamp(min=cache.global_tokens + cache.recent_window + 1, max=cache.capacity)
+            # the slots its budget leaves for tokens after the prompt
+            later = int(cache.row_budget[row]) - prompt_parts[j]
+            cache.row_capacity[row, :, 0] = (counts[j] + later).clamp(
+                min=cache.global_tokens + cache.recent_window + 1, max=cache.capacity
+            )

@@ -51,14 +51,18 @@ class KVCache(nn.Module):
     method by name, not through super(): for super() Dynamo guards the type's __mro__, and that guard keeps
     the step's whole guard tree from being skipped by dict tags (after a step, 0.9-1.1 -> 0.5 ms of checks)."""
 
-    needs_attention: bool = False  # observe() gets each step's attention probabilities (the slower explicit-softmax path)
-    needs_tokens: bool = False  # prefill/update get the token ids as `tokens=`, and the cache the tokenizer's `token_classes`
-    needs_prompt_lse: bool = False  # prefill gets each prompt query's attention log-sum-exp [B, H, T] as `lse=` (on CPU, where it is free)
+    # observe() gets each step's attention probabilities (the slower explicit-softmax path)
+    needs_attention: bool = False
+    # prefill/update get the token ids as `tokens=`, and the cache the tokenizer's `token_classes`
+    needs_tokens: bool = False
+    # prefill gets each prompt query's attention log-sum-exp [B, H, T] as `lse=` (on CPU, where it is free)
+    needs_prompt_lse: bool = False
     positions_per_head: bool = False  # True when KV heads keep different tokens: pos is [B, H_kv, S]
     takes_prompt_compressor: bool = False  # keeps the prompt tokens a `PromptCompressor` ranks highest
     keeps_history: bool = False  # recallable: holds every token (`history` slots) and attends `capacity` of them
     shares_pool: bool = False  # one object serves every layer (`for_layers`): a paged pool
-    attends_itself: bool = False  # decode attention comes from attend() (a kernel over its own storage), not update() + the model's
+    # decode attention comes from attend() (a kernel over its own storage), not update() + the model's
+    attends_itself: bool = False
     per_layer: bool = False  # built with its model layer (`layer=`): heads calibrated per layer (DuoAttention)
     options: tuple[Option, ...] = STORAGE_OPTIONS
     default_global_tokens, default_recent_window = 0, 0  # protected tokens: a layer budget planner's floor
@@ -67,7 +71,9 @@ class KVCache(nn.Module):
     @classmethod
     def protected_tokens(cls, options: dict[str, Any]) -> int:
         """Tokens this strategy never evicts, with these options (sinks + recent window)."""
-        return options.get("global_tokens", cls.default_global_tokens) + options.get("recent_window", cls.default_recent_window)
+        return options.get("global_tokens", cls.default_global_tokens) + options.get(
+            "recent_window", cls.default_recent_window
+        )
 
     @classmethod
     def min_slots(cls, options: dict[str, Any]) -> int:
@@ -104,16 +110,20 @@ class KVCache(nn.Module):
 
     @property
     def prefills_in_chunks(self) -> bool:
-        """Whether it takes a chunked prefill's later chunks itself (`prefill_chunk`), holding at most its slots + the chunk."""
+        """Whether it takes a chunked prefill's later chunks itself (`prefill_chunk`), holding at most its slots + the
+        chunk."""
         return type(self).prefill_chunk is not KVCache.prefill_chunk
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def prefill_chunk(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+    ) -> Tensor:
         """A later chunk of a chunked prefill: its output [B, H, N, D] from `attend(keys, values, key_pos)` over the
         held tokens and its own, after which only the cache's own slots are held. Padding: position -1."""
         raise NotImplementedError
 
     def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        """Insert the step's keys/values and return its attention output [B, H, T, D]; only called when `attends_itself` is True."""
+        """Insert the step's keys/values and return its attention output [B, H, T, D]; only called when `attends_itself`
+        is True."""
         raise NotImplementedError
 
     def observe(self, probs: Tensor) -> None:
@@ -162,7 +172,10 @@ class KVCache(nn.Module):
 def refuse_decode_room(cache: KVCache, decode_room: Tensor | None) -> None:
     """Caches that do not keep the prompt by a compressor's ranking cannot hold back decode room."""
     if decode_room is not None:
-        raise ValueError(f"{type(cache).__name__} cannot keep room for decoded tokens: compression_ratio applies to the evicting strategies only")
+        raise ValueError(
+            f"{type(cache).__name__} cannot keep room for decoded tokens: compression_ratio applies to the "
+            "evicting strategies only"
+        )
 
 
 class FullCache(KVCache):
@@ -184,7 +197,9 @@ class FullCache(KVCache):
         self.pos.scatter_(1, input_pos, input_pos)
         return *self.storage.read_for_attention(), self.pos
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def prefill_chunk(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+    ) -> Tensor:
         """Stored at their positions, as decoded tokens are; padding goes to the last slot, which no prompt token
         reaches (the context keeps room for a generated token), and stays marked empty. Eager, the chunk attends over
         the slots filled so far only (every later slot is empty): a long prompt's chunks then cost what its causal
@@ -196,7 +211,8 @@ class FullCache(KVCache):
         if torch.compiler.is_compiling():
             return attend(keys, values, self.pos)
         filled, start = int(input_pos.max()) + 1, int(input_pos.masked_fill(input_pos < 0, self.capacity).min())
-        aligned = start < self.capacity and bool((input_pos[:, 0] == start).all())  # every row's chunk starts at `start`
+        # every row's chunk starts at `start`
+        aligned = start < self.capacity and bool((input_pos[:, 0] == start).all())
         held = {"own_from": start} if aligned else {}
         return attend(keys[:, :, :filled], values[:, :, :filled], self.pos[:, :filled], **held)
 

@@ -44,7 +44,9 @@ def contained(directory: Path, name: str, what: str) -> Path:
     directory = Path(directory)
     path = directory / name
     if not path.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(f"{what} {name!r} lies outside {directory}; a checkpoint may only name files inside its own directory")
+        raise CheckpointError(
+            f"{what} {name!r} lies outside {directory}; a checkpoint may only name files inside its own directory"
+        )
     return path
 
 
@@ -80,7 +82,10 @@ def read_config(checkpoint_dir: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, tensor_parallel: bool = False
+    checkpoint_dir: Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tensor_parallel: bool = False,
 ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
     """Model (eval mode, on `device` in `dtype`), tokenizer and config of a converted checkpoint. With
     `tensor_parallel` (under torchrun), this rank's shard of the model (parallel.shard_model), reading
@@ -103,7 +108,10 @@ def load_checkpoint(
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{config_path}: bad 'quantization' section ({e}); {hint}") from None
         if tensor_parallel:
-            raise CheckpointError(f"{checkpoint_dir} is {quant.mode}-quantized; quantized checkpoints do not run under tensor parallelism yet")
+            raise CheckpointError(
+                f"{checkpoint_dir} is {quant.mode}-quantized; quantized checkpoints do not run under tensor "
+                "parallelism yet"
+            )
     with torch.device("meta"):
         model = Transformer(args)
     if quant is not None:
@@ -119,11 +127,15 @@ def load_checkpoint(
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:
         shapes = " ".join(line.strip() for line in str(e).splitlines()[1:3])
-        raise CheckpointError(f"{weights_path}: weight shapes do not match {config_path} ({shapes} ...); {hint}") from None
-    allowed_missing = {name for name in missing if name.startswith("output.")} if args.tie_embeddings else set()  # a quantized head's scales too
+        raise CheckpointError(
+            f"{weights_path}: weight shapes do not match {config_path} ({shapes} ...); {hint}"
+        ) from None
+    # a quantized head's scales too
+    allowed_missing = {name for name in missing if name.startswith("output.")} if args.tie_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         raise CheckpointError(
-            f"{weights_path}: weights do not match {config_path} (missing {sorted(set(missing) - allowed_missing)}, unexpected {unexpected}); {hint}"
+            f"{weights_path}: weights do not match {config_path} (missing "
+            f"{sorted(set(missing) - allowed_missing)}, unexpected {unexpected}); {hint}"
         )
     if args.tie_embeddings:
         model.tie_weights()
@@ -136,7 +148,9 @@ def load_checkpoint(
     return model.eval(), tokenizer, config
 
 
-def read_weights(path: Path, device: torch.device | str, dtype: torch.dtype, slices: dict[str, tuple[int, list[slice]]]) -> dict[str, Tensor]:
+def read_weights(
+    path: Path, device: torch.device | str, dtype: torch.dtype, slices: dict[str, tuple[int, list[slice]]]
+) -> dict[str, Tensor]:
     """The checkpoint's floating-point tensors in `dtype` (integer ones, quantized weights, as they are)
     on `device`, one at a time (host memory holds one tensor, not the file); of each layer's parameters
     named in `slices`, only those ranges are read."""
@@ -163,7 +177,8 @@ def check_destination(out_dir: Path, source_dir: Path | None = None) -> None:
             read_config(out_dir)
         except CheckpointError:
             raise CheckpointError(
-                f"--out_dir {out_dir} already holds files that are not a kvlab checkpoint; nothing was written (choose a new or empty directory)"
+                f"--out_dir {out_dir} already holds files that are not a kvlab checkpoint; nothing was written "
+                "(choose a new or empty directory)"
             ) from None
 
 
@@ -226,28 +241,91 @@ class KnownModel(NamedTuple):
 # own config file decides its shape; this table never does.
 # fmt: off
 KNOWN_MODELS: dict[str, KnownModel] = {
-    "SmolLM2-135M": KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", dict(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, rope_base=100000.0, block_size=8192, tie_embeddings=True)),
-    "SmolLM2-360M": KnownModel("HuggingFaceTB/SmolLM2-360M-Instruct", dict(vocab_size=49152, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, rope_base=100000.0, block_size=8192, tie_embeddings=True)),
-    "SmolLM2-1.7B": KnownModel("HuggingFaceTB/SmolLM2-1.7B-Instruct", dict(vocab_size=49152, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, rope_base=130000.0, block_size=8192, tie_embeddings=True)),
-    "Llama-2-7B": KnownModel("meta-llama/Llama-2-7b-chat-hf", dict(vocab_size=32000, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096)),
-    "Llama-2-13B": KnownModel("meta-llama/Llama-2-13b-chat-hf", dict(vocab_size=32000, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096)),
-    "Llama-2-70B": KnownModel("meta-llama/Llama-2-70b-chat-hf", dict(vocab_size=32000, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, block_size=4096)),
-    "Llama-3-8B": KnownModel("meta-llama/Meta-Llama-3-8B-Instruct", dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=8192)),
-    "Llama-3-70B": KnownModel("meta-llama/Meta-Llama-3-70B-Instruct", dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=8192)),
-    "Llama-3.1-8B": KnownModel("meta-llama/Llama-3.1-8B-Instruct", dict(vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING)),
-    "Llama-3.1-70B": KnownModel("meta-llama/Llama-3.1-70B-Instruct", dict(vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING)),
-    "Llama-3.2-1B": KnownModel("meta-llama/Llama-3.2-1B-Instruct", dict(vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, head_dim=64, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True)),
-    "Llama-3.2-3B": KnownModel("meta-llama/Llama-3.2-3B-Instruct", dict(vocab_size=128256, n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, head_dim=128, rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True)),
-    "Mistral-7B-v0.3": KnownModel("mistralai/Mistral-7B-Instruct-v0.3", dict(vocab_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, rope_base=1000000.0, block_size=32768)),
-    "Qwen2-0.5B": KnownModel("Qwen/Qwen2-0.5B-Instruct", dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
-    "Qwen2-1.5B": KnownModel("Qwen/Qwen2-1.5B-Instruct", dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
-    "Qwen2-7B": KnownModel("Qwen/Qwen2-7B-Instruct", dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True)),
-    "Qwen2.5-0.5B": KnownModel("Qwen/Qwen2.5-0.5B-Instruct", dict(vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
-    "Qwen2.5-1.5B": KnownModel("Qwen/Qwen2.5-1.5B-Instruct", dict(vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
-    "Qwen2.5-3B": KnownModel("Qwen/Qwen2.5-3B-Instruct", dict(vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True)),
-    "Qwen2.5-7B": KnownModel("Qwen/Qwen2.5-7B-Instruct", dict(vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True)),
-    "Qwen3-0.6B": KnownModel("Qwen/Qwen3-0.6B", dict(vocab_size=151936, n_layer=28, n_head=16, n_local_heads=8, dim=1024, intermediate_size=3072, head_dim=128, rope_base=1000000.0, norm_eps=1e-6, block_size=40960, tie_embeddings=True, qk_norm=True)),
-    "Qwen3-8B": KnownModel("Qwen/Qwen3-8B", dict(vocab_size=151936, n_layer=36, n_head=32, n_local_heads=8, dim=4096, intermediate_size=12288, head_dim=128, rope_base=1000000.0, norm_eps=1e-6, block_size=40960, qk_norm=True)),
+    "SmolLM2-135M": KnownModel("HuggingFaceTB/SmolLM2-135M-Instruct", dict(
+        vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, rope_base=100000.0,
+        block_size=8192, tie_embeddings=True
+    )),
+    "SmolLM2-360M": KnownModel("HuggingFaceTB/SmolLM2-360M-Instruct", dict(
+        vocab_size=49152, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, rope_base=100000.0,
+        block_size=8192, tie_embeddings=True
+    )),
+    "SmolLM2-1.7B": KnownModel("HuggingFaceTB/SmolLM2-1.7B-Instruct", dict(
+        vocab_size=49152, n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, rope_base=130000.0,
+        block_size=8192, tie_embeddings=True
+    )),
+    "Llama-2-7B": KnownModel("meta-llama/Llama-2-7b-chat-hf", dict(
+        vocab_size=32000, n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096
+    )),
+    "Llama-2-13B": KnownModel("meta-llama/Llama-2-13b-chat-hf", dict(
+        vocab_size=32000, n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096
+    )),
+    "Llama-2-70B": KnownModel("meta-llama/Llama-2-70b-chat-hf", dict(
+        vocab_size=32000, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, block_size=4096
+    )),
+    "Llama-3-8B": KnownModel("meta-llama/Meta-Llama-3-8B-Instruct", dict(
+        vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+        rope_base=500000.0, block_size=8192
+    )),
+    "Llama-3-70B": KnownModel("meta-llama/Meta-Llama-3-70B-Instruct", dict(
+        vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+        rope_base=500000.0, block_size=8192
+    )),
+    "Llama-3.1-8B": KnownModel("meta-llama/Llama-3.1-8B-Instruct", dict(
+        vocab_size=128256, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+        rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING
+    )),
+    "Llama-3.1-70B": KnownModel("meta-llama/Llama-3.1-70B-Instruct", dict(
+        vocab_size=128256, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
+        rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA31_SCALING
+    )),
+    "Llama-3.2-1B": KnownModel("meta-llama/Llama-3.2-1B-Instruct", dict(
+        vocab_size=128256, n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, head_dim=64,
+        rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True
+    )),
+    "Llama-3.2-3B": KnownModel("meta-llama/Llama-3.2-3B-Instruct", dict(
+        vocab_size=128256, n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, head_dim=128,
+        rope_base=500000.0, block_size=131072, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True
+    )),
+    "Mistral-7B-v0.3": KnownModel("mistralai/Mistral-7B-Instruct-v0.3", dict(
+        vocab_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+        rope_base=1000000.0, block_size=32768
+    )),
+    "Qwen2-0.5B": KnownModel("Qwen/Qwen2-0.5B-Instruct", dict(
+        vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0,
+        norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True
+    )),
+    "Qwen2-1.5B": KnownModel("Qwen/Qwen2-1.5B-Instruct", dict(
+        vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True
+    )),
+    "Qwen2-7B": KnownModel("Qwen/Qwen2-7B-Instruct", dict(
+        vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True
+    )),
+    "Qwen2.5-0.5B": KnownModel("Qwen/Qwen2.5-0.5B-Instruct", dict(
+        vocab_size=151936, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, rope_base=1000000.0,
+        norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True
+    )),
+    "Qwen2.5-1.5B": KnownModel("Qwen/Qwen2.5-1.5B-Instruct", dict(
+        vocab_size=151936, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True
+    )),
+    "Qwen2.5-3B": KnownModel("Qwen/Qwen2.5-3B-Instruct", dict(
+        vocab_size=151936, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=32768, tie_embeddings=True, qkv_bias=True
+    )),
+    "Qwen2.5-7B": KnownModel("Qwen/Qwen2.5-7B-Instruct", dict(
+        vocab_size=152064, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=32768, qkv_bias=True
+    )),
+    "Qwen3-0.6B": KnownModel("Qwen/Qwen3-0.6B", dict(
+        vocab_size=151936, n_layer=28, n_head=16, n_local_heads=8, dim=1024, intermediate_size=3072, head_dim=128,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=40960, tie_embeddings=True, qk_norm=True
+    )),
+    "Qwen3-8B": KnownModel("Qwen/Qwen3-8B", dict(
+        vocab_size=151936, n_layer=36, n_head=32, n_local_heads=8, dim=4096, intermediate_size=12288, head_dim=128,
+        rope_base=1000000.0, norm_eps=1e-6, block_size=40960, qk_norm=True
+    )),
 }
 # fmt: on
 

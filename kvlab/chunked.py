@@ -45,14 +45,20 @@ class WholePrompt(KVCache):
         torch.nn.Module.__init__(self)
         self.cache = cache
         self.needs_tokens = cache.needs_tokens
-        self.prompt: tuple[Tensor, ...] = ()  # the chunks so far: input_pos [B, T], k, v, q [B, H, T, D] (and tokens [B, T])
+        # the chunks so far: input_pos [B, T], k, v, q [B, H, T, D] (and tokens [B, T])
+        self.prompt: tuple[Tensor, ...] = ()
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **extra: Tensor) -> None:
         self.prompt = (input_pos, k, v, q, *extra.values())
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor], **extra: Tensor) -> Tensor:
+    def prefill_chunk(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor], **extra: Tensor
+    ) -> Tensor:
         chunk = (input_pos, k, v, q, *extra.values())
-        self.prompt = tuple(torch.cat([whole, part], dim=1 if part.dim() == 2 else 2) for whole, part in zip(self.prompt, chunk, strict=True))
+        self.prompt = tuple(
+            torch.cat([whole, part], dim=1 if part.dim() == 2 else 2)
+            for whole, part in zip(self.prompt, chunk, strict=True)
+        )
         pos, keys, values = self.prompt[:3]
         return attend(keys, values, pos)
 
@@ -79,10 +85,16 @@ def chunk_ready(model: Transformer, caches: Sequence[KVCache], probed: bool = Fa
     which then hands the whole prompt to its cache; afterwards the model runs on `caches` again. `probed`: the
     chunks carry KVzip's repeat, which every layer's cache must take (an evicting one)."""
     if probed and not all(isinstance(c, EvictionCache) for c in caches):
-        raise ValueError("--prefill_chunk with kvzip needs an evicting cache in every layer: each chunk's repeat runs through all of them")
+        raise ValueError(
+            "--prefill_chunk with kvzip needs an evicting cache in every layer: each chunk's repeat runs "
+            "through all of them"
+        )
     whole = unchunked(caches)
     if whole:
-        say_once(f"note: {', '.join(whole)} cannot compress between prefill chunks: it compresses once the whole prompt is prefilled")
+        say_once(
+            f"note: {', '.join(whole)} cannot compress between prefill chunks: it compresses once the whole "
+            "prompt is prefilled"
+        )
     stand_ins = [c if c.prefills_in_chunks else WholePrompt(c) for c in caches]
     model.setup_caches(stand_ins)
     try:
@@ -100,7 +112,11 @@ def whole_prompt_scoring(spec: CacheSpec) -> tuple[CacheSpec, int | None]:
     as one-shot, so the choice is one-shot's (ranked after each chunk, each scored by its own repeat, it lost a fact
     one-shot keeps: docs/results/long_document.md). Returns the spec to plan with and the recording's chunk (None: as
     the spec says)."""
-    if spec.prefill_chunk and spec.options.get("head_budget") == "global" and model_scored(spec.strategies, spec.options):
+    if (
+        spec.prefill_chunk
+        and spec.options.get("head_budget") == "global"
+        and model_scored(spec.strategies, spec.options)
+    ):
         return dataclasses.replace(spec, prefill_chunk=None), spec.prefill_chunk
     return spec, None
 
@@ -123,32 +139,43 @@ def fitting_kvzip_chunk(spec: CacheSpec, prompt: int, context: int) -> CacheSpec
     return dataclasses.replace(spec, options={**spec.options, "kvzip_chunk": room})
 
 
-def chunk_length(spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool) -> int:
+def chunk_length(
+    spec: CacheSpec, prompt: int, context: int, scored_by_model: Sequence[PromptCompressor], attention_loss: bool
+) -> int:
     """The prefill's chunk: spec.prefill_chunk, or the whole prompt when unset or at least as long."""
     chunk = min(spec.prefill_chunk or prompt, prompt)
     if spec.prefill_chunk and spec.prefill_chunk > context:
-        raise ValueError(f"--prefill_chunk {spec.prefill_chunk} exceeds the model's context of {context} tokens; give at most {context}")
+        raise ValueError(
+            f"--prefill_chunk {spec.prefill_chunk} exceeds the model's context of {context} tokens; give at "
+            f"most {context}"
+        )
     whole = [type(c).__name__ for c in scored_by_model if not c.scores_chunks]
     if chunk < prompt and whole:
-        raise ValueError(f"--prefill_chunk: {', '.join(whole)} scores the whole prompt with a further pass of the model; drop --prefill_chunk for it")
+        raise ValueError(
+            f"--prefill_chunk: {', '.join(whole)} scores the whole prompt with a further pass of the model; "
+            "drop --prefill_chunk for it"
+        )
     repeats = [chunk if chunk < prompt else min(c.chunk, prompt) for c in scored_by_model if isinstance(c, KVzip)]
     asked = 0 if spec.repeat is None else len(spec.repeat.instruction) if chunk < prompt else spec.repeat.longest
     if repeats and prompt + asked + max(repeats) > context and chunk < prompt:
         raise ValueError(
-            f"kvzip repeats the prompt after it, {max(repeats)} tokens at a time: the prompt ({prompt} tokens) + its request "
-            f"({asked}) + {max(repeats)} must fit the model's context of {context} tokens; give a smaller --prefill_chunk"
+            f"kvzip repeats the prompt after it, {max(repeats)} tokens at a time: the prompt ({prompt} tokens) "
+            f"+ its request ({asked}) + {max(repeats)} must fit the model's context of {context} tokens; give a "
+            "smaller --prefill_chunk"
         )
     if repeats and prompt + asked >= context:  # one-shot: fitting_kvzip_chunk shortened the repeat where it could
         raise ValueError(
-            f"kvzip repeats the prompt after it: the prompt ({prompt} tokens) and its request ({asked}) leave no room in "
-            f"the model's context of {context} tokens; shorten the prompt"
+            f"kvzip repeats the prompt after it: the prompt ({prompt} tokens) and its request ({asked}) leave "
+            f"no room in the model's context of {context} tokens; shorten the prompt"
         )
     if chunk < prompt and attention_loss:
         raise ValueError("--attention_loss compares with a one-shot prefill; it takes no --prefill_chunk")
     return chunk
 
 
-def first_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, recorded: RecordedPrefill | None) -> Tensor:
+def first_chunk(
+    model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, recorded: RecordedPrefill | None
+) -> Tensor:
     """The first chunk of a chunked prefill, an ordinary prefill (replayed when recorded): the logits [B, V] at each
     row's last prompt column `last` [B], where it lies in this chunk."""
     if recorded is not None:
@@ -157,9 +184,12 @@ def first_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Ten
     return model(tokens, input_pos, prefill=True, logits_at=last.clamp(max=tokens.shape[1] - 1)[:, None])[:, -1]
 
 
-def prefill_chunk_step(model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, probe: int = 0) -> Tensor:
+def prefill_chunk_step(
+    model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, probe: int = 0
+) -> Tensor:
     """One later chunk, tokens and input_pos [B, N] (+ `probe` query columns): the logits [B, V] at each row's column
-    logits_at [B, 1]. The unit `--compile_prefill` compiles: every chunk has the same shape, so one graph serves them all."""
+    logits_at [B, 1]. The unit `--compile_prefill` compiles: every chunk has the same shape, so one graph serves them
+    all."""
     return model(tokens, input_pos, logits_at=logits_at, chunk=True, probe=probe)[:, -1]
 
 
@@ -215,28 +245,44 @@ def open_rows(caches: Sequence[KVCache]) -> None:
 
 
 def keep_best_over_model(caches: Sequence[KVCache], ratio: float | None, prefilled: Sequence[int]) -> None:
-    """head_budget global after a prefill chunk: the tokens every layer holds (earlier chunks' kept and this chunk's) are
-    ranked together by the scores they were kept by, with the one-shot prefill's counts (`share_over_model`), and each
+    """head_budget global after a prefill chunk: the tokens every layer holds (earlier chunks' kept and this chunk's)
+    are ranked together by the scores they were kept by, with the one-shot prefill's counts (`share_over_model`), and
+    each
     head keeps its share. Between chunks a head may hold more than its final share: only the total is bounded."""
     compressing = [isinstance(c, EvictionCache) and c.prompt_compressor.compresses for c in caches]
-    share_over_model(caches, [c.held_ranking() if ok else None for c, ok in zip(caches, compressing, strict=True)], ratio, prefilled)
+    share_over_model(
+        caches, [c.held_ranking() if ok else None for c, ok in zip(caches, compressing, strict=True)], ratio, prefilled
+    )
     for cache, ok in zip(caches, compressing, strict=True):
         if ok:
             cache.keep_ranked()
 
 
-def stream_losses(model: Transformer, ids: Sequence[int], spec: CacheSpec, chunk: int, on_chunk: Callable[[int], None] | None = None) -> Tensor:
+def stream_losses(
+    model: Transformer, ids: Sequence[int], spec: CacheSpec, chunk: int, on_chunk: Callable[[int], None] | None = None
+) -> Tensor:
     """Teacher-forced negative log-likelihoods [len(ids) - 1] of a text of any length, read `chunk` tokens at a time
     through caches of a fixed budget (slot counts), so memory stays flat. Positions are StreamingLLM's, within the
     cache: after each chunk every held token moves to its rank, its key re-rotated (`EvictionCache.reposition`), and
     the next chunk follows them, so no position exceeds budget + chunk however long the text. `on_chunk` gets the
     count of tokens scored so far."""
     if any(not isinstance(n, int) for n in spec.lengths) or spec.options.get("head_budget", "uniform") != "uniform":
-        raise ValueError("streaming needs one slot count for every head of every layer (--max_cache_length 512, no fraction, no --head_budget adakv)")
+        raise ValueError(
+            "streaming needs one slot count for every head of every layer (--max_cache_length 512, no fraction, "
+            "no --head_budget adakv)"
+        )
     caches = build_caches(model, spec, [chunk], 1, max(spec.lengths) + chunk + 1)
-    refused = sorted({name for name, c in zip(spec.strategies, caches, strict=True) if not (isinstance(c, EvictionCache) and c.prefills_in_chunks)})
+    refused = sorted(
+        {
+            name
+            for name, c in zip(spec.strategies, caches, strict=True)
+            if not (isinstance(c, EvictionCache) and c.prefills_in_chunks)
+        }
+    )
     if refused:
-        raise ValueError(f"streaming needs a strategy that evicts between chunks; {', '.join(refused)} cannot (see --prefill_chunk)")
+        raise ValueError(
+            f"streaming needs a strategy that evicts between chunks; {', '.join(refused)} cannot (see --prefill_chunk)"
+        )
     device = model.tok_embeddings.weight.device
     losses, position = [], 0
     with torch.no_grad():
@@ -245,7 +291,13 @@ def stream_losses(model: Transformer, ids: Sequence[int], spec: CacheSpec, chunk
             targets = torch.tensor(ids[start + 1 : start + chunk + 1], device=device)
             columns = torch.arange(chunk, device=device)
             pos = torch.where(columns < len(piece), position + columns, -1)[None]
-            logits = model(F.pad(piece, (0, chunk - len(piece)))[None], pos, prefill=start == 0, chunk=start > 0, logits_at=columns[None, : len(targets)])
+            logits = model(
+                F.pad(piece, (0, chunk - len(piece)))[None],
+                pos,
+                prefill=start == 0,
+                chunk=start > 0,
+                logits_at=columns[None, : len(targets)],
+            )
             losses.append(F.cross_entropy(logits[0].float(), targets, reduction="none"))
             position = max(cache.reposition(model.rope_cos, model.rope_sin) for cache in caches)
             if on_chunk is not None:

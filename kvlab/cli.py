@@ -27,7 +27,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, interrupted: str = "interrupted (Ctrl-C)") -> None:
+def run_cli(
+    fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, interrupted: str = "interrupted (Ctrl-C)"
+) -> None:
     """Run a command's body: a user error or Ctrl-C ends with one line (status 1, or 130 for SIGINT)."""
     try:
         fn(args)
@@ -37,13 +39,18 @@ def run_cli(fn: Callable[[argparse.Namespace], None], args: argparse.Namespace, 
         if isinstance(e, KeyboardInterrupt):
             exit_interrupted(interrupted)
         if out_of_memory(e):
-            exit_with_error(f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}")
+            exit_with_error(
+                f"error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); lower {MEMORY_FLAGS}"
+            )
         if not isinstance(e, USER_ERRORS):  # any other RuntimeError is a bug: its traceback helps
             raise
         exit_with_error(f"error: {e}")
 
 
-MEMORY_FLAGS = "--batch_size, the cache's size (--max_cache_length, --kvc_pool_blocks) or the sizes given to the strategy's options"
+MEMORY_FLAGS = (
+    "--batch_size, the cache's size (--max_cache_length, --kvc_pool_blocks) or the sizes given to the "
+    "strategy's options"
+)
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -45,7 +45,13 @@ def with_own_code(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
     their guards in turn on every call, so a step compiled for one model would otherwise check the graphs
     of every other step compiled from the same function in the process (three int4 variants in one process:
     each ran 8-10% slower)."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__, function.__closure__)
+    return types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
 
 
 @dataclass
@@ -72,7 +78,9 @@ def argument_slots(gm: torch.fx.GraphModule, parameters: list[str]) -> dict[int,
     direct = {f"L[{name!r}]": position for position, name in enumerate(parameters)}
     slots = {slot: direct[source] for slot, source in enumerate(sources) if source in direct}
     model = f"L[{parameters[0]!r}]"
-    derived = [s for s in sources if s not in direct and any(s.startswith(name) for name in direct) and not s.startswith(model)]
+    derived = [
+        s for s in sources if s not in direct and any(s.startswith(name) for name in direct) and not s.startswith(model)
+    ]
     return None if derived else slots
 
 

@@ -40,7 +40,8 @@ GENERAL_OPTIONS = (
         "max_cache_length",
         (int, float),
         "a slot count >= 1 or a fraction in (0, 1]",
-        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of each sequence's own prompt + max_new_tokens (0.5)",
+        "KV slots per sequence, layer and KV head for a compressing strategy: a count (512) or a fraction of "
+        "each sequence's own prompt + max_new_tokens (0.5)",
         check=_is_cache_length,
         default_help="0.5; 1.0 for hybrid and duo_attention",
     ),
@@ -55,24 +56,34 @@ GENERAL_OPTIONS = (
         "compression_ratio",
         (int, float),
         "a fraction in [0, 1)",
-        "kvpress's protocol, instead of max_cache_length: remove this share of each prompt's tokens at prefill and keep every token "
-        "decoded after it (evicting strategies that rank the prompt)",
+        "kvpress's protocol, instead of max_cache_length: remove this share of each prompt's tokens at prefill "
+        "and keep every token decoded after it (evicting strategies that rank the prompt)",
         check=lambda v: 0 <= v < 1,
         default_help="unset",
     ),
-    integer("full_layers", 0, "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2)", minimum=0),
+    integer(
+        "full_layers",
+        0,
+        "keep the first N layers uncompressed, whatever the strategy (ClusterKV and Quest leave 2)",
+        minimum=0,
+    ),
     integer(
         "prefill_chunk",
         None,
-        "prefill the prompt N tokens at a time, compressing every layer back to its budget after each chunk: memory bounded by the budget + N "
-        "whatever the prompt's length",
+        "prefill the prompt N tokens at a time, compressing every layer back to its budget after each chunk: "
+        "memory bounded by the budget + N whatever the prompt's length",
         default_help="the whole prompt at once; generate.py with a full cache: 512",
     ),
-    switch("compress_first_token", "decode the prompt's last token through the compressed cache, so the first generated token already sees compression"),
+    switch(
+        "compress_first_token",
+        "decode the prompt's last token through the compressed cache, so the first generated token already sees "
+        "compression",
+    ),
     LAYER_BUDGET_OPTION,
     *dict.fromkeys(o for options in PLANNER_OPTIONS.values() for o in options),
 )
-SPEC_KEYS = {o.name for o in GENERAL_OPTIONS if o.name != "prompt_compression_strategy"}  # what CacheSpec holds apart from cache options
+# what CacheSpec holds apart from cache options
+SPEC_KEYS = {o.name for o in GENERAL_OPTIONS if o.name != "prompt_compression_strategy"}
 
 
 def strategy_options(cls: type[KVCache]) -> dict[str, Option]:
@@ -96,21 +107,28 @@ class CacheSpec:
 
     strategies: list[str]
     lengths: list[int | float | None]  # per layer: slots, a fraction of each sequence, or None (every token)
-    options: dict[str, Any] = field(default_factory=dict)  # cache settings by flag name (each layer takes those its strategy declares)
+    # cache settings by flag name (each layer takes those its strategy declares)
+    options: dict[str, Any] = field(default_factory=dict)
     compress_first_token: bool = False
-    compression_ratio: float | None = None  # kvpress's: the share of the prefilled tokens removed; None: sized by `lengths`
+    # kvpress's: the share of the prefilled tokens removed; None: sized by `lengths`
+    compression_ratio: float | None = None
     layer_budget: str = "uniform"  # how each sequence's total budget is split over the layers (budget.py)
     budget_options: dict[str, Any] = field(default_factory=dict)  # the planner's settings (squeeze_p, pyramid_beta)
-    token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # special_ids, punctuation_ids for caches that read tokens
-    repeat: RepeatRequest | None = None  # KVzip's request to repeat the context, encoded (filled when given the tokenizer)
-    prefill_chunk: int | None = None  # prefill this many tokens at a time, compressing between chunks (chunked.py); None: at once
+    # special_ids, punctuation_ids for caches that read tokens
+    token_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # KVzip's request to repeat the context, encoded (filled when given the tokenizer)
+    repeat: RepeatRequest | None = None
+    # prefill this many tokens at a time, compressing between chunks (chunked.py); None: at once
+    prefill_chunk: int | None = None
 
     @classmethod
     def full(cls, n_layer: int) -> CacheSpec:
         return cls(["full"] * n_layer, [None] * n_layer)
 
 
-def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None, source: str | None = None) -> CacheSpec:
+def cache_spec(
+    settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | None = None, source: str | None = None
+) -> CacheSpec:
     """Validate resolved settings (YAML + flags, by flag name) and spread them over the layers. A strategy
     that reads token ids (hybrid) takes the tokenizer's special and punctuation ids (none without one).
     `source` (the YAML file the settings came from) is named in errors about per-layer lists, which only YAML gives."""
@@ -127,26 +145,36 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
     for option in options:
         if not any(option in strategy_options(CACHE_STRATEGIES[name]) for name in names):
             takers = [name for name, cls in CACHE_STRATEGIES.items() if option in strategy_options(cls)]
-            raise ValueError(f"--{option} does not apply to --cache_strategy {', '.join(names)}; it applies to: {', '.join(takers)}")
+            raise ValueError(
+                f"--{option} does not apply to --cache_strategy {', '.join(names)}; it applies to: {', '.join(takers)}"
+            )
     strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer, "cache_strategy", source)
     for name in strategies:
         CACHE_KEYS["cache_strategy"].validate(name)
     if "max_cache_length" in settings:
-        lengths = per_layer(settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer, "max_cache_length", source)
+        lengths = per_layer(
+            settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer, "max_cache_length", source
+        )
         for length in lengths:
             CACHE_KEYS["max_cache_length"].validate(length)
     else:
         lengths = [CACHE_STRATEGIES[s].default_cache_length for s in strategies]
     token_classes = {}
     if tokenizer is not None and any(CACHE_STRATEGIES[s].needs_tokens for s in strategies):
-        token_classes = dict(special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids)
+        token_classes = dict(
+            special_ids=tuple(sorted(tokenizer.specials.values())), punctuation_ids=tokenizer.punctuation_ids
+        )
     full_layers = settings.get("full_layers", 0)
     if full_layers >= n_layer:
-        raise ValueError(f"--full_layers {full_layers} leaves none of the model's {n_layer} layers to compress; give fewer")
+        raise ValueError(
+            f"--full_layers {full_layers} leaves none of the model's {n_layer} layers to compress; give fewer"
+        )
     strategies = ["full"] * full_layers + strategies[full_layers:]
     lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
     planner = settings.get("layer_budget", "uniform")
-    budget_options = {o.name: settings[o.name] for options in PLANNER_OPTIONS.values() for o in options if o.name in settings}
+    budget_options = {
+        o.name: settings[o.name] for options in PLANNER_OPTIONS.values() for o in options if o.name in settings
+    }
     for option in budget_options:
         takers = [p for p, options in PLANNER_OPTIONS.items() if option in by_name(options)]
         if planner not in takers:
@@ -154,14 +182,28 @@ def cache_spec(settings: dict[str, Any], n_layer: int, tokenizer: Tokenizer | No
     if planner != "uniform" and all(n is None for n in lengths):
         raise ValueError(f"--layer_budget {planner} needs a compressing --cache_strategy; full keeps every token")
     if planner != "uniform" and any(CACHE_STRATEGIES[s].keeps_history for s in strategies):
-        raise ValueError(f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token and take none")
+        raise ValueError(
+            f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token "
+            "and take none"
+        )
     repeat = repeat_request(tokenizer) if model_scored(strategies, options) else None
     ratio = settings.get("compression_ratio")
     if ratio is not None:
         check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
     first_token = bool(settings.get("compress_first_token", False))
     chunk = settings.get("prefill_chunk")
-    return CacheSpec(strategies, lengths, options, first_token, None if ratio is None else float(ratio), planner, budget_options, token_classes, repeat, chunk)
+    return CacheSpec(
+        strategies,
+        lengths,
+        options,
+        first_token,
+        None if ratio is None else float(ratio),
+        planner,
+        budget_options,
+        token_classes,
+        repeat,
+        chunk,
+    )
 
 
 def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptCompressor]:
@@ -169,7 +211,11 @@ def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptC
     takers = [CACHE_STRATEGIES[s] for s in dict.fromkeys(strategies) if CACHE_STRATEGIES[s].takes_prompt_compressor]
     name = options.get("prompt_compression_strategy")
     if name and takers:  # as the caches build it, with its options (kvzip_chunk)
-        compressors = [make_prompt_compressor(name, **{o.name: options[o.name] for o in PROMPT_COMPRESSORS[name].options if o.name in options})]
+        compressors = [
+            make_prompt_compressor(
+                name, **{o.name: options[o.name] for o in PROMPT_COMPRESSORS[name].options if o.name in options}
+            )
+        ]
     else:
         compressors = [cls.own_prompt_compressor() for cls in takers]
     return [c for c in compressors if c.needs_model]
@@ -181,11 +227,19 @@ def check_ratio(ratio: float, strategies: list[str], lengths: list[Any], planner
     takers = [name for name, cls in CACHE_STRATEGIES.items() if cls.takes_prompt_compressor or cls.keeps_history]
     wrong = sorted({s for s, n in zip(strategies, lengths, strict=True) if n is not None and s not in takers})
     if sized:
-        raise ValueError("give --compression_ratio or --max_cache_length, not both: the ratio sizes the cache from each prompt")
+        raise ValueError(
+            "give --compression_ratio or --max_cache_length, not both: the ratio sizes the cache from each prompt"
+        )
     if wrong:
-        raise ValueError(f"--compression_ratio {ratio} applies to strategies that rank the prompt or recall it ({', '.join(takers)}), not {', '.join(wrong)}")
+        raise ValueError(
+            f"--compression_ratio {ratio} applies to strategies that rank the prompt or recall it "
+            f"({', '.join(takers)}), not {', '.join(wrong)}"
+        )
     if planner not in ("uniform", "pyramid", "funnel"):
-        raise ValueError(f"--compression_ratio takes --layer_budget uniform, pyramid or funnel (kvpress's PyramidKVPress counts), not {planner}")
+        raise ValueError(
+            "--compression_ratio takes --layer_budget uniform, pyramid or funnel (kvpress's PyramidKVPress "
+            f"counts), not {planner}"
+        )
     if all(n is None for n in lengths):
         raise ValueError("--compression_ratio needs a compressing --cache_strategy; full keeps every token")
 
@@ -216,7 +270,13 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
         if option.types == (bool,):
             group.add_argument(f"--{key}", action="store_true", default=None, help=option.describe())
         else:
-            group.add_argument(f"--{key}", type=_flag_parser(key), default=None, metavar=key.upper(), help=f"{option.describe()}; {option.valid}")
+            group.add_argument(
+                f"--{key}",
+                type=_flag_parser(key),
+                default=None,
+                metavar=key.upper(),
+                help=f"{option.describe()}; {option.valid}",
+            )
 
 
 def _flag_parser(key: str) -> Callable[[str], Any]:
@@ -291,17 +351,26 @@ def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> dict[str, A
     --max_cache_length) replaces the config's size of either kind."""
     given = {k: v for k, v in cli.items() if v is not None}
     if {"compression_ratio", "max_cache_length"} & set(given):
-        config = {k: v for k, v in config.items() if k not in ("compression_ratio", "max_cache_length", "max_cache_length_pattern")}
+        config = {
+            k: v
+            for k, v in config.items()
+            if k not in ("compression_ratio", "max_cache_length", "max_cache_length_pattern")
+        }
     return {**config, **given}
 
 
-def per_layer(value: Any, pattern: str | None, n_layer: int, key: str | None = None, source: str | None = None) -> list[Any]:
+def per_layer(
+    value: Any, pattern: str | None, n_layer: int, key: str | None = None, source: str | None = None
+) -> list[Any]:
     """A scalar for every layer, or a list spread over the layers by `pattern` (a list of exactly
     n_layer values needs none); `key` names the setting in errors, `source` its YAML file."""
     if not isinstance(value, list):
         return [value] * n_layer
     if not value:
-        raise ValueError(f"{f'{source}: ' if source else ''}{key or 'a per-layer setting'}: an empty list; give one value, or one per layer")
+        raise ValueError(
+            f"{f'{source}: ' if source else ''}{key or 'a per-layer setting'}: an empty list; give one value, "
+            "or one per layer"
+        )
     if len(value) == n_layer and pattern is None:
         return list(value)
     if pattern == "tile":
@@ -312,7 +381,8 @@ def per_layer(value: Any, pattern: str | None, n_layer: int, key: str | None = N
         raise ValueError(f"a list of {len(value)} values for {n_layer} layers needs a pattern: {', '.join(PATTERNS)}")
     where = f"{source}: " if source else ""
     raise ValueError(
-        f"{where}{key}: a list of {len(value)} values for {n_layer} layers needs {key}_pattern: {', '.join(PATTERNS)} (or exactly {n_layer} values)"
+        f"{where}{key}: a list of {len(value)} values for {n_layer} layers needs {key}_pattern: "
+        f"{', '.join(PATTERNS)} (or exactly {n_layer} values)"
     )
 
 

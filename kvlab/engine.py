@@ -63,23 +63,31 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
     return parallel.same_tokens((probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1))
 
 
-def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None) -> Tensor:
+def prefill(
+    model: Transformer, tokens: Tensor, input_pos: Tensor, last: Tensor, temperature: float, top_k: int | None
+) -> Tensor:
     """Run the right-padded prompts [B, T]; sample each row's next token from its last prompt position."""
     logits = model(tokens, input_pos, prefill=True, logits_at=last[:, None])
     return sample(logits[:, -1], temperature, top_k)
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, temperature: float, top_k: int | None) -> Tensor:
+def decode_one_token(
+    model: Transformer, token: Tensor, input_pos: Tensor, temperature: float, top_k: int | None
+) -> Tensor:
     """One decode step for every row: token, input_pos [B, 1] -> next token [B]. The unit `--compile` compiles."""
     logits = model(token, input_pos)
     return sample(logits[:, -1], temperature, top_k)
 
 
-def compile_decode_step(device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None) -> CompiledStep:
+def compile_decode_step(
+    device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None
+) -> CompiledStep:
     """`step` compiled whole with `compiled_step_options`, or with stock Inductor and the settings
     `inductor` names when it is given (size checks off either way). Each call compiles its own copy of
     `step`, so steps compiled apart keep apart the graphs they compile."""
-    return CompiledStep(step, compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor})
+    return CompiledStep(
+        step, compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor}
+    )
 
 
 def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -104,7 +112,8 @@ class Batch:
 
     @property
     def forced(self) -> int:
-        """Decode steps that feed prompt tokens (a row with a shorter suffix finishes early; its extra steps are dropped)."""
+        """Decode steps that feed prompt tokens (a row with a shorter suffix finishes early; its extra steps are
+        dropped)."""
         return max(self.suffix)
 
 
@@ -132,15 +141,23 @@ def pad_batch(
     needed = T_prefill + max(suffix) + max_new_tokens  # every row runs max(suffix) + max_new_tokens - 1 steps
     context = model.config.block_size
     if needed > context:
-        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of {context} tokens")
+        raise ValueError(
+            f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of "
+            f"{context} tokens"
+        )
     max_seq_length = max_seq_length or needed
     if not needed <= max_seq_length <= context:
-        raise ValueError(f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the context length ({context})")
+        raise ValueError(
+            f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the "
+            f"context length ({context})"
+        )
     tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p, device=device)
     columns = torch.arange(T_prefill, device=device)
-    return Batch(tokens, torch.where(columns < prefill_lens[:, None], columns, -1), lens, prefill_lens, suffix, max_seq_length)
+    return Batch(
+        tokens, torch.where(columns < prefill_lens[:, None], columns, -1), lens, prefill_lens, suffix, max_seq_length
+    )
 
 
 @dataclass
@@ -198,7 +215,9 @@ def prepare_caches(
                 recorded=recorded,
                 decoded_prompt_tokens=batch.suffix,
             )
-            recorded.references[key] = [c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)]
+            recorded.references[key] = [
+                c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)
+            ]
         continuations = recorded.references[key]
     caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
     if scored_by_model:
@@ -210,7 +229,16 @@ def prepare_caches(
     probes = None
     if attention_loss:
         kv_heads = model.layers[0].attention.n_local_heads
-        full = make_caches("full", cfg.n_layer, len(prompts), kv_heads, batch.max_seq_length, cfg.head_dim, model.norm.weight.dtype, batch.tokens.device)
+        full = make_caches(
+            "full",
+            cfg.n_layer,
+            len(prompts),
+            kv_heads,
+            batch.max_seq_length,
+            cfg.head_dim,
+            model.norm.weight.dtype,
+            batch.tokens.device,
+        )
         probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
         model.setup_caches(probes)
         model.cache_key = None  # the probes are single-use: the next call builds fresh caches
@@ -228,7 +256,8 @@ def planned_recording(
         return None
     if not chunked and (shared is not None or not (needed or spec.options.get("head_budget") == "global")):
         return shared
-    half = torch.float16 if spec.options.get("cache_bits") == 16 else None  # a chunked recording holds the caches' dtype
+    # a chunked recording holds the caches' dtype
+    half = torch.float16 if spec.options.get("cache_bits") == 16 else None
     return RecordedPrefill(queries=attention_loss or reads_recorded_queries(spec), chunk_dtype=half)
 
 
@@ -254,10 +283,14 @@ def prefill_batch(
             logits = first_chunk(model, tokens[:, :chunk], input_pos[:, :chunk], prefill_lens - 1, ready.recorded)
             ranked = None
             if spec.options.get("head_budget") == "global":
-                ranked = functools.partial(keep_best_over_model, ready.caches, spec.compression_ratio, prefill_lens.tolist())
+                ranked = functools.partial(
+                    keep_best_over_model, ready.caches, spec.compression_ratio, prefill_lens.tolist()
+                )
                 ranked()
             repeat = spec.repeat.instruction if spec.repeat is not None else None
-            logits = prefill_rest(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat, ranked)
+            logits = prefill_rest(
+                model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, chunk, logits, chunk_step, repeat, ranked
+            )
             next_token = sample(logits, temperature, top_k)
     elif ready.recorded is not None:
         ready.recorded.replay(model, ready.caches, compact=True)
@@ -266,7 +299,9 @@ def prefill_batch(
         next_token = prefill_step(model, tokens[:, :T_prefill], input_pos, prefill_lens - 1, temperature, top_k)
     compact(ready.caches)
     out = torch.zeros(len(batch.suffix), forced + max_new_tokens, dtype=torch.long, device=device)
-    out[:, :forced] = tokens.gather(1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=tokens.shape[1] - 1))
+    out[:, :forced] = tokens.gather(
+        1, (prefill_lens[:, None] + torch.arange(forced, device=device)).clamp(max=tokens.shape[1] - 1)
+    )
     first = torch.tensor(batch.suffix, device=device)
     out[:, 0] = torch.where(first == 0, next_token, out[:, 0])
     for c in range(1, forced + 1):  # the rest of each prompt through the compressed cache
@@ -292,7 +327,9 @@ def decode_rest(
     device, forced, max_new_tokens = out.device, batch.forced, out.shape[1] - batch.forced
     first = torch.tensor(batch.suffix, device=device)
     stop = torch.tensor(list(stop_ids) or [-1], device=device)
-    stopped = (torch.isin(out[:, : forced + 1], stop) & (torch.arange(forced + 1, device=device) >= first[:, None])).any(dim=1)
+    stopped = (
+        torch.isin(out[:, : forced + 1], stop) & (torch.arange(forced + 1, device=device) >= first[:, None])
+    ).any(dim=1)
     if on_token is not None:
         on_token(out[:, forced].tolist())
     check_every = 1 if device.type == "cpu" or on_token is not None else STOP_CHECK_INTERVAL
@@ -301,7 +338,13 @@ def decode_rest(
     with replayed(decode_step, caches) as step:
         while n < max_new_tokens and not (n % check_every == 0 and stopped.all()):
             c = forced + n
-            out[:, c] = step(model, token_column(out, c - 1), (batch.prefill_lens + c - 1)[:, None], sampling.temperature, sampling.top_k)
+            out[:, c] = step(
+                model,
+                token_column(out, c - 1),
+                (batch.prefill_lens + c - 1)[:, None],
+                sampling.temperature,
+                sampling.top_k,
+            )
             maintain(caches)
             stopped |= torch.isin(out[:, c], stop)
             n += 1
@@ -356,10 +399,17 @@ def generate(
     out = prefill_batch(model, batch, max_new_tokens, spec, ready, sampling, decode_step, prefill_step, chunk_step)
     sync(out.device)
     prefill_seconds = time.perf_counter() - t0
-    n, first_step_seconds, decode_seconds = decode_rest(model, out, batch, ready.caches, sampling, stop_ids, decode_step, on_token)
-    rows = [cut_at_stop(row[s : min(s + max_new_tokens, batch.forced + n)], stop_ids) for row, s in zip(out.tolist(), batch.suffix, strict=True)]
+    n, first_step_seconds, decode_seconds = decode_rest(
+        model, out, batch, ready.caches, sampling, stop_ids, decode_step, on_token
+    )
+    rows = [
+        cut_at_stop(row[s : min(s + max_new_tokens, batch.forced + n)], stop_ids)
+        for row, s in zip(out.tolist(), batch.suffix, strict=True)
+    ]
     seconds = (prefill_seconds, first_step_seconds, decode_seconds)
-    return summarize(model, rows, batch.lens, n - 1, seconds, ready.caches, ready.probes, ready.budgets, ready.similarity, spec)
+    return summarize(
+        model, rows, batch.lens, n - 1, seconds, ready.caches, ready.probes, ready.budgets, ready.similarity, spec
+    )
 
 
 def token_column(tokens: Tensor, c: int) -> Tensor:
@@ -368,7 +418,9 @@ def token_column(tokens: Tensor, c: int) -> Tensor:
     return tokens[:, c : c + 1].clone(memory_format=torch.contiguous_format)
 
 
-def replayed(decode_step: Callable[..., Tensor], caches: Sequence[KVCache]) -> contextlib.AbstractContextManager[Callable[..., Tensor]]:
+def replayed(
+    decode_step: Callable[..., Tensor], caches: Sequence[KVCache]
+) -> contextlib.AbstractContextManager[Callable[..., Tensor]]:
     """The step for a decode loop: a compiled step replaying its graph (`CompiledStep.replaying`) unless a cache
     is upkept between steps, else the step as given."""
     if isinstance(decode_step, CompiledStep) and not any(cache.upkept_between_steps for cache in caches):

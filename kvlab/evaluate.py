@@ -33,7 +33,15 @@ from kvlab.engine import compile_decode_step, decode_one_token, generate, mainta
 from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
 from kvlab.model import ModelArgs, Transformer
 from kvlab.recording import RecordedPrefill
-from kvlab.results import append_record, locked_out_dir, rank_file, read_config_records, read_runs, rewrite_complete_lines, write_runs
+from kvlab.results import (
+    append_record,
+    locked_out_dir,
+    rank_file,
+    read_config_records,
+    read_runs,
+    rewrite_complete_lines,
+    write_runs,
+)
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
 from kvlab.tasks.sizing import ContextTooShortError, minimum_context_length
@@ -46,12 +54,15 @@ def open_out_dir(jobs: list[Job], args: argparse.Namespace, stack: contextlib.Ex
     Returns the examples already done."""
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
-    done = prepare_runs(jobs, args)  # checks the checkpoint name, context lengths and each run's key before anything is written
+    # checks the checkpoint name, context lengths and each run's key before anything is written
+    done = prepare_runs(jobs, args)
     stack.enter_context(locked_out_dir(args.out_dir))
     return done
 
 
-def check_context_lengths(tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int, model_context: int) -> None:
+def check_context_lengths(
+    tasks: list[GenerationTask | PerplexityTask], context_lengths: list[int], ppl_prompt_tokens: int, model_context: int
+) -> None:
     """Every --context_lengths value fits every task and the model (before anything is written)."""
     for ctx in context_lengths:
         if ctx > model_context:
@@ -61,7 +72,11 @@ def check_context_lengths(tasks: list[GenerationTask | PerplexityTask], context_
             if ctx < minimum:
                 raise ValueError(
                     f"--context_lengths {ctx} is below the {minimum} tokens {task.name} needs"
-                    + (f" (--ppl_prompt_tokens {ppl_prompt_tokens} plus one to predict)" if isinstance(task, PerplexityTask) else "")
+                    + (
+                        f" (--ppl_prompt_tokens {ppl_prompt_tokens} plus one to predict)"
+                        if isinstance(task, PerplexityTask)
+                        else ""
+                    )
                     + f"; valid: {minimum} to the model's context length of {model_context} tokens"
                 )
 
@@ -72,7 +87,12 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
     checkpoint = checkpoint_dir(args)
     config = read_config(checkpoint)
     model_name = checked_model_name(config.get("name"))
-    check_context_lengths(resolve_tasks(args.tasks), args.context_lengths, args.ppl_prompt_tokens, ModelArgs.from_dict(config["model"]).block_size)
+    check_context_lengths(
+        resolve_tasks(args.tasks),
+        args.context_lengths,
+        args.ppl_prompt_tokens,
+        ModelArgs.from_dict(config["model"]).block_size,
+    )
     done = 0
     records = {}
     for job in jobs:
@@ -94,13 +114,16 @@ def rows_held(model: Transformer) -> Tensor:
 
 
 def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target: Tensor) -> Tensor:
-    """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for perplexity."""
+    """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for
+    perplexity."""
     logits = model(token, input_pos)
     return F.cross_entropy(logits[:, -1].float(), target, reduction="none")
 
 
 @torch.no_grad()
-def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable, prompt_tokens: int = 1) -> tuple[Tensor, Tensor]:
+def document_nll(
+    model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable, prompt_tokens: int = 1
+) -> tuple[Tensor, Tensor]:
     """Per-token losses [B, L-1] of equally long documents and tokens held per sequence. The first
     `prompt_tokens` are prefilled as a prompt (exact attention; compressed and, with a layer budget
     planner, planned when stored), every later token is predicted from the compressed cache of all
@@ -119,20 +142,36 @@ def document_nll(model: Transformer, documents: list[list[int]], spec: CacheSpec
     if model_scored(spec.strategies, spec.options):  # the oracle's future is the rest of the document
         recorded.score_with_model(model, caches, [P] * B, [d[P:] for d in documents], spec.repeat)
     recorded.replay(model, caches, compact=True)
-    losses = [F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(B, P)]
+    losses = [
+        F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(
+            B, P
+        )
+    ]
     with replayed(step, caches) as call:
         for p in range(P, L - 1):
-            losses.append(call(model, token_column(tokens, p), torch.full((B, 1), p, device=device), token_column(tokens, p + 1)[:, 0])[:, None])
+            losses.append(
+                call(
+                    model,
+                    token_column(tokens, p),
+                    torch.full((B, 1), p, device=device),
+                    token_column(tokens, p + 1)[:, 0],
+                )[:, None]
+            )
             maintain(caches)
     return torch.cat(losses, dim=1), rows_held(model)
 
 
 def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A task's metrics from its examples: mean score (x100) and needle digits (%), or perplexity over all scored tokens."""
-    metrics: dict[str, Any] = dict(metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records))
+    """A task's metrics from its examples: mean score (x100) and needle digits (%), or perplexity over all scored
+    tokens."""
+    metrics: dict[str, Any] = dict(
+        metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records)
+    )
     if isinstance(task, PerplexityTask):
         metrics["value"] = math.exp(sum(r["nll_sum"] for r in records) / sum(r["tokens"] for r in records))
-        metrics["checkpoints"] = {c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]}
+        metrics["checkpoints"] = {
+            c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]
+        }
     else:
         metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
         if all("needle_digits" in r for r in records):  # RULER's numeric needles, in % as the score
@@ -196,17 +235,23 @@ class Evaluator:
     under torchrun each rank passes (rank, world size). Every rank lists the same batches, the examples
     not yet done when the sweep starts, so a batch is run once whatever the number of ranks."""
 
-    def __init__(self, args: argparse.Namespace, device_name: str, threads: int | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(
+        self, args: argparse.Namespace, device_name: str, threads: int | None = None, shard: tuple[int, int] = (0, 1)
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
-        torch._dynamo.config.cache_size_limit = 64  # one decode graph per cache config; the default 8 would fall back to eager
+        # one decode graph per cache config; the default 8 would fall back to eager
+        torch._dynamo.config.cache_size_limit = 64
         device, dtype = resolve_device_dtype(device_name, args.dtype)
         self.args = args
         self.shard = shard
-        # Several shards: each process appends to its own files. One shared by every rank (tensor parallelism): rank 0 alone.
+        # Several shards: each process appends to its own files. One shared by every rank (tensor parallelism): rank 0
+        # alone.
         self.writes = shard[1] > 1 or parallel.rank() == 0
         tensor_parallel = args.tensor_parallel and parallel.launched()
-        self.model, self.tokenizer, self.config = load_checkpoint(args.checkpoint_path or default_checkpoint(), device, dtype, tensor_parallel)
+        self.model, self.tokenizer, self.config = load_checkpoint(
+            args.checkpoint_path or default_checkpoint(), device, dtype, tensor_parallel
+        )
         self.tasks = {t.name: t for t in resolve_tasks(args.tasks)}
         if args.longbench_dir is not None:
             set_longbench_dir(args.longbench_dir)
@@ -236,7 +281,8 @@ class Evaluator:
             self.write_metrics(groups)
 
     def write_metrics(self, groups: list[Group]) -> None:
-        """Each job's metrics over exactly the requested examples, from every rank's records, into its config's runs.json."""
+        """Each job's metrics over exactly the requested examples, from every rank's records, into its config's
+        runs.json."""
         by_dir: dict[Path, list[tuple[Group, Job]]] = defaultdict(list)
         for group in groups:
             for job, _ in group.runs:
@@ -245,7 +291,9 @@ class Evaluator:
             records, runs = read_config_records(config_dir), read_runs(config_dir)
             for group, job in jobs:
                 done = records[job.run(), job.stem()]
-                runs[job.run()].setdefault("tasks", {})[job.stem()] = summarize_job(group.task, [done[e.id] for e in group.examples])
+                runs[job.run()].setdefault("tasks", {})[job.stem()] = summarize_job(
+                    group.task, [done[e.id] for e in group.examples]
+                )
             write_runs(config_dir, runs)
 
     def config_dir(self, job: Job) -> Path:
@@ -259,12 +307,19 @@ class Evaluator:
             examples = task.documents(self.tokenizer, self.args.num_samples, ctx)
         else:
             try:
-                examples = task.examples(self.tokenizer, self.args.num_samples, self.args.seed, ctx, not self.args.no_chat)
+                examples = task.examples(
+                    self.tokenizer, self.args.num_samples, self.args.seed, ctx, not self.args.no_chat
+                )
             except ContextTooShortError:
                 limit = self.model.config.block_size
-                minimum = minimum_context_length(task, self.tokenizer, self.args.num_samples, self.args.seed, not self.args.no_chat, ctx, limit)
+                minimum = minimum_context_length(
+                    task, self.tokenizer, self.args.num_samples, self.args.seed, not self.args.no_chat, ctx, limit
+                )
                 if minimum is None:
-                    raise ValueError(f"--context_lengths {ctx} is too short for {name}, and so is the model's context length of {limit} tokens") from None
+                    raise ValueError(
+                        f"--context_lengths {ctx} is too short for {name}, and so is the model's context length "
+                        f"of {limit} tokens"
+                    ) from None
                 raise ValueError(
                     f"--context_lengths {ctx} is below the {minimum} tokens {name} needs (prompt and answer); "
                     f"valid: {minimum} to the model's context length of {limit} tokens"
@@ -272,17 +327,22 @@ class Evaluator:
         runs = []
         for job in jobs:
             if job.query_agnostic and any(e.question_start is None for e in examples):
-                raise ValueError(f"--query_agnostic compresses the context before the question, but {name} has no context/question split (RULER tasks have)")
+                raise ValueError(
+                    f"--query_agnostic compresses the context before the question, but {name} has no "
+                    "context/question split (RULER tasks have)"
+                )
             spec = job_spec(job, self.model.config.n_layer, self.tokenizer)
             if isinstance(task, PerplexityTask) and spec.prefill_chunk:
                 raise ValueError(
-                    f"{job.config}: {task.name} prefills {job.prompt_tokens} prompt token(s) and decodes the rest token by token, so --prefill_chunk "
-                    "has nothing to chunk; to stream a book through chunks use kvlab.chunked.stream_losses (bench/bench_streaming.py)"
+                    f"{job.config}: {task.name} prefills {job.prompt_tokens} prompt token(s) and decodes the "
+                    "rest token by token, so --prefill_chunk has nothing to chunk; to stream a book through "
+                    "chunks use kvlab.chunked.stream_losses (bench/bench_streaming.py)"
                 )
             if isinstance(task, PerplexityTask) and spec.layer_budget != "uniform" and job.prompt_tokens == 1:
                 raise ValueError(
-                    f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but {task.name} decodes its documents "
-                    "from a one-token prompt; give the documents a prompt with --ppl_prompt_tokens N"
+                    f"{job.config}: --layer_budget {spec.layer_budget} plans from the prompt at prefill, but "
+                    f"{task.name} decodes its documents from a one-token prompt; give the documents a prompt "
+                    "with --ppl_prompt_tokens N"
                 )
             runs.append((job, spec))
         config_dirs = {self.config_dir(job) for job, _ in runs}
@@ -290,7 +350,12 @@ class Evaluator:
             for config_dir in config_dirs:
                 rewrite_complete_lines(rank_file(config_dir, *self.shard))
         records = {d: read_config_records(d) for d in config_dirs}
-        return Group(task, examples, runs, {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs})
+        return Group(
+            task,
+            examples,
+            runs,
+            {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs},
+        )
 
     def prepare(self, jobs: list[Job]) -> None:
         """Each job's config directory with its run's settings in the runs.json (each config's records read once)."""
@@ -298,7 +363,12 @@ class Evaluator:
         for job in jobs:
             config_dir = self.config_dir(job)
             records.setdefault(config_dir, read_config_records(config_dir))
-            write_run_args(config_dir, job, run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)), records[config_dir])
+            write_run_args(
+                config_dir,
+                job,
+                run_key(job, self.args, self.config["name"], checkpoint_dir(self.args)),
+                records[config_dir],
+            )
 
     def keep(self, group: Group, job: Job, record: dict[str, Any]) -> None:
         """A finished example: appended to this process's records file of the job's config, and done."""
@@ -311,14 +381,15 @@ class Evaluator:
         one prefill shared by all."""
         task, args = group.task, self.args
         max_new = max(e.max_new_tokens for e in group.examples)
-        # Fixed for the task, so nothing recompiles between batches: the longest context + the longest question (decoded one token
-        # at a time, query-agnostic; else the last prompt token) + the answer.
+        # Fixed for the task, so nothing recompiles between batches: the longest context + the longest question (decoded
+        # one token at a time, query-agnostic; else the last prompt token) + the answer.
         agnostic = any(job.query_agnostic for job, _ in group.runs)
         contexts = [e.question_start if agnostic else len(e.input_ids) - 1 for e in group.examples]
         questions = [len(e.input_ids) - c for e, c in zip(group.examples, contexts, strict=True)]
         max_seq_length = min(max(contexts) + max(questions) + max_new, self.model.config.block_size)
         padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
-        shared = {False: RecordedPrefill(), True: RecordedPrefill()}  # one prefill per protocol: the whole prompt, or the context alone
+        # one prefill per protocol: the whole prompt, or the context alone
+        shared = {False: RecordedPrefill(), True: RecordedPrefill()}
         for job, spec in group.pending(batch):
             t0 = time.perf_counter()
             result = generate(
@@ -331,7 +402,9 @@ class Evaluator:
                 max_seq_length=max_seq_length,
                 recorded=shared[job.query_agnostic],
                 attention_loss=args.attention_metrics,
-                decoded_prompt_tokens=[len(e.input_ids) - e.question_start for e in padded] if job.query_agnostic else None,
+                decoded_prompt_tokens=[len(e.input_ids) - e.question_start for e in padded]
+                if job.query_agnostic
+                else None,
             )
             seconds = (time.perf_counter() - t0) / len(batch)
             held = rows_held(self.model).tolist()
@@ -350,7 +423,10 @@ class Evaluator:
                     seconds=round(seconds, 3),
                 )
                 if result.attention_loss is not None:
-                    record |= dict(attention_loss=result.attention_loss["per_sequence"][i], topb_recall=result.attention_loss["recall_per_sequence"][i])
+                    record |= dict(
+                        attention_loss=result.attention_loss["per_sequence"][i],
+                        topb_recall=result.attention_loss["recall_per_sequence"][i],
+                    )
                 self.keep(group, job, record)
 
     def score_documents(self, group: Group, batch: list[Any]) -> None:
@@ -358,7 +434,9 @@ class Evaluator:
         padded = batch + batch[-1:] * (self.args.batch_size - len(batch))
         for job, spec in group.pending(batch):
             t0 = time.perf_counter()
-            losses, held = document_nll(self.model, [d.input_ids for d in padded], spec, self.ppl_step, job.prompt_tokens)
+            losses, held = document_nll(
+                self.model, [d.input_ids for d in padded], spec, self.ppl_step, job.prompt_tokens
+            )
             seconds = (time.perf_counter() - t0) / len(batch)
             for i, doc in enumerate(batch):
                 if doc.id in group.done[job]:

@@ -20,19 +20,28 @@ from torch import Tensor
 from kvlab import kernels, parallel
 from kvlab.cache import KVCache, unchanged_where_idle
 from kvlab.compact import KV_STORE_OPTION, CompactKVStorage
-from kvlab.head_budget import ADAKV_BUDGETS, DEFAULT_ADAKV_FLOOR, HEAD_BUDGET_OPTIONS, HEAD_BUDGETS, adakv_capacities, safeguard
+from kvlab.head_budget import (
+    ADAKV_BUDGETS,
+    DEFAULT_ADAKV_FLOOR,
+    HEAD_BUDGET_OPTIONS,
+    HEAD_BUDGETS,
+    adakv_capacities,
+    safeguard,
+)
 from kvlab.options import integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, KeepAll, PromptCompressor, wrap_scores
 from kvlab.scores import position_order, two_stage, unrotate, value_norms, value_weighted
 from kvlab.storage import KEY_PRUNING_OPTIONS, rows_and_heads
 
 PROTECTED_OPTIONS = (
-    integer("global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"),
+    integer(
+        "global_tokens", None, "first tokens never evicted, attention sinks", minimum=0, default_help="4; 0 for window"
+    ),
     integer(
         "recent_window",
         None,
-        "newest tokens never evicted, the incoming one included; 0 leaves the prompt's last token to its score, as kvpress's scorer presses do "
-        "(a decoded token is always written, so 0 and 1 decode alike)",
+        "newest tokens never evicted, the incoming one included; 0 leaves the prompt's last token to its score, "
+        "as kvpress's scorer presses do (a decoded token is always written, so 0 and 1 decode alike)",
         minimum=0,
         default_help="10; 1 for hybrid",
     ),
@@ -100,32 +109,51 @@ class EvictionCache(KVCache):
         H = n_kv_heads * kv_repeat
         super().__init__(batch_size, H, capacity, head_dim, dtype, device, kv_store=kv_store, **storage_options)
         if head_budget not in HEAD_BUDGETS or not 0 <= adakv_floor <= 1:
-            raise ValueError(f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got {head_budget!r} and {adakv_floor}")
+            raise ValueError(
+                f"head_budget must be one of {', '.join(HEAD_BUDGETS)} and adakv_floor in [0, 1]; got "
+                f"{head_budget!r} and {adakv_floor}"
+            )
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
         self.prompt_compressor = (prompt_compressor or self.own_prompt_compressor()).with_rope(rope)
-        for option, value in zip(SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, value_first_stage, chunk_size), strict=True):
+        for option, value in zip(
+            SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, value_first_stage, chunk_size), strict=True
+        ):
             if value is not None:
                 option.validate(value)
         self.value_weight = self.default_value_weight if value_weight is None else value_weight
-        self.value_epsilon, self.value_first_stage, self.chunk_size = value_epsilon, value_first_stage, chunk_size  # prompt score wrappers
+        # prompt score wrappers
+        self.value_epsilon, self.value_first_stage, self.chunk_size = value_epsilon, value_first_stage, chunk_size
         if value_first_stage and self.value_weight == "none":
-            raise ValueError(f"{type(self).__name__}: --value_first_stage {value_first_stage} selects in two stages by the value weight; give a --value_weight")
-        self.output_weight: Tensor | None = None  # the attention's W_o [dim, H x D] for value_weight wo_l1 (build.setup_caches sets it)
+            raise ValueError(
+                f"{type(self).__name__}: --value_first_stage {value_first_stage} selects in two stages by the "
+                "value weight; give a --value_weight"
+            )
+        # the attention's W_o [dim, H x D] for value_weight wo_l1 (build.setup_caches sets it)
+        self.output_weight: Tensor | None = None
         if head_budget != "uniform" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
             raise ValueError(
-                f"{type(self).__name__}: --head_budget {head_budget} shares a layer's slots by how each head scores its prompt tokens; these "
-                "scores (by position) are the same in every head, so it would change nothing: drop it, or give a --prompt_compression_strategy"
+                f"{type(self).__name__}: --head_budget {head_budget} shares a layer's slots by how each head "
+                "scores its prompt tokens; these scores (by position) are the same in every head, so it would "
+                "change nothing: drop it, or give a --prompt_compression_strategy"
             )
-        self.kv_repeat = kv_repeat  # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
+        # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
+        self.kv_repeat = kv_repeat
         self._protect_tokens(global_tokens, recent_window, capacity)
-        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves slots between heads).
+        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves
+        # slots between heads).
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
-        self.register_buffer("row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False)
-        self.register_buffer("decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer(
+            "row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False
+        )
+        self.register_buffer(
+            "decode_room", torch.zeros((batch_size, 1, 1), dtype=torch.long, device=device), persistent=False
+        )
         self.decode_evicts = True  # False once limit_rows keeps room for every decoded token (a compression ratio)
-        # A model-scored compressor between prefill chunks (KVzip): each held token's best score so far, as only the newest chunk is repeated.
+        # A model-scored compressor between prefill chunks (KVzip): each held token's best score so far, as only the
+        # newest chunk is repeated.
         self.keeps_prompt_scores = self.prompt_compressor.needs_model and self.prompt_compressor.scores_chunks
-        # head_budget global between prefill chunks ranks the held tokens of every layer by the scores they were kept by.
+        # head_budget global between prefill chunks ranks the held tokens of every layer by the scores they were kept
+        # by.
         self.stores_prompt_scores = self.keeps_prompt_scores or head_budget == "global"
         if self.stores_prompt_scores:
             self.register_buffer("prompt_scores", torch.zeros(self.pos.shape, device=device), persistent=False)
@@ -157,13 +185,15 @@ class EvictionCache(KVCache):
         smallest, largest = int((capacities - room).min()), int(capacities.max())
         if smallest <= self.global_tokens + self.recent_window or largest > self.capacity:
             raise ValueError(
-                f"{type(self).__name__}: --max_cache_length gives {capacities.tolist()} slots per sequence here (at most {self.capacity}); "
-                f"each needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: "
-                "raise --max_cache_length or lower --recent_window/--global_tokens"
-                if decode_room is None
-                else f"{type(self).__name__}: --compression_ratio keeps {(capacities - room).tolist()} prompt tokens per sequence here; each "
-                f"needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: lower the ratio, or "
+                f"{type(self).__name__}: --max_cache_length gives {capacities.tolist()} slots per sequence here "
+                f"(at most {self.capacity}); each needs more than --global_tokens {self.global_tokens} + "
+                f"--recent_window {self.recent_window}: raise --max_cache_length or lower "
                 "--recent_window/--global_tokens"
+                if decode_room is None
+                else f"{type(self).__name__}: --compression_ratio keeps {(capacities - room).tolist()} prompt "
+                "tokens per sequence here; each "
+                f"needs more than --global_tokens {self.global_tokens} + --recent_window {self.recent_window}: "
+                "lower the ratio, or --recent_window/--global_tokens"
             )
         self.row_budget.copy_(capacities.view(-1, 1, 1))
         self.row_capacity.copy_(self.row_budget.expand_as(self.row_capacity))
@@ -178,10 +208,12 @@ class EvictionCache(KVCache):
         raise NotImplementedError
 
     def _eviction_idx(self, input_pos: Tensor) -> Tensor:
-        """[B, H_kv, 1] the slot each (sequence, KV head) gives to the incoming token: an empty one, else the least important.
-        When the rows keep room for every decoded token, an empty slot always wins, so the strategy's score
+        """[B, H_kv, 1] the slot each (sequence, KV head) gives to the incoming token: an empty one, else the least
+        important. When the rows keep room for every decoded token, an empty slot always wins, so the strategy's score
         (LagKV and KeyDiff rescore every held key) is not computed: the same slot, the first empty one."""
-        importances = self._token_importances() if self.decode_evicts else torch.zeros(self.pos.shape, device=self.pos.device)
+        importances = (
+            self._token_importances() if self.decode_evicts else torch.zeros(self.pos.shape, device=self.pos.device)
+        )
         return self._slot_priorities(importances, input_pos).argmin(dim=-1, keepdim=True)
 
     def _slot_priorities(self, importances: Tensor, input_pos: Tensor) -> Tensor:
@@ -192,7 +224,8 @@ class EvictionCache(KVCache):
         return scores.masked_fill(beyond, float("inf"))
 
     def _on_insert(self, slots: Tensor, scores: Tensor | None) -> None:
-        """Strategy state for newly written slots [B, H_kv, N]; `scores` are their prompt importances (None in decode)."""
+        """Strategy state for newly written slots [B, H_kv, N]; `scores` are their prompt importances (None in
+        decode)."""
 
     def _protect(self, scores: Tensor, pos: Tensor, current: Tensor) -> Tensor:
         """Empty slots go first (-inf), sinks and the recent window never (+inf). current: [B, 1, 1] newest position."""
@@ -203,10 +236,14 @@ class EvictionCache(KVCache):
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         T = k.shape[2]
         if T > self.capacity and not self.prompt_compressor.compresses:
-            raise ValueError(f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor")
+            raise ValueError(
+                f"a prompt of {T} tokens does not fit a cache of {self.capacity} slots without a prompt compressor"
+            )
         k, v = self._repeat(k), self._repeat(v)
         self.storage.observe_prompt(input_pos, k, q)
-        self._store_prompt(input_pos[:, None, :].expand(k.shape[:3]), k, v, self._prompt_scores(input_pos, k, v, q, lse))
+        self._store_prompt(
+            input_pos[:, None, :].expand(k.shape[:3]), k, v, self._prompt_scores(input_pos, k, v, q, lse)
+        )
 
     def _prompt_scores(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None) -> Tensor:
         """The compressor's scores [B, H_kv, T] of the prompt's keys and values (already repeated per head), wrapped."""
@@ -218,11 +255,15 @@ class EvictionCache(KVCache):
         if self.value_weight == "none":
             return None
         if self.value_weight == "wo_l1" and self.output_weight is None:
-            raise ValueError(f"{type(self).__name__}: --value_weight wo_l1 needs the attention's output projection; build the caches with build_caches")
+            raise ValueError(
+                f"{type(self).__name__}: --value_weight wo_l1 needs the attention's output projection; build "
+                "the caches with build_caches"
+            )
         return value_norms(v, self.output_weight if self.value_weight == "wo_l1" else None)
 
     def _one_stage_norms(self, v: Tensor) -> Tensor | None:
-        """The value norms that weigh the scores as they are computed; a two-stage selection weighs them when it stores the prompt."""
+        """The value norms that weigh the scores as they are computed; a two-stage selection weighs them when it stores
+        the prompt."""
         return None if self.value_first_stage else self.value_norms(v)
 
     def prompt_ranking(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
@@ -230,13 +271,23 @@ class EvictionCache(KVCache):
         ranks these of every layer together before the prompt is stored)."""
         k, v = self._repeat(k), self._repeat(v)
         pos = input_pos[:, None, :].expand(k.shape[:3])
-        return self._protect(self._prompt_scores(input_pos, k, v, q, lse), pos, pos.flatten(1).max(dim=-1).values[:, None, None])
+        return self._protect(
+            self._prompt_scores(input_pos, k, v, q, lse), pos, pos.flatten(1).max(dim=-1).values[:, None, None]
+        )
 
     @property
     def prefills_in_chunks(self) -> bool:
         return self.prompt_compressor.scores_chunks
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor], probe: int = 0) -> Tensor:
+    def prefill_chunk(
+        self,
+        input_pos: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q: Tensor,
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+        probe: int = 0,
+    ) -> Tensor:
         """The chunk attends over the held tokens and itself; then the prompt compressor scores both together
         from the chunk's queries (`score_chunk`), and each head keeps its best, as at prefill. The last `probe`
         columns, if any, are queries a model-scored compressor asked for (KVzip's "repeat the context" and the
@@ -246,7 +297,8 @@ class EvictionCache(KVCache):
         B, H, N = k.shape[0], k.shape[1], k.shape[2] - probe
         held_k, held_v = self.storage.read()
         held_pos, keep_all = self.pos, self.head_budget == "global"
-        if keep_all:  # every held and chunk token stays until the model-wide ranking (`keep_ranked`): read the filled slots
+        # every held and chunk token stays until the model-wide ranking (`keep_ranked`): read the filled slots
+        if keep_all:
             filled = int(((self.pos >= 0) * torch.arange(1, self.pos.shape[-1] + 1, device=self.pos.device)).max())
             held_k, held_v, held_pos = held_k[:, :, :filled], held_v[:, :, :filled], self.pos[..., :filled]
         key_pos = torch.cat([held_pos, input_pos[:, None, :].expand(B, H, -1)], dim=2)
@@ -255,9 +307,16 @@ class EvictionCache(KVCache):
         S = key_pos.shape[2] - probe
         order = position_order(key_pos[..., :S])
         index = order[..., None].expand(B, H, S, keys.shape[-1])
-        sorted_pos, sorted_k, sorted_v = key_pos[..., :S].gather(2, order), keys[:, :, :S].gather(2, index), values[:, :, :S].gather(2, index)
-        if probe and self.prompt_compressor.needs_model:  # columns: held, chunk, probe; its queries its last N (the chunk again)
-            scores = self.prompt_compressor.score_chunk(key_pos, keys, values, input_pos[:, -N:], q[:, :, -N:], held_pos.shape[-1])
+        sorted_pos, sorted_k, sorted_v = (
+            key_pos[..., :S].gather(2, order),
+            keys[:, :, :S].gather(2, index),
+            values[:, :, :S].gather(2, index),
+        )
+        # columns: held, chunk, probe; its queries its last N (the chunk again)
+        if probe and self.prompt_compressor.needs_model:
+            scores = self.prompt_compressor.score_chunk(
+                key_pos, keys, values, input_pos[:, -N:], q[:, :, -N:], held_pos.shape[-1]
+            )
             scores = scores[..., :S].gather(2, order)
         else:
             scores = self.prompt_compressor.score_chunk(sorted_pos, sorted_k, sorted_v, input_pos[:, :N], q[:, :, :N])
@@ -274,35 +333,45 @@ class EvictionCache(KVCache):
         R(new - old) R(old), with the model's cos/sin tables [P, D]). Returns the next free position: the count held."""
         held = self.pos >= 0
         order = position_order(self.pos)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
         new = torch.where(held, rank, -1)
         shift = self.pos - new  # >= 0: tokens only move back; 0 for empty slots
         k, v = self.storage.read()
         k = unrotate(k, rope_cos[shift].to(k.dtype), rope_sin[shift].to(k.dtype))
-        self.storage.write(torch.arange(self.pos.shape[-1], device=k.device).expand(self.pos.shape), k, v.clone(), prompt=True)  # v may be the buffer itself
+        # v may be the buffer itself
+        self.storage.write(
+            torch.arange(self.pos.shape[-1], device=k.device).expand(self.pos.shape), k, v.clone(), prompt=True
+        )
         self.pos.copy_(new)
         return int(held.sum(dim=-1).max())
 
     def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
-        """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the strategy
-        has gathered on its slots so far (H2O adds its accumulated attention)."""
+        """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the
+        strategy has gathered on its slots so far (H2O adds its accumulated attention)."""
         return scores
 
     def _with_chunk_scores(self, scores: Tensor, order: Tensor) -> Tensor:
         """A model-scored compressor's chunk scores of the held and chunk tokens (in `order` of [held slots, chunk]),
-        each held token's combined with what earlier chunks gave it (KVzip: the largest attention any repeat paid it)."""
+        each held token's combined with what earlier chunks gave it (KVzip: the largest attention any repeat paid
+        it)."""
         if not self.keeps_prompt_scores:
             return scores
-        return torch.maximum(scores, F.pad(self.prompt_scores, (0, order.shape[-1] - self.prompt_scores.shape[-1])).gather(2, order))
+        return torch.maximum(
+            scores, F.pad(self.prompt_scores, (0, order.shape[-1] - self.prompt_scores.shape[-1])).gather(2, order)
+        )
 
     def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
-        """Strategy state refreshed from a chunk's queries once its tokens are stored (Expected Attention refits its Gaussian)."""
+        """Strategy state refreshed from a chunk's queries once its tokens are stored (Expected Attention refits its
+        Gaussian)."""
 
     def _repeat(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.kv_repeat, dim=1) if self.kv_repeat > 1 else x
 
     def held_ranking(self) -> Tensor:
-        """[B, H_kv, C]: what the held slots rank by between prefill chunks (head_budget global ranks those of every layer
+        """[B, H_kv, C]: what the held slots rank by between prefill chunks (head_budget global ranks those of every
+        layer
         together, `chunked.keep_best_over_model`): the scores they were kept by, protected +inf, empty -inf."""
         return self._protect(self.prompt_scores, self.pos, self.pos.flatten(1).max(dim=-1).values[:, None, None])
 
@@ -312,7 +381,8 @@ class EvictionCache(KVCache):
         self._store_prompt(self.pos.clone(), k, v, self.prompt_scores.clone())
 
     def _store_prompt(self, pos: Tensor, k: Tensor, v: Tensor, scores: Tensor, keep_all: bool = False) -> None:
-        """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with the
+        """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with
+        the
         protected ones; with `keep_all`, every one that fits the buffer."""
         B, H, T, D = k.shape
         n_keep = min(T, self.capacity)
@@ -320,13 +390,22 @@ class EvictionCache(KVCache):
         protected = self._protect(scores, pos, last)
         if self.head_budget in ADAKV_BUDGETS:  # split over every head of the layer, on every rank alike
             split = adakv_capacities(
-                parallel.gather_heads(protected), last + 1, self.row_budget, self.decode_room, self.capacity, self.head_budget, self.adakv_floor
+                parallel.gather_heads(protected),
+                last + 1,
+                self.row_budget,
+                self.decode_room,
+                self.capacity,
+                self.head_budget,
+                self.adakv_floor,
             )
             self.row_capacity.copy_(parallel.local_heads(split))
         if self.value_first_stage:  # CriticalKV: each head's best first, the rest by the value-weighted score
-            protected = two_stage(protected, value_weighted(protected, self.value_norms(v), self.value_epsilon), self._first_stage(last))
+            protected = two_stage(
+                protected, value_weighted(protected, self.value_norms(v), self.value_epsilon), self._first_stage(last)
+            )
         ranked = protected.topk(n_keep, dim=-1).indices  # [B, H, n_keep], most important first
-        # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its limit and stay empty.
+        # A sequence keeps its best row_capacity - decode_room tokens per head, in prompt order; the rest go past its
+        # limit and stay empty.
         kept = (pos >= 0).sum(dim=-1, keepdim=True) if keep_all else self.row_capacity - self.decode_room
         fits = torch.arange(n_keep, device=k.device) < kept
         order = torch.where(fits, ranked, ranked + T).sort(dim=-1).values
@@ -342,10 +421,13 @@ class EvictionCache(KVCache):
 
     def _first_stage(self, last: Tensor) -> Tensor:
         """[B, H, 1] how many prompt tokens each head keeps by the unweighted score (newest position `last` [B, 1, 1]):
-        value_first_stage of its prompt budget, and with adakv_safeguard at least the safeguard (kvpress's CriticalAdaKVPress)."""
+        value_first_stage of its prompt budget, and with adakv_safeguard at least the safeguard (kvpress's
+        CriticalAdaKVPress)."""
         first = (torch.minimum(self.row_capacity - self.decode_room, last + 1) * self.value_first_stage).floor()
         if self.head_budget == "adakv_safeguard":
-            first = torch.maximum(first, safeguard(torch.minimum(self.row_budget - self.decode_room, last + 1), self.adakv_floor))
+            first = torch.maximum(
+                first, safeguard(torch.minimum(self.row_budget - self.decode_room, last + 1), self.adakv_floor)
+            )
         return first
 
     def compact(self) -> None:

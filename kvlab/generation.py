@@ -30,9 +30,12 @@ class Generation:
     sequence_length: float  # prompt + generated tokens per sequence (mean): what a full cache would hold
     cache_stats: dict[str, int]  # the caches' own counts, summed over layers (e.g. hybrid's heads per policy)
     attention_loss: dict[str, list[float]] | None = None  # with attention_loss=True: "per_layer" and "per_step" means
-    layer_budgets: list[list[int]] | None = None  # with a layer budget planner: slots per sequence and layer (0: a full layer)
-    layer_similarity: list[list[float]] | None = None  # per sequence and layer: SqueezeAttention's measure (recorded prefills)
-    head_budgets: list[list[list[int]]] | None = None  # with head_budget adakv*: slots per sequence, layer and KV head ([] for a full layer)
+    # with a layer budget planner: slots per sequence and layer (0: a full layer)
+    layer_budgets: list[list[int]] | None = None
+    # per sequence and layer: SqueezeAttention's measure (recorded prefills)
+    layer_similarity: list[list[float]] | None = None
+    # with head_budget adakv*: slots per sequence, layer and KV head ([] for a full layer)
+    head_budgets: list[list[list[int]]] | None = None
 
 
 def summarize(
@@ -51,7 +54,15 @@ def summarize(
     the (prefill, first step, later steps) seconds and the caches with what planned them."""
     cfg = model.config
     kv_heads = model.layers[0].attention.n_local_heads  # this rank's, under tensor parallelism
-    full_bytes = 2 * cfg.n_layer * len(rows) * kv_heads * (int(lens.max()) + steps) * cfg.head_dim * model.norm.weight.element_size()
+    full_bytes = (
+        2
+        * cfg.n_layer
+        * len(rows)
+        * kv_heads
+        * (int(lens.max()) + steps)
+        * cfg.head_dim
+        * model.norm.weight.element_size()
+    )
     prefill_seconds, first_step_seconds, decode_seconds = seconds
     return Generation(
         [r[0] for r in rows],

@@ -17,12 +17,12 @@ HEAD_BUDGET_OPTIONS = (
         "head_budget",
         HEAD_BUDGETS,
         "uniform",
-        "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv (Ada-KV's "
-        "official code: in each layer a head gets (1 - floor) x its tokens among the layer's top scores + floor x the "
-        "even share), adakv_safeguard (kvpress's AdaKVPress: each head keeps its top floor x budget tokens, the rest go "
-        "to the layer's top scores) or global (kvpress's KVzipPress: the scores of every layer and head ranked "
-        "together; with --prefill_chunk, what is held and the chunk after each chunk, or for KVzip and the oracle "
-        "the whole prompt, recorded in chunks); the prompt is stored in "
+        "split the budget over the KV heads at prefill, per prompt: uniform (every head the same), adakv "
+        "(Ada-KV's official code: in each layer a head gets (1 - floor) x its tokens among the layer's top "
+        "scores + floor x the even share), adakv_safeguard (kvpress's AdaKVPress: each head keeps its top floor "
+        "x budget tokens, the rest go to the layer's top scores) or global (kvpress's KVzipPress: the scores of "
+        "every layer and head ranked together; with --prefill_chunk, what is held and the chunk after each "
+        "chunk, or for KVzip and the oracle the whole prompt, recorded in chunks); the prompt is stored in "
         "buffers as wide as the largest share (global: the whole sequence), then each head's share moves into "
         "rows of its own (--kv_store)",
     ),
@@ -35,7 +35,9 @@ HEAD_BUDGET_OPTIONS = (
 )
 
 
-def adakv_capacities(scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Tensor, capacity: int, rule: str, floor: float) -> Tensor:
+def adakv_capacities(
+    scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Tensor, capacity: int, rule: str, floor: float
+) -> Tensor:
     """Ada-KV's split of a layer's H x budget slots over its heads, [B, H, 1], from protected prompt
     scores [B, H, T], prompt lengths [B, 1, 1], budgets and decode rooms [B, 1, 1] and the buffer's `capacity`:
     the top H x b scores over all heads together are counted per head (b = the budget's prompt part,
@@ -67,7 +69,8 @@ def adakv_capacities(scores: Tensor, n_prompt: Tensor, budget: Tensor, room: Ten
 
 
 def safeguard(prompt_part: Tensor, floor: float) -> Tensor:
-    """AdaKVPress's safeguard: the max(1, int(floor x b)) best prompt tokens each head keeps of a uniform share of b (0 with floor 0)."""
+    """AdaKVPress's safeguard: the max(1, int(floor x b)) best prompt tokens each head keeps of a uniform share of b (0
+    with floor 0)."""
     return (prompt_part * floor).floor().clamp(min=1 if floor > 0 else 0)
 
 
@@ -77,4 +80,5 @@ def adakv_slots(budget: int, n_heads: int, floor: float = DEFAULT_ADAKV_FLOOR, s
     (kvpress's), all of the layer's budget but the other heads' max(1, int(floor x budget)) safe tokens."""
     if safeguard:
         return n_heads * budget - (n_heads - 1) * (max(1, int(floor * budget)) if floor > 0 else 0)
-    return math.ceil(round(budget * ((1 - floor) * n_heads + floor), 6))  # rounded first: 10 x 2.6 is 26.000000000000004 in floats
+    # rounded first: 10 x 2.6 is 26.000000000000004 in floats
+    return math.ceil(round(budget * ((1 - floor) * n_heads + floor), 6))

@@ -55,14 +55,23 @@ class HybridCache(AttentionScoredCache):
         super().__init__(*args, **kwargs)
         if not all(0 < f <= 1 for f in (min_recovery_frac, heavy_hitter_frac, window_frac)):
             raise ValueError(
-                f"hybrid: min_recovery_frac, heavy_hitter_frac and window_frac must lie in (0, 1], got {min_recovery_frac}, {heavy_hitter_frac}, {window_frac}"
+                "hybrid: min_recovery_frac, heavy_hitter_frac and window_frac must lie in (0, 1], got "
+                f"{min_recovery_frac}, {heavy_hitter_frac}, {window_frac}"
             )
-        self.min_recovery_frac, self.heavy_hitter_frac, self.window_frac = min_recovery_frac, heavy_hitter_frac, window_frac
+        self.min_recovery_frac, self.heavy_hitter_frac, self.window_frac = (
+            min_recovery_frac,
+            heavy_hitter_frac,
+            window_frac,
+        )
         device = self.pos.device
         self.register_buffer("special_ids", torch.tensor(special_ids or [-1], device=device), persistent=False)
         self.register_buffer("punctuation_ids", torch.tensor(punctuation_ids or [-1], device=device), persistent=False)
-        self.register_buffer("policy", torch.zeros(self.pos.shape[:2], dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("token_class", torch.zeros(self.pos.shape, dtype=torch.uint8, device=device), persistent=False)
+        self.register_buffer(
+            "policy", torch.zeros(self.pos.shape[:2], dtype=torch.long, device=device), persistent=False
+        )
+        self.register_buffer(
+            "token_class", torch.zeros(self.pos.shape, dtype=torch.uint8, device=device), persistent=False
+        )
 
     def _classes(self, tokens: Tensor) -> Tensor:
         """1 for special tokens, 2 for punctuation, 0 otherwise; [B, T] -> [B, 1, T]."""
@@ -96,7 +105,9 @@ class HybridCache(AttentionScoredCache):
         policy = torch.full((B, H, 1), len(self.policies) - 1, device=k.device)
         for p in reversed(range(len(self.policies) - 1)):  # the cheapest policy that recovers enough attention wins
             kept = self._covered(torch.full_like(policy, p), pos, classes.expand(B, H, T), scores, n)
-            recovered = (probs * kept[:, :, None, None, :]).sum(dim=(2, 3, 4)) / (probs.shape[2] * observed.sum(dim=-1, keepdim=True))
+            recovered = (probs * kept[:, :, None, None, :]).sum(dim=(2, 3, 4)) / (
+                probs.shape[2] * observed.sum(dim=-1, keepdim=True)
+            )
             policy = torch.where(recovered[..., None] >= self.min_recovery_frac, p, policy)
         self.policy.copy_(policy[..., 0])
         covered = self._covered(policy, pos, classes.expand(B, H, T), scores, n)
@@ -104,7 +115,9 @@ class HybridCache(AttentionScoredCache):
         self.token_class.copy_(classes.expand(B, H, T).gather(2, self.pos.clamp(min=0)))
         self._expire(n)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, tokens: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         self._expire(input_pos[:, :, None])
         keys, values, pos = AttentionScoredCache.update(self, input_pos, k, v, q)  # by name, not super(): see KVCache
         slot = (pos == input_pos[:, :, None]).to(torch.uint8).argmax(dim=-1, keepdim=True)

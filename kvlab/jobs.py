@@ -29,7 +29,8 @@ class Job:
     context_length: int
     prompt_tokens: int = 1  # perplexity tasks: tokens of each document prefilled as its prompt
     query_agnostic: bool = False  # the context is compressed before the question is seen (kvpress's default protocol)
-    prefill_chunk: int | None = None  # prefill in chunks of N, compressing between them (chunked.py); None: as the config says
+    # prefill in chunks of N, compressing between them (chunked.py); None: as the config says
+    prefill_chunk: int | None = None
 
     def config_dir(self, out_dir: Path, model_name: str) -> Path:
         """<out_dir>/<model>/<config>: the directory of the config's records.jsonl and runs.json (results.py)."""
@@ -37,7 +38,11 @@ class Job:
 
     def run(self) -> str:
         """The run's name, <size>, and <size>+query_agnostic for that protocol: the two never share results."""
-        return self.size + AGNOSTIC * self.query_agnostic + (f"{CHUNKED}{self.prefill_chunk}" if self.prefill_chunk else "")
+        return (
+            self.size
+            + AGNOSTIC * self.query_agnostic
+            + (f"{CHUNKED}{self.prefill_chunk}" if self.prefill_chunk else "")
+        )
 
     def stem(self) -> str:
         """The job's name in its run: a prompt longer than one token makes it a different task (book+prompt512@2048)."""
@@ -56,7 +61,10 @@ KEY_FIELDS = ("cache_config", "size", "model", "checkpoint", "dtype", "seed", "c
 def checked_model_name(name: Any) -> str:
     """The checkpoint config's name, which names a directory under --out_dir: one plain path component."""
     if not isinstance(name, str) or name in ("", ".", "..") or ".." in name or any(c in name for c in "/\\\0"):
-        raise ValueError(f"checkpoint name {name!r} (config.json \"name\") must be a plain directory name: no path separators, no '..'")
+        raise ValueError(
+            f'checkpoint name {name!r} (config.json "name") must be a plain directory name: no path '
+            "separators, no '..'"
+        )
     return name
 
 
@@ -91,17 +99,21 @@ def check_key(config_dir: Path, run: str, key: dict[str, Any], records: dict[tup
     if saved is None:
         return
     if not isinstance(saved, dict):
-        raise ValueError(f"{config_dir / RUNS}: run {run!r} has no settings object; remove the run from it, or choose another --out_dir")
+        raise ValueError(
+            f"{config_dir / RUNS}: run {run!r} has no settings object; remove the run from it, or choose "
+            "another --out_dir"
+        )
     if "key" in saved:
         old = saved["key"] if isinstance(saved["key"], dict) else {}
         fields = list(dict.fromkeys([*key, *old]))
     else:  # written before keys: compare the settings it recorded
         old, fields = saved, [k for k in KEY_FIELDS if k in saved]
     differ = [f"{k}: {old.get(k)!r} -> {key.get(k)!r}" for k in fields if old.get(k) != key.get(k)]
-    if differ and any(r == run and done for (r, _), done in records.items()):  # a run with no results yet (one that failed at once) is reused
+    # a run with no results yet (one that failed at once) is reused
+    if differ and any(r == run and done for (r, _), done in records.items()):
         raise ValueError(
-            f"{config_dir / run} holds results of other settings ({'; '.join(differ)}); choose another --out_dir, or remove the run's "
-            f"records and its entry in {RUNS} to recompute"
+            f"{config_dir / run} holds results of other settings ({'; '.join(differ)}); choose another "
+            f"--out_dir, or remove the run's records and its entry in {RUNS} to recompute"
         )
 
 
@@ -110,7 +122,14 @@ def write_run_args(config_dir: Path, job: Job, key: dict[str, Any], records: dic
     check_key(config_dir, job.run(), key, records)
     config_dir.mkdir(parents=True, exist_ok=True)
     runs = read_runs(config_dir)
-    args = dict(config=job.config, cache_config=key["cache_config"], size=job.size, model=key["model"], seed=key["seed"], key=key)
+    args = dict(
+        config=job.config,
+        cache_config=key["cache_config"],
+        size=job.size,
+        model=key["model"],
+        seed=key["seed"],
+        key=key,
+    )
     runs[job.run()] = {**runs.get(job.run(), {}), "args": args}
     write_runs(config_dir, runs)
 
@@ -120,7 +139,9 @@ def parse_ratio(text: str) -> str:
     try:
         check_value("compression_ratio", float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a compression ratio is the share of the prompt removed, in [0, 1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"a compression ratio is the share of the prompt removed, in [0, 1), got {text!r}"
+        ) from None
     return f"{RATIO}{float(text):g}"
 
 
@@ -130,7 +151,9 @@ def parse_size(text: str) -> str:
     try:
         size = check_value("max_cache_length", int(text) if text.isdigit() else float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"a cache size is a slot count >= 1 or a fraction in (0, 1], got {text!r}"
+        ) from None
     return str(size)
 
 
@@ -150,12 +173,16 @@ def jobs_for(
     for config in configs:
         stem = Path(config).stem
         if stem in stems:
-            raise ValueError(f"--cache_config {stems[stem]!r} and {config!r} both write to {stem}/; give each config its own file name")
+            raise ValueError(
+                f"--cache_config {stems[stem]!r} and {config!r} both write to {stem}/; give each config its own "
+                "file name"
+            )
         stems[stem] = config
     jobs = []
     for config in configs:
         strategy = load_cache_config(config).get("cache_strategy", FULL)
-        own = [str(float(CACHE_STRATEGIES.get(strategy, KVCache).default_cache_length))]  # an unknown strategy: cache_spec names it later
+        # an unknown strategy: cache_spec names it later
+        own = [str(float(CACHE_STRATEGIES.get(strategy, KVCache).default_cache_length))]
         for size in [FULL] if strategy == FULL else own if sizes is None else sizes:
             for task in tasks:
                 prompt_tokens = ppl_prompt_tokens if isinstance(task, PerplexityTask) else 1

@@ -22,32 +22,71 @@ class KVCompressCache(KVCache):
     shares_pool = True
     default_recent_window = 8  # the protected window, for layer budget planners' floors
     options = (
-        integer("kvc_block_size", 16, "kvcompress: KVs per block of one (layer, KV head); eviction frees whole blocks", param="block_size"),
+        integer(
+            "kvc_block_size",
+            16,
+            "kvcompress: KVs per block of one (layer, KV head); eviction frees whole blocks",
+            param="block_size",
+        ),
         integer(
             "kvc_pool_blocks",
             None,
             "kvcompress: blocks in the pool shared by all layers, heads and sequences, i.e. the KV memory",
-            default_help="sized at each prefill for the batch's budgets and prompts (serving: every sequence uncompressed)",
-            maximum=2**31 - 1,  # the memory, not this bound, limits it: a pool over the free memory is refused before allocating
+            default_help="sized at each prefill for the batch's budgets and prompts (serving: every sequence "
+            "uncompressed)",
+            # the memory, not this bound, limits it: a pool over the free memory is refused before allocating
+            maximum=2**31 - 1,
             param="pool_blocks",
         ),
-        integer("kvc_window", 8, "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt", param="window"),
-        integer("kvc_kernel", 7, "kvcompress (KVC-w): max-pooling kernel over the prompt metric", odd=True, param="kernel"),
-        switch("kvc_full", "kvcompress (KVC-full): score the prompt with every prompt query instead of the last kvc_window", param="full"),
-        integer("kvc_skip", 10, "kvcompress (KVC-full): leave out query-key pairs closer than this many positions", minimum=0, param="skip"),
-        integer("kvc_protect", None, "kvcompress: newest tokens never evicted", minimum=0, default_help="kvc_window; 32 with kvc_full", param="protect"),
-        choice("kvc_metric", KVC_METRICS, "squared", "kvcompress: sum squared attention probabilities (KV-Compress) or the probabilities (l1)", param="metric"),
+        integer(
+            "kvc_window",
+            8,
+            "kvcompress (KVC-w): last prompt queries whose squared attention scores the prompt",
+            param="window",
+        ),
+        integer(
+            "kvc_kernel", 7, "kvcompress (KVC-w): max-pooling kernel over the prompt metric", odd=True, param="kernel"
+        ),
+        switch(
+            "kvc_full",
+            "kvcompress (KVC-full): score the prompt with every prompt query instead of the last kvc_window",
+            param="full",
+        ),
+        integer(
+            "kvc_skip",
+            10,
+            "kvcompress (KVC-full): leave out query-key pairs closer than this many positions",
+            minimum=0,
+            param="skip",
+        ),
+        integer(
+            "kvc_protect",
+            None,
+            "kvcompress: newest tokens never evicted",
+            minimum=0,
+            default_help="kvc_window; 32 with kvc_full",
+            param="protect",
+        ),
+        choice(
+            "kvc_metric",
+            KVC_METRICS,
+            "squared",
+            "kvcompress: sum squared attention probabilities (KV-Compress) or the probabilities (l1)",
+            param="metric",
+        ),
         choice(
             "kvc_scope",
             KVC_SCOPES,
             "model",
-            "kvcompress: one budget over all layers and heads of a sequence (model: KV-Compress) or one per layer shared by its heads (layer: Ada-KV)",
+            "kvcompress: one budget over all layers and heads of a sequence (model: KV-Compress) or one per "
+            "layer shared by its heads (layer: Ada-KV)",
             param="scope",
         ),
         fraction(
             "kvc_head_floor",
             0.0,
-            "kvcompress: every head keeps its best KVs up to this share of its layer's per-head budget (Ada-KV's floor)",
+            "kvcompress: every head keeps its best KVs up to this share of its layer's per-head budget "
+            "(Ada-KV's floor)",
             closed=True,
             param="head_floor",
         ),
@@ -62,8 +101,9 @@ class KVCompressCache(KVCache):
             "kvc_attention",
             KVC_ATTENTION,
             "gather",
-            "kvcompress: decode attention over a gathered view of each head's blocks, or FlexAttention straight over the pool from the "
-            "block tables (flex: needs kvc_compress_every 0; pays with a compiled decode step, bench/results/paged_attention_cpu.md)",
+            "kvcompress: decode attention over a gathered view of each head's blocks, or FlexAttention straight "
+            "over the pool from the block tables (flex: needs kvc_compress_every 0; pays with a compiled decode "
+            "step, bench/results/paged_attention_cpu.md)",
             param="attention",
         ),
     )
@@ -91,13 +131,24 @@ class KVCompressCache(KVCache):
         """Caches for `n_layer` layers sharing one pool; options are the kvc_* settings by flag name,
         `history` the longest sequence (default `capacity`)."""
         declared = by_name(cls.options)
-        paged = PagedKV(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, history or capacity, **{declared[k].keyword: v for k, v in options.items()})
+        paged = PagedKV(
+            n_layer,
+            batch_size,
+            n_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            history or capacity,
+            **{declared[k].keyword: v for k, v in options.items()},
+        )
         return [cls(paged, layer) for layer in range(n_layer)]
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         self.paged.write_prompt(self.layer, input_pos, k, v, q)
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def prefill_chunk(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+    ) -> Tensor:
         return self.paged.write_chunk(self.layer, input_pos, k, v, q, attend)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -32,8 +32,8 @@ def check_fits(flag: str, value: int, bytes_each: int, device: torch.device) -> 
     free = free_memory(device)
     if value * bytes_each > free:
         raise ValueError(
-            f"{flag} {value} needs about {value * bytes_each / 2**30:.1f} GiB for its KV cache, more than the {free / 2**30:.1f} GiB free "
-            f"here; lower it (at most {max(free // bytes_each, 1)} fits)"
+            f"{flag} {value} needs about {value * bytes_each / 2**30:.1f} GiB for its KV cache, more than the "
+            f"{free / 2**30:.1f} GiB free here; lower it (at most {max(free // bytes_each, 1)} fits)"
         )
 
 

@@ -71,12 +71,24 @@ class ModelArgs:
             value, (kind, words) = getattr(self, f.name), kinds.get(str(f.type), (object, ""))
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"model config {f.name} must be {words}, got {value!r}")
-        positive = ("vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "block_size", "rope_base", "norm_eps")
+        positive = (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "dim",
+            "intermediate_size",
+            "block_size",
+            "rope_base",
+            "norm_eps",
+        )
         for name in positive:
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"model config {name} must be > 0 (and finite), got {getattr(self, name)!r}")
         if not (self.n_local_heads == -1 or self.n_local_heads > 0) or self.head_dim < 0:
-            raise ConfigError(f"model config n_local_heads must be > 0 and head_dim >= 0, got {self.n_local_heads} and {self.head_dim}")
+            raise ConfigError(
+                f"model config n_local_heads must be > 0 and head_dim >= 0, got {self.n_local_heads} and "
+                f"{self.head_dim}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
@@ -106,7 +118,10 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """The LM head shares the embedding's tensors: its weight, and a quantized one's scales too."""
-        for name, tensor in [*self.tok_embeddings.named_parameters(recurse=False), *self.tok_embeddings.named_buffers(recurse=False)]:
+        for name, tensor in [
+            *self.tok_embeddings.named_parameters(recurse=False),
+            *self.tok_embeddings.named_buffers(recurse=False),
+        ]:
             setattr(self.output, name, tensor)
 
     def setup_caches(self, caches: list[KVCache]) -> None:
@@ -114,7 +129,15 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = kv_cache
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, prefill: bool = False, logits_at: Tensor | None = None, chunk: bool = False, probe: int = 0) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        prefill: bool = False,
+        logits_at: Tensor | None = None,
+        chunk: bool = False,
+        probe: int = 0,
+    ) -> Tensor:
         """tokens, input_pos: [B, T]. input_pos is each token's position in its own sequence, -1 for
         padding. `prefill=True` means a fresh prompt starting at position 0 (right-padded): attention is
         exact causal attention over the prompt itself. `chunk=True` means a later chunk of a chunked
@@ -141,7 +164,17 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False, probe: int = 0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        prefill: bool,
+        chunk: bool = False,
+        probe: int = 0,
+    ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), tokens, input_pos, cos, sin, prefill, chunk, probe)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -158,7 +191,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, tokens: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor, prefill: bool, chunk: bool = False, probe: int = 0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        prefill: bool,
+        chunk: bool = False,
+        probe: int = 0,
+    ) -> Tensor:
         B, T, _ = x.shape
         kv_size = self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_size, kv_size], dim=-1)
@@ -180,7 +223,9 @@ class Attention(nn.Module):
         elif chunk:
             if probe:
                 extra["probe"] = probe
-            y = self.kv_cache.prefill_chunk(input_pos, k, v, q, functools.partial(chunk_attention, q, input_pos), **extra)
+            y = self.kv_cache.prefill_chunk(
+                input_pos, k, v, q, functools.partial(chunk_attention, q, input_pos), **extra
+            )
         elif self.kv_cache.attends_itself:
             y = self.kv_cache.attend(input_pos, k, v, q)
         else:
@@ -207,7 +252,9 @@ def causal_attention_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
         key_pos, query_pos = (torch.arange(n, device=q.device).expand(q.shape[0], -1) for n in (k.shape[2], q.shape[2]))
         return prefill_attention(q, k, v, key_pos, query_pos)
     group = q.shape[1] // k.shape[1]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True
+    )
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -230,7 +277,8 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         """torch's initialization, but on the meta device (a skeleton a checkpoint fills): there it does nothing,
-        and its kernels (Python, on meta) would import torch's compiler stack, 70 MB of a process that never compiles."""
+        and its kernels (Python, on meta) would import torch's compiler stack, 70 MB of a process that never
+        compiles."""
         if not self.weight.is_meta:
             super().reset_parameters()
 
@@ -275,7 +323,9 @@ def attention_mask(key_pos: Tensor, query_pos: Tensor) -> Tensor:
     return (key_pos >= 0) & (key_pos <= query_pos[:, None, :, None])
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor, return_probs: bool
+) -> tuple[Tensor, Tensor | None]:
     """A decode step's attention over the cache's slots (`grouped_attention` under `attention_mask`): kvlab's
     native kernel, with the mask and softmax fused, where it runs and no probabilities are wanted. Keys and
     values in another dtype than q (a 16-bit cache's) are read as they are by the kernel, else widened to q's. The
@@ -315,7 +365,9 @@ def split_chunk_attention(q: Tensor, k: Tensor, v: Tensor, own_from: int) -> Ten
     return y.to(q.dtype)
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool) -> tuple[Tensor, Tensor | None]:
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, return_probs: bool
+) -> tuple[Tensor, Tensor | None]:
     """GQA attention without repeating K/V: the query heads sharing a KV head are folded into the
     query-length axis. q: [B, H, T, D]; k, v: [B, H_kv, S, D]; mask: [B, 1 or H_kv, T, S].
     Returns y [B, H, T, D] and, if asked, probabilities [B, H_kv, group, T, S] in float32."""

@@ -28,7 +28,9 @@ class Option:
         return self.param or self.name
 
     def describe(self) -> str:
-        default = self.default_help or ("off" if self.types == (bool,) else "unset" if self.default is None else str(self.default))
+        default = self.default_help or (
+            "off" if self.types == (bool,) else "unset" if self.default is None else str(self.default)
+        )
         return f"{self.help} (default: {default})"
 
     def validate(self, value: Any) -> Any:
@@ -42,20 +44,28 @@ class Option:
 MAX_TOKENS = 2**17  # the longest context of any supported model: no count of tokens, blocks or steps needs more
 
 
-def integer(name: str, default: int | None, help: str, minimum: int = 1, odd: bool = False, maximum: int = MAX_TOKENS, **kw: Any) -> Option:
+def integer(
+    name: str, default: int | None, help: str, minimum: int = 1, odd: bool = False, maximum: int = MAX_TOKENS, **kw: Any
+) -> Option:
     valid = f"an {'odd ' if odd else ''}integer from {minimum} to {maximum}"
-    return Option(name, (int,), valid, help, default, lambda v: minimum <= v <= maximum and (not odd or v % 2 == 1), **kw)
+    return Option(
+        name, (int,), valid, help, default, lambda v: minimum <= v <= maximum and (not odd or v % 2 == 1), **kw
+    )
 
 
 def fraction(name: str, default: float | None, help: str, closed: bool = False, **kw: Any) -> Option:
     """A number in (0, 1], or [0, 1] when `closed`."""
     valid = "a fraction in [0, 1]" if closed else "a fraction in (0, 1]"
-    return Option(name, (int, float), valid, help, default, (lambda v: 0 <= v <= 1) if closed else (lambda v: 0 < v <= 1), **kw)
+    return Option(
+        name, (int, float), valid, help, default, (lambda v: 0 <= v <= 1) if closed else (lambda v: 0 < v <= 1), **kw
+    )
 
 
 def choice(name: str, choices: Sequence[Any], default: Any, help: str, valid: str = "", **kw: Any) -> Option:
     types = tuple(dict.fromkeys(type(c) for c in choices))
-    return Option(name, types, valid or f"one of {', '.join(map(str, choices))}", help, default, lambda v: v in choices, **kw)
+    return Option(
+        name, types, valid or f"one of {', '.join(map(str, choices))}", help, default, lambda v: v in choices, **kw
+    )
 
 
 def switch(name: str, help: str, **kw: Any) -> Option:

@@ -48,24 +48,41 @@ KVC_ATTENTION = ("gather", "flex")
 
 
 def check_settings(
-    attention: str, compress_every: int, metric: str, scope: str, block_size: int, window: int, kernel: int, skip: int, head_floor: float
+    attention: str,
+    compress_every: int,
+    metric: str,
+    scope: str,
+    block_size: int,
+    window: int,
+    kernel: int,
+    skip: int,
+    head_floor: float,
 ) -> None:
     """A one-line error naming any kvcompress setting out of range, or a combination that cannot run."""
     if attention not in KVC_ATTENTION:
         raise ValueError(f"kvcompress: kvc_attention must be one of {', '.join(KVC_ATTENTION)}; got {attention!r}")
     if attention == "flex" and compress_every > 0:
         raise ValueError(
-            f"kvcompress: kvc_attention flex needs kvc_compress_every 0 (got {compress_every}): FlexAttention returns no probabilities "
-            "for the continual metric; use kvc_attention gather to compress during decoding"
+            f"kvcompress: kvc_attention flex needs kvc_compress_every 0 (got {compress_every}): FlexAttention "
+            "returns no probabilities for the continual metric; use kvc_attention gather to compress during "
+            "decoding"
         )
     if metric not in KVC_METRICS or scope not in KVC_SCOPES:
         raise ValueError(
-            f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of {', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
+            f"kvcompress: kvc_metric must be one of {', '.join(KVC_METRICS)} and kvc_scope one of "
+            f"{', '.join(KVC_SCOPES)}; got {metric!r}, {scope!r}"
         )
-    if min(block_size, window, kernel) < 1 or compress_every < 0 or kernel % 2 == 0 or skip < 0 or not 0 <= head_floor <= 1:
+    if (
+        min(block_size, window, kernel) < 1
+        or compress_every < 0
+        or kernel % 2 == 0
+        or skip < 0
+        or not 0 <= head_floor <= 1
+    ):
         raise ValueError(
-            "kvcompress: need kvc_block_size, kvc_window >= 1, kvc_compress_every >= 0, an odd kvc_kernel, kvc_skip >= 0 and kvc_head_floor in [0, 1]; "
-            f"got {block_size}, {window}, {compress_every}, {kernel}, {skip}, {head_floor}"
+            "kvcompress: need kvc_block_size, kvc_window >= 1, kvc_compress_every >= 0, an odd kvc_kernel, "
+            f"kvc_skip >= 0 and kvc_head_floor in [0, 1]; got {block_size}, {window}, {compress_every}, "
+            f"{kernel}, {skip}, {head_floor}"
         )
 
 
@@ -97,13 +114,18 @@ class PagedKV(BlockTables):
         attention: str = "gather",
     ) -> None:
         check_settings(attention, compress_every, metric, scope, block_size, window, kernel, skip, head_floor)
-        super().__init__(n_layer, batch_size, n_kv_heads, head_dim, dtype, device, history, block_size, pool_blocks, attention)
+        super().__init__(
+            n_layer, batch_size, n_kv_heads, head_dim, dtype, device, history, block_size, pool_blocks, attention
+        )
         self.window, self.kernel, self.full, self.skip = window, kernel, full, skip
         self.protect = (32 if full else window) if protect is None else protect
         self.metric_kind, self.scope, self.head_floor, self.compress_every = metric, scope, head_floor, compress_every
         self.continual = compress_every > 0
-        # tokens per head each sequence keeps, per layer; pool_blocks None: the pool is sized at each batch prefill (`size_pool`)
-        self.register_buffer("budget", torch.full((batch_size, n_layer), history, dtype=torch.long, device=device), persistent=False)
+        # tokens per head each sequence keeps, per layer; pool_blocks None: the pool is sized at each batch prefill
+        # (`size_pool`)
+        self.register_buffer(
+            "budget", torch.full((batch_size, n_layer), history, dtype=torch.long, device=device), persistent=False
+        )
         self.steps = 0
         self.counts = {"kvcompress: compressions": 0, "kvcompress: blocks freed": 0}
 
@@ -123,7 +145,9 @@ class PagedKV(BlockTables):
         self._write(layer, input_pos, k, v)
         D = self.pool.k.shape[-1]
         keys, values = self.pool.k.view(1, 1, -1, D), self.pool.v.view(1, 1, -1, D)
-        return flex_attention(q, keys, values, block_mask=self.block_mask(layer, input_pos, q.shape[1]), enable_gqa=True)
+        return flex_attention(
+            q, keys, values, block_mask=self.block_mask(layer, input_pos, q.shape[1]), enable_gqa=True
+        )
 
     def observe(self, layer: int, probs: Tensor) -> None:
         """Add the step's attention (probs [R, H_kv, group, T, W x block]) into the metrics of the viewed slots."""
@@ -142,7 +166,10 @@ class PagedKV(BlockTables):
             self.release_all()
             self.pool.resize(self.size_pool(n.tolist()))
         self._release(self.table[layer, rows])
-        needed = torch.arange(self.max_blocks, device=k.device) < ((n + self.block_size - 1) // self.block_size)[:, None, None]
+        needed = (
+            torch.arange(self.max_blocks, device=k.device)
+            < ((n + self.block_size - 1) // self.block_size)[:, None, None]
+        )
         table = torch.full((B, H, self.max_blocks), -1, dtype=torch.long, device=k.device)
         table[needed.expand_as(table)] = self.pool.allocate(int(needed.sum()) * H)
         self.table[layer, rows] = table
@@ -172,7 +199,15 @@ class PagedKV(BlockTables):
 
         return received_attention(q, k, input_pos, far)
 
-    def write_chunk(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    def write_chunk(
+        self,
+        layer: int,
+        input_pos: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q: Tensor,
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+    ) -> Tensor:
         """A later chunk of a chunked prefill (input_pos [B, N], right-padded): its KVs go after each head's, in
         fresh blocks as needed, and it attends over the head's blocks. Its queries then score every KV the head
         holds, as at prefill (KVC-w or KVC-full), replacing the earlier chunks' scores (as SnapKV's chunk scores
@@ -208,7 +243,8 @@ class PagedKV(BlockTables):
             self._track_owners()
 
     def _chunk_metric(self, key_pos: Tensor, keys: Tensor, input_pos: Tensor, q: Tensor) -> Tensor:
-        """[B, H_kv, S]: the prompt metric of the viewed KVs (key_pos [B, H_kv, S]) from a chunk's queries q [B, H, N, D]."""
+        """[B, H_kv, S]: the prompt metric of the viewed KVs (key_pos [B, H_kv, S]) from a chunk's queries q [B, H, N,
+        D]."""
         if not self.full:
             return pool_keys(self._metric(chunk_attention(key_pos, keys, input_pos, q, self.window)), self.kernel)
         observed = last_real_queries(input_pos, input_pos.shape[1])[1]
@@ -216,7 +252,8 @@ class PagedKV(BlockTables):
         return self._metric(chunk_attention(key_pos, keys, input_pos, q, None).masked_fill(near, 0.0))
 
     def _metric(self, probs: Tensor) -> Tensor:
-        """[B, H_kv, group, t, S] probabilities -> [B, H_kv, S]: summed (squared, for KV-Compress) over queries and the group."""
+        """[B, H_kv, group, t, S] probabilities -> [B, H_kv, S]: summed (squared, for KV-Compress) over queries and the
+        group."""
         probs = probs.float()
         return (probs.square() if self.metric_kind == "squared" else probs).sum(dim=(2, 3))
 
@@ -253,7 +290,8 @@ class PagedKV(BlockTables):
         n = self.length[:, row]  # [L, H]
         before = self._blocks_held()[:, row]
         held = (n + bs - 1) // bs  # blocks holding KVs (make_room's empty block for the next token does not count)
-        every_held = parallel.gather_heads(held)  # under tensor parallelism, every rank's heads compete as in one process
+        # under tensor parallelism, every rank's heads compete as in one process
+        every_held = parallel.gather_heads(held)
         H = every_held.shape[1]
         if self.scope == "layer":  # each layer's blocks within its own budget
             over = every_held.sum(dim=-1) - self.budget[row] * H // bs
@@ -262,23 +300,37 @@ class PagedKV(BlockTables):
         if int(over.clamp(min=0).sum()) == 0:
             return 0
         slots = self._slot_ids(table)  # [L, H, S]
-        pos = self.pool.pos.view(-1)[slots].masked_fill(torch.arange(slots.shape[-1], device=n.device) >= n[..., None], -1)
+        pos = self.pool.pos.view(-1)[slots].masked_fill(
+            torch.arange(slots.shape[-1], device=n.device) >= n[..., None], -1
+        )
         metric = self.pool.metric.view(-1)[slots]
-        key = metric.masked_fill(pos > self.last_pos[row] - self.protect, float("inf")).masked_fill(pos < 0, float("inf"))
-        if self.head_floor > 0:  # Ada-KV's safeguard: every head keeps its best floor x (its layer's per-head budget) KVs
+        key = metric.masked_fill(pos > self.last_pos[row] - self.protect, float("inf")).masked_fill(
+            pos < 0, float("inf")
+        )
+        # Ada-KV's safeguard: every head keeps its best floor x (its layer's per-head budget) KVs
+        if self.head_floor > 0:
             floor = (self.head_floor * self.budget[row]).ceil().long()[:, None, None]
-            key = key.masked_fill(metric.masked_fill(pos < 0, float("-inf")).argsort(dim=-1, descending=True).argsort(dim=-1) < floor, float("inf"))
+            key = key.masked_fill(
+                metric.masked_fill(pos < 0, float("-inf")).argsort(dim=-1, descending=True).argsort(dim=-1) < floor,
+                float("inf"),
+            )
         ascending, order = key.sort(dim=-1, stable=True)
         first = n - (held - 1) * bs  # the first chunk's size (1..bs): evicting it frees a whole block
         chunk = torch.arange(self.max_blocks, device=n.device)
         ends = first[..., None] + chunk * bs  # [L, H, M]
-        score = ascending.gather(-1, (ends - 1).clamp(0, slots.shape[-1] - 1)).masked_fill(chunk >= held[..., None], float("inf"))
+        score = ascending.gather(-1, (ends - 1).clamp(0, slots.shape[-1] - 1)).masked_fill(
+            chunk >= held[..., None], float("inf")
+        )
         every_score = parallel.gather_heads(score)
-        groups = every_score.view(L, -1) if self.scope == "layer" else every_score.view(1, -1)  # chunks competing for one budget
+        # chunks competing for one budget
+        groups = every_score.view(L, -1) if self.scope == "layer" else every_score.view(1, -1)
         rank = groups.argsort(dim=-1, stable=True).argsort(dim=-1)
-        evicted = parallel.local_heads(((rank < over[:, None]) & groups.isfinite()).view(L, H, -1).sum(dim=-1))  # chunks per head, lowest first
+        # chunks per head, lowest first
+        evicted = parallel.local_heads(((rank < over[:, None]) & groups.isfinite()).view(L, H, -1).sum(dim=-1))
         dropped = torch.where(evicted > 0, first + (evicted - 1) * bs, 0)
-        keep = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, order, torch.arange(slots.shape[-1], device=n.device) >= dropped[..., None])
+        keep = torch.zeros_like(pos, dtype=torch.bool).scatter_(
+            -1, order, torch.arange(slots.shape[-1], device=n.device) >= dropped[..., None]
+        )
         changed = dropped > 0  # only these heads move anything
         self._compact(row, changed, slots[changed], keep[changed] & (pos[changed] >= 0))
         freed = int((before - self._blocks_held()[:, row]).sum())
@@ -299,7 +351,8 @@ class PagedKV(BlockTables):
         for row in range(len(prompt_lengths)):
             budget = self.budget[row]
             floor = (self.head_floor * budget.float()).ceil().long()
-            unevictable = int((H * ((self.protect + floor + 2 * bs - 2) // bs)).sum())  # per head: ceil((protected + bs - 1) / bs)
+            # per head: ceil((protected + bs - 1) / bs)
+            unevictable = int((H * ((self.protect + floor + 2 * bs - 2) // bs)).sum())
             kept += min(L * H * self.max_blocks, max(int(budget.sum()) * every // bs, unevictable) + L * H)
         return min(self.full_pool, max(transient, kept))
 

@@ -106,7 +106,10 @@ def shard_model(model: nn.Module) -> None:
         return
     cfg = model.config
     if cfg.n_local_heads < world:
-        raise ValueError(f"tensor parallelism over {world} ranks needs at least {world} KV heads; the model has {cfg.n_local_heads}: run fewer ranks")
+        raise ValueError(
+            f"tensor parallelism over {world} ranks needs at least {world} KV heads; the model has "
+            f"{cfg.n_local_heads}: run fewer ranks"
+        )
     _shard = HeadShard(rank(), split(cfg.n_local_heads, world))
     slices = shard_slices(cfg)
     for layer in model.layers:
@@ -129,7 +132,11 @@ def shard_slices(cfg: Any) -> dict[str, tuple[int, list[slice]]]:
     kv = slice(_shard.start * head_dim, _shard.stop * head_dim)
     q = slice(kv.start * group, kv.stop * group)
     q_rows, kv_rows = cfg.n_head * head_dim, cfg.n_local_heads * head_dim
-    qkv = [q, slice(q_rows + kv.start, q_rows + kv.stop), slice(q_rows + kv_rows + kv.start, q_rows + kv_rows + kv.stop)]
+    qkv = [
+        q,
+        slice(q_rows + kv.start, q_rows + kv.stop),
+        slice(q_rows + kv_rows + kv.start, q_rows + kv_rows + kv.stop),
+    ]
     hidden = split(cfg.intermediate_size, len(_shard.sizes))
     ffn = [slice(sum(hidden[: _shard.rank]), sum(hidden[: _shard.rank + 1]))]
     return {

@@ -20,16 +20,21 @@ class BlockPool(nn.Module):
     block: never handed out, it is what an unused table entry (-1) reads (its positions stay -1, so it
     is masked) and where rows without a token this step write."""
 
-    def __init__(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+    def __init__(
+        self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
         super().__init__()
         self._allocate(n_blocks, block_size, head_dim, dtype, device)
 
     @staticmethod
     def block_footprint(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes in memory: its keys and values, and its slots' positions (int64) and metrics (float32)."""
+        """Bytes one block takes in memory: its keys and values, and its slots' positions (int64) and metrics
+        (float32)."""
         return block_size * (2 * head_dim * dtype.itemsize + 8 + 4) + 1  # + its in-use flag
 
-    def _allocate(self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None) -> None:
+    def _allocate(
+        self, n_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
         shape = (n_blocks + 1, block_size)
         self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
@@ -43,7 +48,8 @@ class BlockPool(nn.Module):
         return self.in_use.numel() - 1
 
     def resize(self, n_blocks: int) -> None:
-        """Reallocate the (empty) pool with `n_blocks` blocks; nothing is kept. A no-op (but a reset) at the same size."""
+        """Reallocate the (empty) pool with `n_blocks` blocks; nothing is kept. A no-op (but a reset) at the same
+        size."""
         if n_blocks == self.n_blocks:
             self.reset()
             return
@@ -70,9 +76,10 @@ class BlockPool(nn.Module):
         if extra > free:
             fits = self.n_blocks + free // footprint
             raise ValueError(
-                f"kvcompress: the pool needs {n_blocks} blocks of {k.shape[1]} slots (--kvc_block_size), about {extra / 2**30:.1f} GiB more "
-                f"than it holds, and {free / 2**30:.1f} GiB are free here; lower --kvc_block_size or --batch_size, or set --kvc_pool_blocks "
-                f"(at most {fits} blocks of this size fit)"
+                f"kvcompress: the pool needs {n_blocks} blocks of {k.shape[1]} slots (--kvc_block_size), about "
+                f"{extra / 2**30:.1f} GiB more than it holds, and {free / 2**30:.1f} GiB are free here; lower "
+                f"--kvc_block_size or --batch_size, or set --kvc_pool_blocks (at most {fits} blocks of this "
+                "size fit)"
             )
 
     def allocated_bytes(self) -> int:
@@ -88,8 +95,9 @@ class BlockPool(nn.Module):
         if ids.numel() < n:
             at_least = self.n_blocks - ids.numel() + n
             raise PoolExhausted(
-                f"kvcompress: the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed; raise --kvc_pool_blocks to at least {at_least} "
-                "(more for the tokens still to come), compress more, or leave it unset to size the pool from the budgets"
+                f"kvcompress: the pool has {ids.numel()} free blocks of {self.n_blocks}, {n} needed; raise "
+                f"--kvc_pool_blocks to at least {at_least} (more for the tokens still to come), compress more, "
+                "or leave it unset to size the pool from the budgets"
             )
         self.in_use[ids] = True
         return ids

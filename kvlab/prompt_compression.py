@@ -41,28 +41,42 @@ SCORE_WRAPPER_OPTIONS = (
         "value_weight",
         ("none", "norm", "wo_l1"),
         None,
-        "prompt scores: weight each by its value, (score + value_epsilon) x norm: norm by ||v|| (Expected Attention's value rescaling), "
-        "wo_l1 by ||W_o v||_1, the value through the attention's output projection, averaged over the query group (CriticalKV, as "
-        "kvpress's CriticalKVPress)",
+        "prompt scores: weight each by its value, (score + value_epsilon) x norm: norm by ||v|| (Expected "
+        "Attention's value rescaling), wo_l1 by ||W_o v||_1, the value through the attention's output "
+        "projection, averaged over the query group (CriticalKV, as kvpress's CriticalKVPress)",
         default_help="norm for expected_attention, none otherwise",
     ),
-    Option("value_epsilon", (int, float), "a number >= 0", "value_weight: added to the scores before weighting", 0.0, lambda v: v >= 0),
+    Option(
+        "value_epsilon",
+        (int, float),
+        "a number >= 0",
+        "value_weight: added to the scores before weighting",
+        0.0,
+        lambda v: v >= 0,
+    ),
     fraction(
         "value_first_stage",
         0.0,
-        "value_weight: the share of each head's prompt budget kept by the unweighted score first, the rest by the weighted one "
-        "(CriticalKV's two-stage selection; kvpress's 0.5); 0: one stage",
+        "value_weight: the share of each head's prompt budget kept by the unweighted score first, the rest by "
+        "the weighted one (CriticalKV's two-stage selection; kvpress's 0.5); 0: one stage",
         closed=True,
     ),
-    integer("chunk_size", None, "prompt scores (ChunkKV): rank prompt tokens by the mean score of their chunk of N consecutive positions", default_help="off"),
+    integer(
+        "chunk_size",
+        None,
+        "prompt scores (ChunkKV): rank prompt tokens by the mean score of their chunk of N consecutive positions",
+        default_help="off",
+    ),
 )
 
 
-def wrap_scores(scores: Tensor, pos: Tensor, norms: Tensor | None, value_epsilon: float, chunk_size: int | None) -> Tensor:
-    """A compressor's scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS; pos [B, T] or [B, H_kv, T], norms
-    [B, H_kv, T] the values' (`scores.value_norms`; None: unweighted). ChunkKV ranks a whole prompt's chunks by their mean
-    over the layer's heads too (kvpress's ChunkKVPress), so every head keeps the same chunks; between prefill chunks, where
-    each head holds its own tokens, each head ranks its own."""
+def wrap_scores(
+    scores: Tensor, pos: Tensor, norms: Tensor | None, value_epsilon: float, chunk_size: int | None
+) -> Tensor:
+    """A compressor's scores [B, H_kv, T] through the wrappers of SCORE_WRAPPER_OPTIONS; pos [B, T] or [B, H_kv, T],
+    norms [B, H_kv, T] the values' (`scores.value_norms`; None: unweighted). ChunkKV ranks a whole prompt's chunks by
+    their mean over the layer's heads too (kvpress's ChunkKVPress), so every head keeps the same chunks; between prefill
+    chunks, where each head holds its own tokens, each head ranks its own."""
     if norms is not None:
         scores = value_weighted(scores, norms, value_epsilon)
     if chunk_size is None:
@@ -70,7 +84,8 @@ def wrap_scores(scores: Tensor, pos: Tensor, norms: Tensor | None, value_epsilon
     chunked = chunk_mean(scores, pos, chunk_size)
     if pos.dim() == 3:
         return chunked
-    over_heads = parallel.sum_over_ranks(chunked.sum(dim=1, keepdim=True)) / parallel.all_heads(chunked.shape[1])  # every rank's heads
+    # every rank's heads
+    over_heads = parallel.sum_over_ranks(chunked.sum(dim=1, keepdim=True)) / parallel.all_heads(chunked.shape[1])
     return over_heads.expand_as(chunked)
 
 
@@ -79,7 +94,8 @@ class PromptCompressor:
     needs_model = False  # its scores come from a further pass of the model, which the engine runs (reconstruction.py)
     uses_lse = False  # takes the prompt attention's log-sum-exp [B, H, T] as `lse=` when the prefill has it (CPU)
     options: tuple[Option, ...] = ()  # settings it takes (flag and YAML names), passed as their `keyword`
-    same_in_every_head = False  # its scores never differ between heads (by position alone): nothing for Ada-KV to share out
+    # its scores never differ between heads (by position alone): nothing for Ada-KV to share out
+    same_in_every_head = False
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError
@@ -143,7 +159,8 @@ class AttentionScores(PromptCompressor):
         self.window, self.per_query, self.shared_heads = window, per_query, shared_heads
 
     def mass(self, probs: Tensor) -> Tensor:
-        """Each key's attention from the observed queries, [B, H_kv, S]: per KV head, or the layer's mean in every head."""
+        """Each key's attention from the observed queries, [B, H_kv, S]: per KV head, or the layer's mean in every
+        head."""
         return layer_attention_mass(probs) if self.shared_heads else attention_mass(probs)
 
     @property
@@ -151,7 +168,11 @@ class AttentionScores(PromptCompressor):
         return self.window is None
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> Tensor:
-        scores = received_attention(q, k, input_pos, lse=lse) if self.window is None else self.mass(window_attention(input_pos, k, q, self.window))
+        scores = (
+            received_attention(q, k, input_pos, lse=lse)
+            if self.window is None
+            else self.mass(window_attention(input_pos, k, q, self.window))
+        )
         if not self.per_query:
             return scores
         seen_by = (input_pos.max(dim=-1, keepdim=True).values - input_pos + 1).clamp(min=1)  # [B, T]
@@ -161,7 +182,9 @@ class AttentionScores(PromptCompressor):
         scores = self.mass(chunk_attention(key_pos, k, query_pos, q, self.window))
         if not self.per_query:
             return scores
-        seen_by = (query_pos[:, None, None, :] >= torch.where(key_pos >= 0, key_pos, query_pos.max() + 1)[..., None]).sum(dim=-1)
+        seen_by = (
+            query_pos[:, None, None, :] >= torch.where(key_pos >= 0, key_pos, query_pos.max() + 1)[..., None]
+        ).sum(dim=-1)
         return scores / seen_by.clamp(min=1)
 
 
@@ -176,13 +199,15 @@ class SnapKV(PromptCompressor):
     options = (
         integer("snapkv_window", 16, "snapkv: observation window of last prompt queries", param="window"),
         integer("snapkv_kernel", 7, "snapkv: odd pooling kernel size", odd=True, param="kernel"),
-        choice("snapkv_pooling", ("max", "avg"), "max", "snapkv: max or avg pooling", valid="max or avg", param="pooling"),
+        choice(
+            "snapkv_pooling", ("max", "avg"), "max", "snapkv: max or avg pooling", valid="max or avg", param="pooling"
+        ),
         choice(
             "snapkv_gqa",
             ("mean", "max", "sum", "query"),
             "mean",
-            "snapkv: aggregation over the query heads of a KV head (mean, max, sum), or query: select per query head as the reference "
-            "code does, repeating KVs per query head (group-size x memory)",
+            "snapkv: aggregation over the query heads of a KV head (mean, max, sum), or query: select per query "
+            "head as the reference code does, repeating KVs per query head (group-size x memory)",
             valid="mean, max, sum or query",
             param="gqa",
         ),
@@ -190,17 +215,26 @@ class SnapKV(PromptCompressor):
             "snapkv_window_reduce",
             ("sum", "mean"),
             "sum",
-            "snapkv: a key's attention from the window's queries summed (the paper's code; H2O's scale when it seeds H2O's "
-            "running scores) or averaged (kvpress's SnapKVPress, the scale that CriticalKV's value_epsilon is set for)",
+            "snapkv: a key's attention from the window's queries summed (the paper's code; H2O's scale when it "
+            "seeds H2O's running scores) or averaged (kvpress's SnapKVPress, the scale that CriticalKV's "
+            "value_epsilon is set for)",
             valid="sum or mean",
             param="window_reduce",
         ),
     )
 
-    def __init__(self, window: int = 16, kernel: int = 7, pooling: str = "max", gqa: str = "mean", window_reduce: str = "sum") -> None:
+    def __init__(
+        self, window: int = 16, kernel: int = 7, pooling: str = "max", gqa: str = "mean", window_reduce: str = "sum"
+    ) -> None:
         for option, value in zip(self.options, (window, kernel, pooling, gqa, window_reduce), strict=True):
             option.validate(value)
-        self.window, self.kernel, self.pooling, self.gqa, self.window_reduce = window, kernel, pooling, gqa, window_reduce
+        self.window, self.kernel, self.pooling, self.gqa, self.window_reduce = (
+            window,
+            kernel,
+            pooling,
+            gqa,
+            window_reduce,
+        )
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         probs = self.over_window(window_attention(input_pos, k, q, self.window))
@@ -216,10 +250,18 @@ class SnapKV(PromptCompressor):
         return probs.sum(dim=3) if self.window_reduce == "sum" else probs.mean(dim=3)
 
     def select(self, probs: Tensor, key_pos: Tensor, last: Tensor) -> Tensor:
-        """Scores from the window's attention [B, H_kv, group, T] to keys at key_pos [B, 1 or H_kv, T], the newest position last [B, 1]."""
+        """Scores from the window's attention [B, H_kv, group, T] to keys at key_pos [B, 1 or H_kv, T], the newest
+        position last [B, 1]."""
         if self.gqa == "query" and probs.shape[2] != 1:
-            raise ValueError("snapkv gqa='query' needs a cache holding one KV head per query head (snapkv_gqa query sets kv_repeat)")
-        scores = {"mean": probs.mean, "max": lambda dim: probs.max(dim=dim).values, "sum": probs.sum, "query": probs.sum}[self.gqa](dim=2)
+            raise ValueError(
+                "snapkv gqa='query' needs a cache holding one KV head per query head (snapkv_gqa query sets kv_repeat)"
+            )
+        scores = {
+            "mean": probs.mean,
+            "max": lambda dim: probs.max(dim=dim).values,
+            "sum": probs.sum,
+            "query": probs.sum,
+        }[self.gqa](dim=2)
         in_window = (key_pos > last[:, :, None] - self.window) & (key_pos >= 0)
         # Pooled over the keys before the window alone, as the reference code and kvpress pool: the window's own
         # attention does not lift the keys just before it (zeros are what their pooling pads the edge with).
@@ -250,7 +292,8 @@ class ExpectedAttention(PromptCompressor):
         integer(
             "ea_future",
             512,
-            "expected_attention: the next N positions whose RoPE rotation, averaged, turns the Gaussian into the future queries'",
+            "expected_attention: the next N positions whose RoPE rotation, averaged, turns the Gaussian into "
+            "the future queries'",
             param="future",
         ),
     )
@@ -274,7 +317,11 @@ class ExpectedAttention(PromptCompressor):
         observed = input_pos >= self.sinks
         if self.window is not None:
             observed &= input_pos > last - self.window
-        x, cos, sin = q.float(), torch.ones_like(q[:, :1, :1], dtype=torch.float), torch.zeros_like(q[:, :1, :1], dtype=torch.float)
+        x, cos, sin = (
+            q.float(),
+            torch.ones_like(q[:, :1, :1], dtype=torch.float),
+            torch.zeros_like(q[:, :1, :1], dtype=torch.float),
+        )
         if self.rope is not None:
             table_cos, table_sin = self.rope
             at = input_pos.clamp(min=0)[:, None]
@@ -307,7 +354,14 @@ class LagKV(PromptCompressor):
     no attention, no queries."""
 
     sinks = 4
-    options = (integer("lagkv_size", 128, "lagkv: tokens per partition, each scored against the next one's per-channel range", param="lag"),)
+    options = (
+        integer(
+            "lagkv_size",
+            128,
+            "lagkv: tokens per partition, each scored against the next one's per-channel range",
+            param="lag",
+        ),
+    )
 
     def __init__(self, lag: int = 128) -> None:
         self.lag = self.options[0].validate(lag)
@@ -327,8 +381,19 @@ class RKV(PromptCompressor):
 
     kernel = 7
     options = (
-        integer("rkv_window", 8, "rkv: the last N queries (prompt, then decoded) whose attention is a token's importance", param="window"),
-        fraction("rkv_lambda", 0.1, "rkv: score = lambda x importance - (1 - lambda) x redundancy (key cosine similarity)", closed=True, param="mix"),
+        integer(
+            "rkv_window",
+            8,
+            "rkv: the last N queries (prompt, then decoded) whose attention is a token's importance",
+            param="window",
+        ),
+        fraction(
+            "rkv_lambda",
+            0.1,
+            "rkv: score = lambda x importance - (1 - lambda) x redundancy (key cosine similarity)",
+            closed=True,
+            param="mix",
+        ),
     )
 
     def __init__(self, window: int = 8, mix: float = 0.1) -> None:

@@ -27,12 +27,12 @@ top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 
 scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
 
 Kernels: int8 and int4 in a CPU float32 decode step take kvlab's native matrix-vector products (kvlab.kernels),
-which keep the inputs in float32 and widen the codes exactly; int4's reads the checkpoint's codes as they are. Everything else takes torch's fused ops
-(`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA) or
-dequantize-then-matmul, per device as FUSED says. A fused kernel runs in
-its own activation dtype: x is cast to it and the product back to the model's dtype, so a float32 model
-with int8 weights on the CPU keeps float32 everywhere but the inputs of its matmuls, which are rounded to
-bfloat16 (the CPU kernels' fast path; their float32 path is 10x slower).
+which keep the inputs in float32 and widen the codes exactly; int4's reads the checkpoint's codes as they are.
+Everything else takes torch's fused ops (`_weight_int8pack_mm`; int4: `_weight_int4pack_mm_for_cpu` on CPU,
+`_weight_int4pack_mm` on CUDA) or dequantize-then-matmul, per device as FUSED says. A fused kernel runs in its own
+activation dtype: x is cast to it and the product back to the model's dtype, so a float32 model with int8 weights on the
+CPU keeps float32 everywhere but the inputs of its matmuls, which are rounded to bfloat16 (the CPU kernels' fast path;
+their float32 path is 10x slower).
 """
 
 from __future__ import annotations
@@ -185,7 +185,12 @@ class Int8Linear(nn.Module):
             rows = x.reshape(-1, self.in_features).to(self.kernel.dtype)
             # The scales are applied after, in the model's dtype: rounded to bfloat16 inside the kernel they
             # shift every output channel by up to 0.4%, which cost SmolLM2 +0.7% perplexity (+0.3% this way).
-            y = torch._weight_int8pack_mm(rows, self.weight, self.unit_scales).view(*x.shape[:-1], self.out_features).to(x.dtype) * self.scales
+            y = (
+                torch._weight_int8pack_mm(rows, self.weight, self.unit_scales)
+                .view(*x.shape[:-1], self.out_features)
+                .to(x.dtype)
+                * self.scales
+            )
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales  # GPT-Fast's form: the scale after the matmul
         return y if self.bias is None else y + self.bias
@@ -197,7 +202,9 @@ class Int8Linear(nn.Module):
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
         if isinstance(up, Int8Linear) and kernels.takes_weight(x, self.weight, self.scales, up.weight, up.scales):
             return torch.ops.kvlab.gated_int8(x, self.weight, self.scales, up.weight, up.scales)
-        if isinstance(up, Int8Linear) and kernels.takes_weight(x, self.weight, self.scales, up.weight, up.scales, any_rows=True):
+        if isinstance(up, Int8Linear) and kernels.takes_weight(
+            x, self.weight, self.scales, up.weight, up.scales, any_rows=True
+        ):
             return torch.ops.kvlab.gated_int8_tiled(x, self.weight, self.scales, up.weight, up.scales)
         return F.silu(self(x)) * up(x)
 
@@ -211,7 +218,9 @@ class Int4Linear(nn.Module):
 
     mode = "int4"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, groupsize: int = DEFAULT_GROUPSIZE) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, groupsize: int = DEFAULT_GROUPSIZE
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.padded_in = in_features + -in_features % groupsize
@@ -240,7 +249,12 @@ class Int4Linear(nn.Module):
         dequantize-then-matmul."""
         if self.tiled is not None:  # prepared already: the plain codes are gone
             return
-        if self.weight is not None and self.weight.device.type == "cpu" and self.scales.dtype == torch.float32 and kernels.load():
+        if (
+            self.weight is not None
+            and self.weight.device.type == "cpu"
+            and self.scales.dtype == torch.float32
+            and kernels.load()
+        ):
             self.offsets = (self.zeros - 8 * self.scales).contiguous()
             if self.x_bits == 16:
                 self.tiled = torch.ops.kvlab.int4_tile(self.weight)
@@ -254,7 +268,9 @@ class Int4Linear(nn.Module):
                 self.packed = torch._convert_weight_to_int4pack(self.weight, inner_k_tiles)
             else:
                 self.packed = torch._convert_weight_to_int4pack_for_cpu(int4_codes(self.weight).int(), 1)
-            self.scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(kernel.dtype)
+            self.scales_and_zeros = (
+                torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(kernel.dtype)
+            )
             if kernel.max_rows is None:
                 self.weight = self.scales = self.zeros = None
         if self.weight is None and (kernel is None or kernel.max_rows is not None):
@@ -269,7 +285,11 @@ class Int4Linear(nn.Module):
         """The tiled codes, scales and offsets that the int16-x native kernel reads, where prepare() made them
         and x is still taken in int16. The scales and offsets are float16 and contiguous as tile_rows made them,
         on the codes' device: `kernels.takes_weight` checks the codes."""
-        return (self.tiled, self.tiled_scales, self.tiled_offsets) if self.x_bits == 16 and self.tiled is not None else None
+        return (
+            (self.tiled, self.tiled_scales, self.tiled_offsets)
+            if self.x_bits == 16 and self.tiled is not None
+            else None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         tiled = self.tiled_operands()
@@ -280,9 +300,15 @@ class Int4Linear(nn.Module):
                 x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits
             )
         if takes(self.kernel, x, self.in_features):
-            padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(self.kernel.dtype)
+            padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(
+                self.kernel.dtype
+            )
             mm = torch._weight_int4pack_mm if x.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
-            y = mm(padded, self.packed, self.groupsize, self.scales_and_zeros).view(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = (
+                mm(padded, self.packed, self.groupsize, self.scales_and_zeros)
+                .view(*x.shape[:-1], self.out_features)
+                .to(x.dtype)
+            )
         else:
             y = F.linear(x, self.dequantize())
         return y if self.bias is None else y + self.bias
@@ -293,7 +319,12 @@ class Int4Linear(nn.Module):
     def gated(self, up: Int4Linear, x: Tensor) -> Tensor:
         """silu(self(x)) * up(x): SwiGLU's gate (self) and up projections, in one native call where it runs."""
         gate_tiled, up_tiled = self.tiled_operands(), up.tiled_operands() if isinstance(up, Int4Linear) else None
-        if gate_tiled is not None and up_tiled is not None and self.groupsize == up.groupsize and kernels.takes_weight(x, gate_tiled[0], up_tiled[0], any_rows=True):
+        if (
+            gate_tiled is not None
+            and up_tiled is not None
+            and self.groupsize == up.groupsize
+            and kernels.takes_weight(x, gate_tiled[0], up_tiled[0], any_rows=True)
+        ):
             return torch.ops.kvlab.gated_int4_tiled(x, *gate_tiled, *up_tiled, self.out_features, self.groupsize)
         if (
             isinstance(up, Int4Linear)
@@ -345,7 +376,8 @@ def quantize_state(state: dict[str, Tensor], quant: Quantization) -> dict[str, T
         if tensor.dim() != 2:
             out[name] = tensor
             continue
-        prefix, tensor = name.removesuffix("weight"), tensor.contiguous()  # a loaded CPU model's weights may be column-major
+        # a loaded CPU model's weights may be column-major
+        prefix, tensor = name.removesuffix("weight"), tensor.contiguous()
         if matrix_quantization(name, quant).mode == "int8":
             out[name], out[prefix + "scales"] = quantize_int8(tensor)
         else:
@@ -370,7 +402,9 @@ def prepare(model: Transformer) -> None:
 def quantized_state(model: Transformer, quant: Quantization) -> dict[str, Tensor]:
     """A float model's quantized checkpoint tensors; a tied LM head is left out (it is the embedding)."""
     tied = model.config.tie_embeddings
-    return quantize_state({k: v for k, v in model.state_dict().items() if not (tied and k.startswith("output."))}, quant)
+    return quantize_state(
+        {k: v for k, v in model.state_dict().items() if not (tied and k.startswith("output."))}, quant
+    )
 
 
 def quantize_model(model: Transformer, quant: Quantization) -> Transformer:

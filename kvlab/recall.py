@@ -39,7 +39,13 @@ SLOW_TIERS = ("device", "host")
 
 
 def cosine_kmeans(
-    x: Tensor, valid: Tensor, k: int, iterations: int = 20, seed: int = 0, used: Tensor | None = None, first_row: int = 0
+    x: Tensor,
+    valid: Tensor,
+    k: int,
+    iterations: int = 20,
+    seed: int = 0,
+    used: Tensor | None = None,
+    first_row: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Batched k-means with cosine distance: x [..., N, D] points, valid [..., N] which points count,
     `used` [..., 1] how many of the k clusters each row uses (default all: rows of a batch may need fewer).
@@ -54,7 +60,9 @@ def cosine_kmeans(
     start = draw.topk(k, dim=-1).indices  # k distinct points; rows with fewer valid points repeat invalid ones
     centroids = x.gather(-2, start[..., None].expand(*start.shape, x.shape[-1]))
     unit = F.normalize(x, dim=-1)
-    usable = torch.ones(k, dtype=torch.bool, device=x.device) if used is None else torch.arange(k, device=x.device) < used
+    usable = (
+        torch.ones(k, dtype=torch.bool, device=x.device) if used is None else torch.arange(k, device=x.device) < used
+    )
     for _ in range(iterations):
         labels = _assign(unit, centroids, valid, usable)
         members = F.one_hot(labels.clamp(min=0), k).to(x.dtype) * valid[..., None]  # [..., N, k]
@@ -68,7 +76,11 @@ def _hash_uniform(shape: torch.Size, seed: int, device: torch.device, first_row:
     """Deterministic values in [0, 1) for each index of the last axis and each row of the second-to-last
     (heads, numbered from `first_row`), the same whatever the leading (batch) size."""
     point = torch.arange(shape[-1], device=device, dtype=torch.float64)
-    row = torch.arange(first_row, first_row + shape[-2], device=device, dtype=torch.float64)[:, None] if len(shape) > 1 else 0.0
+    row = (
+        torch.arange(first_row, first_row + shape[-2], device=device, dtype=torch.float64)[:, None]
+        if len(shape) > 1
+        else 0.0
+    )
     return (torch.sin(point * 12.9898 + row * 78.233 + seed * 37.719) * 43758.5453).frac().abs().float().expand(shape)
 
 
@@ -92,20 +104,30 @@ class RecallableCache(KVCache):
         return options.get("sink_tokens", cls.default_sink_tokens) + 1
 
     options = (
-        integer("sink_tokens", None, "clusterkv/quest: first tokens always attended, attention sinks", minimum=0, default_help="16"),
+        integer(
+            "sink_tokens",
+            None,
+            "clusterkv/quest: first tokens always attended, attention sinks",
+            minimum=0,
+            default_help="16",
+        ),
         choice(
             "recall_select",
             RECALL_SELECT,
             "kv_head",
-            "clusterkv/quest: choose the attended tokens per KV head (query scores summed over its group) or per query head",
+            "clusterkv/quest: choose the attended tokens per KV head (query scores summed over its group) or "
+            "per query head",
         ),
-        integer("reuse_steps", 1, "clusterkv/quest: count a selected token as a hit when selected in the last N steps too"),
+        integer(
+            "reuse_steps", 1, "clusterkv/quest: count a selected token as a hit when selected in the last N steps too"
+        ),
         choice(
             "slow_tier",
             SLOW_TIERS,
             "device",
-            "clusterkv/quest: where the full history lives: a store on the compute device, or host memory (pinned on CUDA) with only the last "
-            "step's attended KVs on the device, copying just the newly selected ones each step (eager only)",
+            "clusterkv/quest: where the full history lives: a store on the compute device, or host memory "
+            "(pinned on CUDA) with only the last step's attended KVs on the device, copying just the newly "
+            "selected ones each step (eager only)",
         ),
     )
 
@@ -127,32 +149,67 @@ class RecallableCache(KVCache):
         history = capacity if history is None else history
         super().__init__(batch_size, n_kv_heads, history, head_dim, dtype, device)
         self.sink_tokens = self.default_sink_tokens if sink_tokens is None else sink_tokens
-        if recall_select not in RECALL_SELECT or slow_tier not in SLOW_TIERS or reuse_steps < 1 or not 0 <= self.sink_tokens < capacity <= history:
+        if (
+            recall_select not in RECALL_SELECT
+            or slow_tier not in SLOW_TIERS
+            or reuse_steps < 1
+            or not 0 <= self.sink_tokens < capacity <= history
+        ):
             raise ValueError(
-                f"{type(self).__name__}: need recall_select in {', '.join(RECALL_SELECT)}, slow_tier in {', '.join(SLOW_TIERS)}, reuse_steps >= 1 and "
-                f"0 <= sink_tokens < budget <= history; got {recall_select!r}, {slow_tier!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of "
+                f"{type(self).__name__}: need recall_select in {', '.join(RECALL_SELECT)}, slow_tier in "
+                f"{', '.join(SLOW_TIERS)}, reuse_steps >= 1 and 0 <= sink_tokens < budget <= history; got "
+                f"{recall_select!r}, {slow_tier!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of "
                 f"{capacity} and {history} slots"
             )
-        self.budget, self.recall_select, self.reuse_steps, self.slow_tier = capacity, recall_select, reuse_steps, slow_tier
+        self.budget, self.recall_select, self.reuse_steps, self.slow_tier = (
+            capacity,
+            recall_select,
+            reuse_steps,
+            slow_tier,
+        )
         heads = n_kv_heads if recall_select == "kv_head" else n_heads or n_kv_heads
-        if slow_tier == "host":  # the history moves to host memory (pinned for fast copies to a GPU); the device keeps what one step attends
+        # the history moves to host memory (pinned for fast copies to a GPU); the device keeps what one step attends
+        if slow_tier == "host":
             self.pinned = self.pos.device.type == "cuda"
             for name in ("k", "v"):
-                setattr(self.storage, name, getattr(self.storage, name).cpu().pin_memory() if self.pinned else getattr(self.storage, name).cpu())
-            self.register_buffer("fast_k", torch.zeros(batch_size, heads, capacity, head_dim, dtype=dtype, device=device), persistent=False)
+                setattr(
+                    self.storage,
+                    name,
+                    getattr(self.storage, name).cpu().pin_memory()
+                    if self.pinned
+                    else getattr(self.storage, name).cpu(),
+                )
+            self.register_buffer(
+                "fast_k",
+                torch.zeros(batch_size, heads, capacity, head_dim, dtype=dtype, device=device),
+                persistent=False,
+            )
             self.register_buffer("fast_v", torch.zeros_like(self.fast_k), persistent=False)
-            self.register_buffer("fast_slots", torch.full((batch_size, heads, capacity), -1, dtype=torch.long, device=device), persistent=False)
+            self.register_buffer(
+                "fast_slots",
+                torch.full((batch_size, heads, capacity), -1, dtype=torch.long, device=device),
+                persistent=False,
+            )
             self.copied = 0
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
-        self.register_buffer("indexed_upto", torch.zeros(batch_size, 1, 1, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("last_selected", torch.full((batch_size, heads, history), -(2**30), dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)  # steps, reuse hits, selections
+        self.register_buffer(
+            "indexed_upto", torch.zeros(batch_size, 1, 1, dtype=torch.long, device=device), persistent=False
+        )
+        self.register_buffer(
+            "last_selected",
+            torch.full((batch_size, heads, history), -(2**30), dtype=torch.long, device=device),
+            persistent=False,
+        )
+        # steps, reuse hits, selections
+        self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)
 
     def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
-        """Each sequence attends its capacity every step; at a compression ratio that counts its decode room too (nothing is evicted anyway)."""
+        """Each sequence attends its capacity every step; at a compression ratio that counts its decode room too
+        (nothing is evicted anyway)."""
         if int(capacities.max()) > self.budget or int(capacities.min()) <= self.sink_tokens:
             raise ValueError(
-                f"{type(self).__name__}: per-sequence budgets must exceed sink_tokens ({self.sink_tokens}) and fit {self.budget}; got {capacities.tolist()}"
+                f"{type(self).__name__}: per-sequence budgets must exceed sink_tokens ({self.sink_tokens}) and "
+                f"fit {self.budget}; got {capacities.tolist()}"
             )
         self.row_budget.copy_(capacities.view(-1, 1, 1))
 
@@ -221,7 +278,8 @@ class RecallableCache(KVCache):
         pos = self.pos[:, None, :]
         scores = scores.double()
         low, high = scores.amin(dim=-1, keepdim=True), scores.amax(dim=-1, keepdim=True)
-        unit = (scores - low) / (high - low).clamp(min=1e-9) + pos * 1e-12  # ties (one cluster or page) go to the newest tokens
+        # ties (one cluster or page) go to the newest tokens
+        unit = (scores - low) / (high - low).clamp(min=1e-9) + pos * 1e-12
         recent = (pos >= self.indexed_upto) & (pos <= current)
         rank = torch.where(recent, 2 + pos / self.capacity, unit)  # indexed tokens in [0, 1], recent ones above
         rank = rank.masked_fill((pos >= 0) & (pos < self.sink_tokens), 4.0)
@@ -265,7 +323,11 @@ class RecallableCache(KVCache):
     def stats(self) -> dict[str, int]:
         _, hits, selected = self.counts.tolist()
         copies = {"recall: copied from the host tier": self.copied} if self.slow_tier == "host" else {}
-        return {"recall: selected tokens": selected, "recall: also selected in the previous reuse_steps": hits, **copies}
+        return {
+            "recall: selected tokens": selected,
+            "recall: also selected in the previous reuse_steps": hits,
+            **copies,
+        }
 
     def reset(self) -> None:
         super().reset()
@@ -325,7 +387,9 @@ class ClusterKVCache(RecallableCache):
         keys = self._history_keys(positions)
         valid = valid[:, None, :].expand(keys.shape[:3])
         used = None if used is None else used[:, None, None]
-        centroids, labels = cosine_kmeans(keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used, first_row=parallel.first_head())
+        centroids, labels = cosine_kmeans(
+            keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used, first_row=parallel.first_head()
+        )
         first = self.n_clusters
         self.centroids[:, :, first : first + k] = centroids
         self.labels.scatter_(2, positions[:, None, :].expand(labels.shape), torch.where(valid, labels + first, 0))
@@ -337,7 +401,8 @@ class ClusterKVCache(RecallableCache):
         self.labels.zero_()
         valid = input_pos >= self.sink_tokens
         points = valid.sum(dim=-1)
-        used = ((points + self.tokens_per_cluster - 1) // self.tokens_per_cluster).clamp(min=1)  # each sequence's own C0
+        # each sequence's own C0
+        used = ((points + self.tokens_per_cluster - 1) // self.tokens_per_cluster).clamp(min=1)
         self._cluster(input_pos.clamp(min=0), valid, int(used.max()), used)
 
     def maintain(self) -> None:
@@ -351,7 +416,9 @@ class ClusterKVCache(RecallableCache):
     def _scores(self, q: Tensor) -> Tensor:
         B, H, _, D = q.shape
         n_kv = self.centroids.shape[1]
-        per_cluster = self._per_selection_head(q[:, :, -1].float().view(B, n_kv, H // n_kv, D) @ self.centroids.transpose(-1, -2))
+        per_cluster = self._per_selection_head(
+            q[:, :, -1].float().view(B, n_kv, H // n_kv, D) @ self.centroids.transpose(-1, -2)
+        )
         labels = self.labels.repeat_interleave(per_cluster.shape[1] // n_kv, dim=1)
         return per_cluster.gather(-1, labels)
 
@@ -371,8 +438,12 @@ class QuestCache(RecallableCache):
         self.page_size = page_size
         B, H, S, D = self.storage.k.shape
         pages = math.ceil(S / page_size)
-        self.register_buffer("page_min", torch.full((B, H, pages, D), float("inf"), device=self.pos.device), persistent=False)
-        self.register_buffer("page_max", torch.full((B, H, pages, D), float("-inf"), device=self.pos.device), persistent=False)
+        self.register_buffer(
+            "page_min", torch.full((B, H, pages, D), float("inf"), device=self.pos.device), persistent=False
+        )
+        self.register_buffer(
+            "page_max", torch.full((B, H, pages, D), float("-inf"), device=self.pos.device), persistent=False
+        )
 
     def _index_keys(self, positions: Tensor, k: Tensor) -> None:
         """Widen the bounds of the pages of keys k [B, H_kv, N, D] at positions [B, N] (-1: none)."""
@@ -385,7 +456,8 @@ class QuestCache(RecallableCache):
         self.page_min.fill_(float("inf"))
         self.page_max.fill_(float("-inf"))
         self._index_keys(input_pos, k)
-        self.indexed_upto.copy_(self.indexed_upto // self.page_size * self.page_size)  # the unfinished page is attended whole
+        # the unfinished page is attended whole
+        self.indexed_upto.copy_(self.indexed_upto // self.page_size * self.page_size)
 
     def _index_token(self, input_pos: Tensor, k: Tensor) -> None:
         self._index_keys(input_pos, k)
@@ -395,6 +467,7 @@ class QuestCache(RecallableCache):
         B, H, _, D = q.shape
         n_kv = self.page_min.shape[1]
         query = q[:, :, -1].float().view(B, n_kv, H // n_kv, 1, D)
-        low, high = (torch.where(b.isfinite(), b, 0.0)[:, :, None] for b in (self.page_min, self.page_max))  # empty pages: infinite bounds
+        # empty pages: infinite bounds
+        low, high = (torch.where(b.isfinite(), b, 0.0)[:, :, None] for b in (self.page_min, self.page_max))
         per_page = self._per_selection_head(torch.maximum(query * low, query * high).sum(dim=-1))  # [B, H_sel, pages]
         return per_page.repeat_interleave(self.page_size, dim=-1)[..., : self.capacity]

@@ -60,12 +60,19 @@ def repeat_request(tokenizer: Tokenizer | None) -> RepeatRequest:
     if tokenizer is None:
         return RepeatRequest((), (), (), ())
     if tokenizer.chat_template is None:
-        return RepeatRequest(tuple(tokenizer.encode(KVZIP_PROMPT)), tuple(tokenizer.encode(KVZIP_LATER_PROMPT)), tuple(tokenizer.encode("\n")), ())
+        return RepeatRequest(
+            tuple(tokenizer.encode(KVZIP_PROMPT)),
+            tuple(tokenizer.encode(KVZIP_LATER_PROMPT)),
+            tuple(tokenizer.encode("\n")),
+            (),
+        )
     empty, text = (tokenizer.encode_chat([{"role": "user", "content": c}]) for c in ("", "dummy context"))
     prefix = next(i for i, (a, b) in enumerate(zip(empty, text, strict=False)) if a != b)
     header = next(i for i, (a, b) in enumerate(zip(empty[::-1], text[::-1], strict=False)) if a != b)
     first = tuple(tokenizer.encode(KVZIP_PROMPT))
-    return RepeatRequest(first, tuple(tokenizer.encode(KVZIP_LATER_PROMPT)), tuple(empty[len(empty) - header :]), tuple(empty[:prefix]))
+    return RepeatRequest(
+        first, tuple(tokenizer.encode(KVZIP_LATER_PROMPT)), tuple(empty[len(empty) - header :]), tuple(empty[:prefix])
+    )
 
 
 class ModelScored(PromptCompressor):
@@ -81,7 +88,9 @@ class ModelScored(PromptCompressor):
         raise NotImplementedError
 
     def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        raise RuntimeError(f"{type(self).__name__} scores come from a pass of the model; run it through kvlab.engine.generate")
+        raise RuntimeError(
+            f"{type(self).__name__} scores come from a pass of the model; run it through kvlab.engine.generate"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +115,8 @@ class KVzip(ModelScored):
         integer(
             "kvzip_chunk",
             2048,
-            "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole); shortened, "
-            "with a note, to what fits the context after a long prompt",
+            "kvzip: tokens of the context repeated per pass (with --prefill_chunk: each chunk, repeated whole); "
+            "shortened, with a note, to what fits the context after a long prompt",
             param="chunk",
         ),
     )
@@ -123,7 +132,9 @@ class KVzip(ModelScored):
         passes = []
         for s in range(start, len(prompt), self.chunk):
             asked = request.first if s == start else (*request.later, *prompt[max(s - KVZIP_HINT, s - self.chunk) : s])
-            passes.append(Pass([*asked, *request.header, *prompt[s : s + self.chunk]], 0, (s, min(s + self.chunk, len(prompt)))))
+            passes.append(
+                Pass([*asked, *request.header, *prompt[s : s + self.chunk]], 0, (s, min(s + self.chunk, len(prompt))))
+            )
         return passes
 
     def score_chunk(self, key_pos: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, q: Tensor, own_from: int) -> Tensor:
@@ -187,7 +198,9 @@ class AttentionProbe(nn.Module):
     def attend(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         if not kernels.takes_prefill_attention(q, self.k, self.v):
             keys, values, key_pos = self.update(input_pos, k, v, q)
-            y, probs = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), attention_mask(key_pos, input_pos), True)
+            y, probs = grouped_attention(
+                q, keys.to(q.dtype), values.to(q.dtype), attention_mask(key_pos, input_pos), True
+            )
             self.observe(probs)
             return y
         y, lse, key_pos = self.split_attention(input_pos, k, v, q)
@@ -199,7 +212,9 @@ class AttentionProbe(nn.Module):
             self.receive(key_probabilities(q, self.k, lse))
             return y
         start, end = self.counted.window
-        sinks, window = (key_probabilities(q, self.k[:, :, a:b], lse) for a, b in ((0, min(KVZIP_SINKS, start)), (start, end)))
+        sinks, window = (
+            key_probabilities(q, self.k[:, :, a:b], lse) for a, b in ((0, min(KVZIP_SINKS, start)), (start, end))
+        )
         own = key_probabilities(q, self.own_k, lse, key_pos[:, T:], query_pos)
         self.receive_in_scope(sinks, window, own)
         return y
@@ -211,7 +226,9 @@ class AttentionProbe(nn.Module):
         self.append(input_pos, k, v)
         T = self.k.shape[2]
         prompt = prefill_attention(q, self.k, self.v, self.key_pos[:, :T], input_pos)
-        y, lse = merged_attention(*prompt, *prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos))
+        y, lse = merged_attention(
+            *prompt, *prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos)
+        )
         return y.to(q.dtype), lse, self.key_pos
 
     def observe(self, probs: Tensor) -> None:
@@ -246,7 +263,9 @@ class AttentionProbe(nn.Module):
             self.scores[..., start:end] += probs.sum(dim=(2, 3))
 
 
-def key_probabilities(q: Tensor, k: Tensor, lse: Tensor, key_pos: Tensor | None = None, query_pos: Tensor | None = None) -> Tensor:
+def key_probabilities(
+    q: Tensor, k: Tensor, lse: Tensor, key_pos: Tensor | None = None, query_pos: Tensor | None = None
+) -> Tensor:
     """[B, H_kv, group, n, S]: the attention queries q [B, H, n, D] pay keys k [B, H_kv, S, D] in a softmax whose
     log-sum-exp is lse [B, H, n] (float32): exp(q.k / sqrt(D) - lse). With positions (key_pos [B, S], query_pos
     [B, n]), zero where a key follows its query."""
@@ -269,7 +288,9 @@ def part_length(model: Transformer, keys: int) -> int:
 
 
 @torch.no_grad()
-def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]], passes: list[Pass], reduce: str) -> list[Tensor]:
+def prompt_attention_from(
+    model: Transformer, layers: list[tuple[Tensor, Tensor]], passes: list[Pass], reduce: str
+) -> list[Tensor]:
     """Per layer, [H_kv, T]: the attention one sequence's prompt keys (`layers`: each layer's [1, H_kv,
     T, D] keys and values) receive from the query tokens of each pass, placed right after the prompt, each pass
     run in parts (`part_length`). The model's caches are put back afterwards."""
@@ -284,8 +305,13 @@ def prompt_attention_from(model: Transformer, layers: list[tuple[Tensor, Tensor]
             part = part_length(model, n + len(counted.ids))
             for s in range(0, len(counted.ids), part):
                 ids = counted.ids[s : s + part]
-                no_logits = torch.zeros(1, 1, dtype=torch.long, device=device)  # the attention is what counts, not the logits
-                model(torch.tensor([ids], device=device), n + s + torch.arange(len(ids), device=device)[None], logits_at=no_logits)
+                # the attention is what counts, not the logits
+                no_logits = torch.zeros(1, 1, dtype=torch.long, device=device)
+                model(
+                    torch.tensor([ids], device=device),
+                    n + s + torch.arange(len(ids), device=device)[None],
+                    logits_at=no_logits,
+                )
     finally:
         model.setup_caches(saved)
     return [p.scores[0] for p in probes]

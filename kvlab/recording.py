@@ -31,7 +31,8 @@ class PrefillRecorder(nn.Module):
 
     def __init__(self, queries: bool = True, chunk_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.queries = queries  # False: each layer's queries are kept as an empty [B, H, 0, D] (nothing replayed reads them)
+        # False: each layer's queries are kept as an empty [B, H, 0, D] (nothing replayed reads them)
+        self.queries = queries
         self.chunk_dtype = chunk_dtype  # in chunks, keys and values held as the caches will hold them (float16)
         self.layers: list[tuple[Tensor, Tensor, Tensor]] = []
         self.lse: list[Tensor | None] = []  # None where the prefill does not return it (off the CPU, or in chunks)
@@ -48,7 +49,8 @@ class PrefillRecorder(nn.Module):
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         q = self.kept_queries(q)
         if self.positions is None:
-            self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))  # not views keeping the qkv output alive
+            # not views keeping the qkv output alive
+            self.layers.append((k.contiguous(), v.contiguous(), q.contiguous()))
             self.lse.append(lse)
             return
         T = self.positions.shape[1]
@@ -60,7 +62,9 @@ class PrefillRecorder(nn.Module):
         self.layers.append(whole)
         self.lse.append(None)
 
-    def prefill_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+    def prefill_chunk(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, attend: Callable[..., Tensor]
+    ) -> Tensor:
         layer, end = self.turn, self.offset + k.shape[2]
         self.turn = (self.turn + 1) % len(self.layers)
         for buffer, x in zip(self.layers[layer], (k, v, self.kept_queries(q)), strict=True):
@@ -94,11 +98,14 @@ class RecordedPrefill:
         self.inputs: tuple[Tensor, Tensor] | None = None
         self.recorder = PrefillRecorder(queries, chunk_dtype)
         self.scores: dict[tuple[int, str], Tensor] = {}
-        self.references: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}  # a full cache run's continuations (the oracle's)
+        # a full cache run's continuations (the oracle's)
+        self.references: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
         self.similarity = torch.empty(0)  # [B, n_layer] SqueezeAttention's measure of each layer
         self.logits = torch.empty(0)  # [B, K, vocab] at the columns `logits_at` asked for
 
-    def record(self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, chunk: int | None = None) -> None:
+    def record(
+        self, model: Transformer, tokens: Tensor, input_pos: Tensor, logits_at: Tensor, chunk: int | None = None
+    ) -> None:
         """Run the prefill (the first call only; later calls must pass the same batch), keeping the logits
         of the columns `logits_at` [B, K] (e.g. each row's last prompt token); with `chunk`, `chunk` columns at a time
         (the activations of one chunk, the same keys, values and queries up to rounding)."""
@@ -127,7 +134,9 @@ class RecordedPrefill:
         for start in range(0, T, chunk):
             self.recorder.offset, end = start, min(start + chunk, T)
             at = (logits_at - start).clamp(0, end - start - 1)
-            out = model(tokens[:, start:end], input_pos[:, start:end], prefill=start == 0, chunk=start > 0, logits_at=at)
+            out = model(
+                tokens[:, start:end], input_pos[:, start:end], prefill=start == 0, chunk=start > 0, logits_at=at
+            )
             inside = ((logits_at >= start) & (logits_at < end))[..., None]
             logits = out if logits is None else torch.where(inside, out, logits)
         return logits
@@ -136,7 +145,9 @@ class RecordedPrefill:
         """Fill the model's current caches (`caches`, or probes wrapping them) from the recording, as their own prefill
         would; with `compact` (the whole prompt is recorded: no chunk follows), each compacted once it is filled."""
         tokens, input_pos = self.inputs
-        for layer, (block, cache, (k, v, q), lse) in enumerate(zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)):
+        for layer, (block, cache, (k, v, q), lse) in enumerate(
+            zip(model.layers, caches, self.recorder.layers, self.recorder.lse, strict=True)
+        ):
             target = block.attention.kv_cache
             extra = {"tokens": tokens} if target.needs_tokens else {}
             if target.needs_prompt_lse and lse is not None:
@@ -151,7 +162,9 @@ class RecordedPrefill:
         once for the replay too; None for a layer that ranks nothing."""
         _, input_pos = self.inputs
         out: list[Tensor | None] = []
-        for layer, (cache, (k, v, q), lse) in enumerate(zip(caches, self.recorder.layers, self.recorder.lse, strict=True)):
+        for layer, (cache, (k, v, q), lse) in enumerate(
+            zip(caches, self.recorder.layers, self.recorder.lse, strict=True)
+        ):
             if not cache.takes_prompt_compressor or not cache.prompt_compressor.compresses:
                 out.append(None)
                 continue
@@ -172,7 +185,12 @@ class RecordedPrefill:
                 cache.prompt_compressor = compressor
 
     def score_with_model(
-        self, model: Transformer, caches: Sequence[KVCache], prefilled: list[int], continuations: list[list[int]], request: RepeatRequest | None
+        self,
+        model: Transformer,
+        caches: Sequence[KVCache],
+        prefilled: list[int],
+        continuations: list[list[int]],
+        request: RepeatRequest | None,
     ) -> None:
         """Scores of the compressors that need a further pass of the model (KVzip, the oracle), one pass per
         sequence for every layer, kept where `replay` looks for them."""
@@ -191,7 +209,9 @@ class RecordedPrefill:
                 passes = compressor.queries(tokens[row, :n].tolist(), continuations[row], request)
                 per_row.append(prompt_attention_from(model, prompt, passes, compressor.reduce))
             for layer in using:
-                scores = torch.zeros(*input_pos.shape[:1], per_row[0][layer].shape[0], input_pos.shape[1], device=input_pos.device)
+                scores = torch.zeros(
+                    *input_pos.shape[:1], per_row[0][layer].shape[0], input_pos.shape[1], device=input_pos.device
+                )
                 for row, n in enumerate(prefilled):
                     scores[row, :, :n] = per_row[row][layer]
                 self.scores[layer, key] = scores

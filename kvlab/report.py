@@ -17,7 +17,13 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     with what the dense buffers would take) against the bytes of the tokens a full cache would actually hold."""
     held, seq = result.tokens_held, result.sequence_length
     mean_held = sum(held) / len(held)
-    name = label if isinstance(label, str) else label[0] if len(set(label)) == 1 else "mixed: " + ", ".join(dict.fromkeys(label))
+    name = (
+        label
+        if isinstance(label, str)
+        else label[0]
+        if len(set(label)) == 1
+        else "mixed: " + ", ".join(dict.fromkeys(label))
+    )
     per_layer = "" if max(held) - min(held) < 0.5 else f"\ntokens held per layer: {' '.join(f'{n:.0f}' for n in held)}"
     in_use = result.cache_stats.get("kvcompress: bytes in use")
     told = ("kvcompress: bytes in use", "compact: layers", "compact: bytes", "compact: dense bytes")  # in line one
@@ -25,11 +31,20 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     if result.layer_budgets is not None:
         stats += f"\nlayer budgets (slots per layer, first sequence): {' '.join(map(str, result.layer_budgets[0]))}"
     if result.head_budgets is not None:
-        stats += "\nhead budgets (slots per KV head and layer, first sequence): " + " ".join("/".join(map(str, h)) or "full" for h in result.head_budgets[0])
+        stats += "\nhead budgets (slots per KV head and layer, first sequence): " + " ".join(
+            "/".join(map(str, h)) or "full" for h in result.head_budgets[0]
+        )
     if result.layer_similarity is not None:
-        stats += f"\nlayer similarity (cos(x, x + attention), first sequence): {' '.join(f'{x:.3f}' for x in result.layer_similarity[0])}"
+        stats += (
+            "\nlayer similarity (cos(x, x + attention), first sequence): "
+            f"{' '.join(f'{x:.3f}' for x in result.layer_similarity[0])}"
+        )
     allocated, full = result.kv_cache_bytes, result.full_cache_bytes
-    what = "buffers sized by max_seq_length" if in_use is None else f"a block pool; {in_use / 2**20:.1f} MiB in blocks in use"
+    what = (
+        "buffers sized by max_seq_length"
+        if in_use is None
+        else f"a block pool; {in_use / 2**20:.1f} MiB in blocks in use"
+    )
     compacted = result.cache_stats.get("compact: layers", 0)
     if compacted:  # the dense form: the compacted layers' buffers as wide as their widest head
         dense = allocated - result.cache_stats["compact: bytes"] + result.cache_stats["compact: dense bytes"]
@@ -38,7 +53,8 @@ def cache_report(label: str | list[str], result: Generation) -> str:
     return (
         f"KV cache ({name}): {mean_held:.0f} of {seq:.0f} tokens held per layer and KV head on average "
         f"({seq / mean_held:.2f}x compression); {allocated / 2**20:.1f} MiB allocated ({what}), "
-        f"{allocated / full:.2f}x the {full / 2**20:.1f} MiB a full cache needs for the {seq:.0f} tokens of each sequence{per_layer}{stats}"
+        f"{allocated / full:.2f}x the {full / 2**20:.1f} MiB a full cache needs for the {seq:.0f} tokens of "
+        f"each sequence{per_layer}{stats}"
     )
 
 
@@ -76,10 +92,11 @@ class TextStreamer:
 def serving_report(result: ServeResult, prompts: Sequence[Sequence[int]], batch_size: int) -> str:
     in_flight = result.rows_in_flight
     return (
-        f"served {len(prompts)} requests: {sum(map(len, prompts))} prompt tokens prefilled in {result.prefill_seconds:.2f} s, "
-        f"{result.generated} tokens generated in {result.seconds:.2f} s in all ({result.generated / max(result.seconds, 1e-9):.1f} tokens/s); "
-        f"{result.decode_steps} decode steps, {sum(in_flight) / max(len(in_flight), 1):.1f} sequences in flight on average (at most {batch_size}), "
-        f"{result.preemptions} preempted\n"
-        f"KV blocks: at most {result.peak_blocks} of the pool's {result.pool_blocks} in use "
-        f"({result.peak_blocks * result.block_bytes / 2**20:.1f} of {result.pool_blocks * result.block_bytes / 2**20:.1f} MiB)"
+        f"served {len(prompts)} requests: {sum(map(len, prompts))} prompt tokens prefilled in "
+        f"{result.prefill_seconds:.2f} s, {result.generated} tokens generated in {result.seconds:.2f} s in all "
+        f"({result.generated / max(result.seconds, 1e-9):.1f} tokens/s); {result.decode_steps} decode steps, "
+        f"{sum(in_flight) / max(len(in_flight), 1):.1f} sequences in flight on average (at most {batch_size}), "
+        f"{result.preemptions} preempted\nKV blocks: at most {result.peak_blocks} of the pool's "
+        f"{result.pool_blocks} in use ({result.peak_blocks * result.block_bytes / 2**20:.1f} of "
+        f"{result.pool_blocks * result.block_bytes / 2**20:.1f} MiB)"
     )

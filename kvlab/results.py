@@ -1,6 +1,7 @@
 """Results on disk, one directory per model and cache config: records.jsonl, one JSON line per finished example of
 any of the config's runs (appended and synced as it finishes, so an interrupted sweep resumes where it stopped), and
-runs.json, each run's settings and finished tasks' metrics; summaries over every finished task of a results directory."""
+runs.json, each run's settings and finished tasks' metrics; summaries over every finished task of a results
+directory."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ RUN_FIELDS = ("run", "job", "id")  # every record names its run (size+flags), it
 
 @contextlib.contextmanager
 def locked_out_dir(out_dir: Path):
-    """Create --out_dir and hold an exclusive lock on it for the run: two sweeps writing one directory would interleave records."""
+    """Create --out_dir and hold an exclusive lock on it for the run: two sweeps writing one directory would interleave
+    records."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out_dir {out_dir} is a file, not a directory; choose a directory")
     try:
@@ -53,7 +55,9 @@ def locked_out_dir(out_dir: Path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ValueError(f"another eval.py is writing to {out_dir}; wait for it, or choose another --out_dir") from None
+            raise ValueError(
+                f"another eval.py is writing to {out_dir}; wait for it, or choose another --out_dir"
+            ) from None
         yield
 
 
@@ -68,9 +72,15 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if number == len(lines):
                 continue  # torn by a kill mid-write
-            raise ValueError(f"{path} line {number}: not a JSON record ({line[:60]!r}); fix or remove the line, or the file, to redo it") from None
+            raise ValueError(
+                f"{path} line {number}: not a JSON record ({line[:60]!r}); fix or remove the line, or the file, "
+                "to redo it"
+            ) from None
         if not isinstance(record, dict) or any(k not in record for k in RUN_FIELDS):
-            raise ValueError(f"{path} line {number}: a record without {', '.join(RUN_FIELDS)} ({line[:60]!r}); fix or remove the line, or the file, to redo it")
+            raise ValueError(
+                f"{path} line {number}: a record without {', '.join(RUN_FIELDS)} ({line[:60]!r}); fix or remove "
+                "the line, or the file, to redo it"
+            )
         records.append(record)
     return records
 
@@ -114,7 +124,8 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_runs(config_dir: Path) -> dict[str, dict[str, Any]]:
-    """A config's runs.json: {run: {"args": the run's settings, "tasks": {job: metrics}}}, refused in one line when damaged."""
+    """A config's runs.json: {run: {"args": the run's settings, "tasks": {job: metrics}}}, refused in one line when
+    damaged."""
     path = config_dir / RUNS
     if not path.exists():
         return {}
@@ -142,7 +153,10 @@ def checked_task_metrics(where: str, metrics: Any) -> dict[str, Any]:
     """A finished task's metrics from runs.json, refused in one line when incomplete."""
     missing = [k for k in TASK_METRICS if not isinstance(metrics, dict) or k not in metrics]
     if missing:
-        raise ValueError(f"{where}: no {', '.join(missing)}; remove that task from it and rerun the same command to recompute the task")
+        raise ValueError(
+            f"{where}: no {', '.join(missing)}; remove that task from it and rerun the same command to "
+            "recompute the task"
+        )
     return metrics
 
 
@@ -192,7 +206,8 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Rows: task@context (metric); columns: config@size (+query_agnostic, +prefill_chunkN); cells: value (relative to full),
+    """Rows: task@context (metric); columns: config@size (+query_agnostic, +prefill_chunkN); cells: value (relative to
+    full),
     and the needle digits reproduced (%) where recorded."""
 
     def column(r: dict[str, Any]) -> str:
@@ -204,7 +219,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         relative = "" if r["relative_to_full"] is None or r["size"] == FULL else f" ({r['relative_to_full']:.2f})"
         digits = "" if r["needle_digits"] is None else f", digits {r['needle_digits']:.1f}%"
-        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][column(r)] = f"{r['value']:.2f}{relative}{digits}"
+        cells[f"{r['task']}@{r['context_length']} ({r['metric']}, n={r['n']})"][column(r)] = (
+            f"{r['value']:.2f}{relative}{digits}"
+        )
     lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
     return "\n".join(lines) + "\n"

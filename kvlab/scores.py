@@ -7,9 +7,9 @@ the same function to the prompt (prefill) and to the running cache (decode), see
                       observed is the strategy's choice (all, the last one, a window of the last w)
     expected scores   `expected_logits`: the attention a Gaussian of future queries pays each key
     key/value scores  `lagkv`: keys and values against their neighbours', no queries
-    score wrappers    `value_weighted`, `value_norms`, `two_stage` (CriticalKV), `chunk_mean` (ChunkKV): any prompt score, transformed
-    importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each other
-    channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
+    score wrappers    `value_weighted`, `value_norms`, `two_stage` (CriticalKV), `chunk_mean` (ChunkKV): any prompt
+    score, transformed importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each
+    other channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def keydiff(k: Tensor, pos: Tensor) -> Tensor:
     """Keys least like the head's anchor, the mean of its unit-length keys, are the most distinctive (KeyDiff,
     Park et al., 2025; kvpress's KeyDiffPress)."""
     held = (pos >= 0)[..., None].float()
-    anchor = (F.normalize(k.float(), dim=-1) * held).sum(dim=2, keepdim=True) / held.sum(dim=2, keepdim=True).clamp(min=1)
+    anchor = (F.normalize(k.float(), dim=-1) * held).sum(dim=2, keepdim=True) / held.sum(dim=2, keepdim=True).clamp(
+        min=1
+    )
     return -F.cosine_similarity(k.float(), anchor, dim=-1)
 
 
@@ -93,12 +95,19 @@ def prompt_attention(q: Tensor, k: Tensor, key_pos: Tensor, query_pos: Tensor, c
     rows = []
     for start in range(0, q.shape[2], chunk):
         qpos = query_pos[:, start : start + chunk]
-        rows.append(causal_softmax(q[:, :, start : start + chunk], k, key_pos, qpos).mul_((qpos >= 0)[:, None, None, :, None]))
+        rows.append(
+            causal_softmax(q[:, :, start : start + chunk], k, key_pos, qpos).mul_((qpos >= 0)[:, None, None, :, None])
+        )
     return torch.cat(rows, dim=3)
 
 
 def received_attention(
-    q: Tensor, k: Tensor, input_pos: Tensor, per_chunk: Callable[[Tensor, Tensor], Tensor] | None = None, chunk: int = 128, lse: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    input_pos: Tensor,
+    per_chunk: Callable[[Tensor, Tensor], Tensor] | None = None,
+    chunk: int = 128,
+    lse: Tensor | None = None,
 ) -> Tensor:
     """What every prompt key receives from every prompt query, [B, H_kv, T]: `per_chunk(probs, query_pos)`
     ([B, H_kv, group, c, e] -> [B, H_kv, e]; default `attention_mass`) summed over chunks of `chunk`
@@ -117,11 +126,15 @@ def received_attention(
         query_pos = input_pos[:, start:end]
         if per_chunk is None:
             holes = bool((input_pos[:, :start] < 0).any())  # padding inside a row, not only at its end
-            probs = causal_softmax(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, 0 if holes else start)
+            probs = causal_softmax(
+                q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, 0 if holes else start
+            )
             real = (query_pos >= 0).to(probs.dtype)[:, None, None, None, :]  # [B, 1, 1, 1, c]
             total[..., :end] += (real @ probs).sum(dim=(2, 3))
         else:
-            total[..., :end] += per_chunk(prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk), query_pos)
+            total[..., :end] += per_chunk(
+                prompt_attention(q[:, :, start:end], k[:, :, :end], input_pos[:, :end], query_pos, chunk), query_pos
+            )
     return total
 
 
@@ -180,7 +193,10 @@ def chunk_attention(key_pos: Tensor, k: Tensor, query_pos: Tensor, q: Tensor, wi
     columns, observed = last_real_queries(query_pos, w)
     q_obs = q.gather(2, columns.clamp(min=0)[:, None, :, None].expand(B, H, w, D))
     flat = prompt_attention(
-        q_obs.reshape(B * n_kv, H // n_kv, w, D), k.reshape(B * n_kv, 1, S, D), key_pos.reshape(B * n_kv, S), observed.repeat_interleave(n_kv, dim=0)
+        q_obs.reshape(B * n_kv, H // n_kv, w, D),
+        k.reshape(B * n_kv, 1, S, D),
+        key_pos.reshape(B * n_kv, S),
+        observed.repeat_interleave(n_kv, dim=0),
     )
     return flat.view(B, n_kv, H // n_kv, w, S)
 
@@ -262,7 +278,8 @@ def chunk_mean(scores: Tensor, pos: Tensor, size: int) -> Tensor:
     if pos.dim() == 2:
         held, pos = held[:, None], pos[:, None]
     bucket = torch.where(held, pos.div(size, rounding_mode="floor"), -1)
-    segment = F.pad((bucket[..., 1:] != bucket[..., :-1]).long().cumsum(dim=-1), (1, 0)).expand(scores.shape)  # runs of one chunk
+    # runs of one chunk
+    segment = F.pad((bucket[..., 1:] != bucket[..., :-1]).long().cumsum(dim=-1), (1, 0)).expand(scores.shape)
     kept = torch.where(held, scores, 0.0)
     total = torch.zeros_like(kept).scatter_add_(-1, segment, kept)
     count = torch.zeros_like(kept).scatter_add_(-1, segment, held.expand(scores.shape).float()).clamp(min=1)
@@ -289,7 +306,8 @@ def lagkv(k: Tensor, v: Tensor, pos: Tensor, lag: int, sinks: int) -> Tensor:
         x = F.pad(x, (0, 0, 0, n * lag - x.shape[2])).view(B, H, n, lag, D)
         low, high = x.amin(dim=3, keepdim=True), x.amax(dim=3, keepdim=True)
         low, high = F.pad(low[:, :, 1:], (0, 0, 0, 0, 0, 1)), F.pad(high[:, :, 1:], (0, 0, 0, 0, 0, 1))
-        spread = ((x - low) / (high - low).clamp(min=torch.finfo(x.dtype).eps)).std(dim=-1).softmax(dim=-1)  # eps: repeated tokens' values
+        # eps: repeated tokens' values
+        spread = ((x - low) / (high - low).clamp(min=torch.finfo(x.dtype).eps)).std(dim=-1).softmax(dim=-1)
         return F.pad(spread.flatten(2), (sinks, 0))[..., :S]
 
     score = (normalised_spread(k) + normalised_spread(v)) / 2

@@ -97,12 +97,16 @@ class Rows:
         running = [j for j in self.row_of if j >= 0]
         prompt_blocks = self.heads * -(-(len(self.prompts[i]) + 1) // self.paged.block_size)
         pool = self.paged.pool
-        if pool.free_blocks() >= prompt_blocks and sum(map(self.reservation, running)) + self.reservation(i) <= pool.n_blocks:
+        if (
+            pool.free_blocks() >= prompt_blocks
+            and sum(map(self.reservation, running)) + self.reservation(i) <= pool.n_blocks
+        ):
             return True
         if not running:
             raise ValueError(
-                f"request {i} ({len(self.prompts[i])} prompt tokens) needs {max(prompt_blocks, self.reservation(i))} blocks; the pool has "
-                f"{pool.n_blocks} (raise kvc_pool_blocks or compress more)"
+                f"request {i} ({len(self.prompts[i])} prompt tokens) needs "
+                f"{max(prompt_blocks, self.reservation(i))} blocks; the pool has {pool.n_blocks} (raise "
+                "kvc_pool_blocks or compress more)"
             )
         return False
 
@@ -125,7 +129,8 @@ class Rows:
         self.take(row, first)
 
     def decode(self, decode_step: Callable[..., Tensor]) -> None:
-        """One decode step for every busy row: the first rows up to the highest busy one run (a power of 2: few shapes)."""
+        """One decode step for every busy row: the first rows up to the highest busy one run (a power of 2: few
+        shapes)."""
         active = [row for row, i in enumerate(self.row_of) if i >= 0]
         if not active:
             return
@@ -217,16 +222,21 @@ def serve(
     cache length is each sequence's budget per layer and KV head: a slot count or a fraction of its own
     prompt + max_new_tokens. `on_finish(index, tokens)` is called as each request completes."""
     if not all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies) or len(set(spec.lengths)) != 1:
-        raise ValueError(f"serving needs a paged cache (kvcompress) with one cache length on every layer; got {', '.join(dict.fromkeys(spec.strategies))}")
+        raise ValueError(
+            "serving needs a paged cache (kvcompress) with one cache length on every layer; got "
+            f"{', '.join(dict.fromkeys(spec.strategies))}"
+        )
     if max_new_tokens < 1 or max_batch < 1 or not prompts or any(len(p) < 1 for p in prompts):
         raise ValueError(
-            f"serve needs prompts of >= 1 token, max_new_tokens >= 1 and max_batch >= 1; got max_new_tokens={max_new_tokens}, max_batch={max_batch}"
+            "serve needs prompts of >= 1 token, max_new_tokens >= 1 and max_batch >= 1; got "
+            f"max_new_tokens={max_new_tokens}, max_batch={max_batch}"
         )
     longest, cfg = max(map(len, prompts)) + max_new_tokens, model.config
     max_seq_length = max_seq_length or longest
     if not longest <= max_seq_length <= cfg.block_size:
         raise ValueError(
-            f"max_seq_length={max_seq_length} must lie between the longest prompt + max_new_tokens ({longest}) and the context length ({cfg.block_size})"
+            f"max_seq_length={max_seq_length} must lie between the longest prompt + max_new_tokens ({longest}) "
+            f"and the context length ({cfg.block_size})"
         )
     caches = setup_caches(model, spec, max_batch, [max_seq_length] * cfg.n_layer, max_seq_length)
     paged: PagedKV = caches[0].paged

@@ -24,8 +24,8 @@ STORAGE_OPTIONS = (
         "cache_bits",
         CACHE_BITS,
         None,
-        "store keys and values as a float32 model computes them (32), as float16 (16: half float32's bytes, read by the native CPU "
-        "attention as they are) or as packed 8, 4 or 2-bit integers, with any strategy",
+        "store keys and values as a float32 model computes them (32), as float16 (16: half float32's bytes, "
+        "read by the native CPU attention as they are) or as packed 8, 4 or 2-bit integers, with any strategy",
         default_help="the model's dtype; generate.py: 16 for a float32 model",
     ),
     choice(
@@ -37,32 +37,48 @@ STORAGE_OPTIONS = (
     ),
 )
 DEFAULT_THINK_WINDOW = 32
-KEY_PRUNING_OPTIONS = (  # taken by the caches whose prefill shows the storage its queries (full and the evicting strategies)
+# taken by the caches whose prefill shows the storage its queries (full and the evicting strategies)
+KEY_PRUNING_OPTIONS = (
     Option(
         "key_channel_pruning",
         (int, float),
         "a fraction in [0, 1)",
-        "ThinK: store keys without this share of each KV head's channels, the least important to the prompt's last queries (values untouched); "
-        "full and the evicting strategies but hybrid",
+        "ThinK: store keys without this share of each KV head's channels, the least important to the prompt's "
+        "last queries (values untouched); full and the evicting strategies but hybrid",
         check=lambda v: 0 <= v < 1,
         default_help="off",
     ),
-    integer("think_window", None, "with --key_channel_pruning: the last N prompt queries that rank the key channels", default_help=str(DEFAULT_THINK_WINDOW)),
+    integer(
+        "think_window",
+        None,
+        "with --key_channel_pruning: the last N prompt queries that rank the key channels",
+        default_help=str(DEFAULT_THINK_WINDOW),
+    ),
 )
 
 
 def rows_and_heads(slots: Tensor) -> tuple[Tensor, Tensor]:
     """The batch and head indices [B, 1, 1] and [1, H, 1] that go with slots [B, H, N] in an index_put_."""
     batch, heads = slots.shape[:2]
-    return torch.arange(batch, device=slots.device)[:, None, None], torch.arange(heads, device=slots.device)[None, :, None]
+    return torch.arange(batch, device=slots.device)[:, None, None], torch.arange(heads, device=slots.device)[
+        None, :, None
+    ]
 
 
 class KVStorage(nn.Module):
     """Keys and values in the model's dtype, [B, H_kv, C, D] each (keys [B, H_kv, C, key_dim] when given)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None, key_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        key_dim: int | None = None,
+    ) -> None:
         super().__init__()
-        self.register_buffer("k", torch.zeros(*shape[:3], key_dim or shape[3], dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "k", torch.zeros(*shape[:3], key_dim or shape[3], dtype=dtype, device=device), persistent=False
+        )
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def observe_prompt(self, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
@@ -102,7 +118,13 @@ class HalfKVStorage(KVStorage):
     the model's dtype (a temporary). Values beyond float16's range (65504) would become infinite: keys and
     values of the supported models stay far below it."""
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | None = None, key_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        key_dim: int | None = None,
+    ) -> None:
         super().__init__(shape, torch.float16, device, key_dim)
         self.dtype = dtype
 
@@ -139,14 +161,22 @@ class QuantizedKVStorage(KVStorage):
         B, H, C, D = shape
         key_dim = key_dim or D
         if bits not in QUANT_BITS or D % (8 // bits):
-            raise ValueError(f"cache_bits must be one of {', '.join(map(str, QUANT_BITS))} (dividing head_dim {D} into whole bytes), got {bits}")
+            raise ValueError(
+                f"cache_bits must be one of {', '.join(map(str, QUANT_BITS))} (dividing head_dim {D} into whole "
+                f"bytes), got {bits}"
+            )
         if key_axis not in KEY_QUANT_AXES:
             raise ValueError(f"key quantization axis must be one of {', '.join(KEY_QUANT_AXES)}, got {key_axis!r}")
         self.bits, self.key_axis, self.dtype = bits, key_axis, dtype
         key_scale = (B, H, C, 1) if key_axis == "token" else (B, H, 1, key_dim)
         for name, shape_ in [("k_codes", (B, H, C, key_dim * bits // 8)), ("v_codes", (B, H, C, D * bits // 8))]:
             self.register_buffer(name, torch.zeros(shape_, dtype=torch.uint8, device=device), persistent=False)
-        for name, shape_ in [("k_scale", key_scale), ("k_zero", key_scale), ("v_scale", (B, H, C, 1)), ("v_zero", (B, H, C, 1))]:
+        for name, shape_ in [
+            ("k_scale", key_scale),
+            ("k_zero", key_scale),
+            ("v_scale", (B, H, C, 1)),
+            ("v_zero", (B, H, C, 1)),
+        ]:
             self.register_buffer(name, torch.zeros(shape_, dtype=torch.float16, device=device), persistent=False)
         self.register_buffer("shifts", torch.arange(0, 8, bits, dtype=torch.uint8, device=device), persistent=False)
 
@@ -156,20 +186,28 @@ class QuantizedKVStorage(KVStorage):
             self.k_zero.copy_(k.amin(dim=2, keepdim=True))
             self.k_scale.copy_(self._step(k.amax(dim=2, keepdim=True) - self.k_zero.to(k.dtype)))
         if self.key_axis == "token":
-            k_zero, k_scale = k.amin(dim=-1, keepdim=True).half(), self._step(k.amax(dim=-1, keepdim=True) - k.amin(dim=-1, keepdim=True))
+            k_zero, k_scale = (
+                k.amin(dim=-1, keepdim=True).half(),
+                self._step(k.amax(dim=-1, keepdim=True) - k.amin(dim=-1, keepdim=True)),
+            )
             self.k_zero.index_put_(index, k_zero)
             self.k_scale.index_put_(index, k_scale)
             k_codes = self._encode(k, k_zero, k_scale)
         else:
             k_codes = self._encode(k, self.k_zero, self.k_scale)
-        v_zero, v_scale = v.amin(dim=-1, keepdim=True).half(), self._step(v.amax(dim=-1, keepdim=True) - v.amin(dim=-1, keepdim=True))
+        v_zero, v_scale = (
+            v.amin(dim=-1, keepdim=True).half(),
+            self._step(v.amax(dim=-1, keepdim=True) - v.amin(dim=-1, keepdim=True)),
+        )
         self.v_zero.index_put_(index, v_zero)
         self.v_scale.index_put_(index, v_scale)
         self.k_codes.index_put_(index, k_codes)
         self.v_codes.index_put_(index, self._encode(v, v_zero, v_scale))
 
     def read(self) -> tuple[Tensor, Tensor]:
-        return self._decode(self.k_codes, self.k_zero, self.k_scale), self._decode(self.v_codes, self.v_zero, self.v_scale)
+        return self._decode(self.k_codes, self.k_zero, self.k_scale), self._decode(
+            self.v_codes, self.v_zero, self.v_scale
+        )
 
     def reset(self) -> None:
         for buffer in (self.k_codes, self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero):
@@ -179,13 +217,15 @@ class QuantizedKVStorage(KVStorage):
         return sum(b.nbytes for name, b in self.named_buffers() if name != "shifts")
 
     def _step(self, value_range: Tensor) -> Tensor:
-        """The float16 quantization step for a range; never 0, so constant vectors decode exactly to their zero point."""
+        """The float16 quantization step for a range; never 0, so constant vectors decode exactly to their zero
+        point."""
         return (value_range.float() / (2**self.bits - 1)).clamp(min=1e-4).half()
 
     def _encode(self, x: Tensor, zero: Tensor, scale: Tensor) -> Tensor:
         """[..., D] -> packed uint8 [..., D * bits / 8]: code i of a byte sits at bits i*bits.."""
         codes = ((x.float() - zero.float()) / scale.float()).round().clamp(0, 2**self.bits - 1).to(torch.uint8)
-        codes = codes.view(*codes.shape[:-1], codes.shape[-1] * self.bits // 8, 8 // self.bits) << self.shifts  # sizes spelt out: a layer may have 0 heads
+        # sizes spelt out: a layer may have 0 heads
+        codes = codes.view(*codes.shape[:-1], codes.shape[-1] * self.bits // 8, 8 // self.bits) << self.shifts
         return codes.sum(dim=-1, dtype=torch.uint8)
 
     def _decode(self, packed: Tensor, zero: Tensor, scale: Tensor) -> Tensor:
@@ -202,12 +242,21 @@ class PrunedKeyStorage(KVStorage):
     in the pruned channels, a temporary per step and layer, so q.k runs through the kept channels only. The
     reference (SalesforceAIResearch/ThinK) keeps the last 32 prompt keys and the decoded ones whole."""
 
-    def __init__(self, inner: KVStorage, shape: tuple[int, int, int, int], kept: int, window: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        inner: KVStorage,
+        shape: tuple[int, int, int, int],
+        kept: int,
+        window: int,
+        device: torch.device | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         B, H, _, D = shape
         self.inner, self.head_dim, self.window = inner, D, window
         # [B, H, 1, kept]: the 1 at dim 2 is never mistaken for a slot axis (build.mark_slots_dynamic).
-        self.register_buffer("channels", torch.arange(kept, device=device).expand(B, H, 1, kept).clone(), persistent=False)
+        self.register_buffer(
+            "channels", torch.arange(kept, device=device).expand(B, H, 1, kept).clone(), persistent=False
+        )
 
     def observe_prompt(self, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         best = key_channels(input_pos, k, q, self.window).topk(self.channels.shape[-1], dim=-1).indices
@@ -246,7 +295,8 @@ def make_storage(
         raise ValueError(f"think_window={think_window} needs key_channel_pruning")
     if bits == 32 and dtype != torch.float32:
         raise ValueError(
-            f"cache_bits 32 keeps a float32 model's keys and values as computed; this model runs in {dtype}: drop it, or give 16"
+            f"cache_bits 32 keeps a float32 model's keys and values as computed; this model runs in {dtype}: "
+            "drop it, or give 16"
         )
     D, per_byte = shape[3], 8 // bits if bits in QUANT_BITS else 1
     key_dim = D if key_pruning is None else -(-(D - int(D * key_pruning)) // per_byte) * per_byte
@@ -255,5 +305,11 @@ def make_storage(
     elif bits == 16:
         storage = HalfKVStorage(shape, dtype, device, key_dim)
     else:
-        storage = QuantizedKVStorage(shape, dtype, device, bits, key_axis or ("token" if bits == 8 else "channel"), key_dim)
-    return storage if key_pruning is None else PrunedKeyStorage(storage, shape, key_dim, think_window or DEFAULT_THINK_WINDOW, device)
+        storage = QuantizedKVStorage(
+            shape, dtype, device, bits, key_axis or ("token" if bits == 8 else "channel"), key_dim
+        )
+    return (
+        storage
+        if key_pruning is None
+        else PrunedKeyStorage(storage, shape, key_dim, think_window or DEFAULT_THINK_WINDOW, device)
+    )

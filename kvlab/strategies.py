@@ -77,25 +77,38 @@ class HeavyHitterCache(AttentionScoredCache):
 
     options = (
         *AttentionScoredCache.options,
-        integer("history_window", None, "heavy_hitter (Scissorhands): count attention over the last N decode steps only", default_help="all steps"),
+        integer(
+            "history_window",
+            None,
+            "heavy_hitter (Scissorhands): count attention over the last N decode steps only",
+            default_help="all steps",
+        ),
         Option(
             "count_threshold",
             (int, float),
             "a number > 0",
-            "heavy_hitter (Scissorhands): count the steps where a token's attention reaches this multiple of uniform attention, instead of summing it",
+            "heavy_hitter (Scissorhands): count the steps where a token's attention reaches this multiple of "
+            "uniform attention, instead of summing it",
             check=lambda v: v > 0,
             default_help="sum",
         ),
     )
 
-    def __init__(self, *args, history_window: int | None = None, count_threshold: float | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, history_window: int | None = None, count_threshold: float | None = None, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         if history_window is not None and history_window < 1 or count_threshold is not None and count_threshold <= 0:
-            raise ValueError(f"heavy_hitter: history_window must be >= 1 and count_threshold > 0, got {history_window} and {count_threshold}")
+            raise ValueError(
+                f"heavy_hitter: history_window must be >= 1 and count_threshold > 0, got {history_window} and "
+                f"{count_threshold}"
+            )
         self.count_threshold = count_threshold
         self.history_window = history_window
         if history_window is not None:
-            self.register_buffer("history", torch.zeros(*self.pos.shape, history_window, device=self.pos.device), persistent=False)
+            self.register_buffer(
+                "history", torch.zeros(*self.pos.shape, history_window, device=self.pos.device), persistent=False
+            )
             self.register_buffer("step", torch.zeros(1, dtype=torch.long, device=self.pos.device), persistent=False)
 
     def reset(self) -> None:
@@ -173,13 +186,17 @@ class ExpectedAttentionCache(EvictionCache):
         self._after_chunk(input_pos, q)
 
     def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
-        """Fit the Gaussian to the prompt's queries (a chunked prefill: to the latest chunk's) and score the held keys."""
+        """Fit the Gaussian to the prompt's queries (a chunked prefill: to the latest chunk's) and score the held
+        keys."""
         mean, cov, cos, sin = self.expected.fit(input_pos, q)
         logits = expected_logits(unrotate(self.storage.read()[0].float(), cos, sin), mean, cov)
         log_norm = logits.masked_fill(self.pos[:, :, None] < 0, float("-inf")).logsumexp(dim=-1).flatten(1)  # [B, H]
         # Per query head, with a 1 at dim 2: never mistaken for a slot axis (build.mark_slots_dynamic).
-        for name, value in zip(self.fitted, (mean[:, :, None], cov[:, :, None], cos, sin, log_norm[:, :, None, None]), strict=True):
-            if getattr(self, name).shape == value.shape:  # later prompts refill the same buffers (CUDA graphs keep their addresses)
+        for name, value in zip(
+            self.fitted, (mean[:, :, None], cov[:, :, None], cos, sin, log_norm[:, :, None, None]), strict=True
+        ):
+            # later prompts refill the same buffers (CUDA graphs keep their addresses)
+            if getattr(self, name).shape == value.shape:
                 getattr(self, name).copy_(value)
             else:
                 setattr(self, name, value)
@@ -187,7 +204,9 @@ class ExpectedAttentionCache(EvictionCache):
 
     def _expected_attention(self, k: Tensor, v: Tensor) -> Tensor:
         """[B, H_kv, S] keys and values -> their expected attention under the prompt's Gaussian and normaliser."""
-        logits = expected_logits(unrotate(k.float(), self.frame_cos, self.frame_sin), self.q_mean[:, :, 0], self.q_cov[:, :, 0])
+        logits = expected_logits(
+            unrotate(k.float(), self.frame_cos, self.frame_sin), self.q_mean[:, :, 0], self.q_cov[:, :, 0]
+        )
         scores = (logits - self.log_norm.view(*logits.shape[:3], 1)).exp().mean(dim=2)
         norms = self.value_norms(v)
         return scores if norms is None else value_weighted(scores, norms, self.value_epsilon)
@@ -234,7 +253,9 @@ class RKVCache(EvictionCache):
         super().__init__(*args, **kwargs)
         own = self.prompt_compressor
         self.rkv = own if isinstance(own, RKV) else RKV()
-        self.register_buffer("recent", torch.zeros(*self.pos.shape, self.rkv.window, device=self.pos.device), persistent=False)
+        self.register_buffer(
+            "recent", torch.zeros(*self.pos.shape, self.rkv.window, device=self.pos.device), persistent=False
+        )
         self.register_buffer("step", torch.zeros(1, dtype=torch.long, device=self.pos.device), persistent=False)
 
     @classmethod
@@ -248,16 +269,25 @@ class RKVCache(EvictionCache):
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, lse: Tensor | None = None) -> None:
         super().prefill(input_pos, k, v, q, lse)
-        per_query = window_attention(input_pos, self._repeat(k), q, self.rkv.window).mean(dim=2).transpose(-1, -2)  # [B, H, T, w]
-        held = per_query.gather(2, self.pos.clamp(min=0)[..., None].expand(-1, -1, -1, per_query.shape[-1])) * (self.pos >= 0)[..., None]
+        # [B, H, T, w]
+        per_query = window_attention(input_pos, self._repeat(k), q, self.rkv.window).mean(dim=2).transpose(-1, -2)
+        held = (
+            per_query.gather(2, self.pos.clamp(min=0)[..., None].expand(-1, -1, -1, per_query.shape[-1]))
+            * (self.pos >= 0)[..., None]
+        )
         self._remember(held)
 
     def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
         """The ring holds the attention of the chunk's last queries over the tokens kept."""
-        self._remember(chunk_attention(self.pos, self.storage.read()[0], input_pos, q, self.rkv.window).mean(dim=2).transpose(-1, -2))
+        self._remember(
+            chunk_attention(self.pos, self.storage.read()[0], input_pos, q, self.rkv.window)
+            .mean(dim=2)
+            .transpose(-1, -2)
+        )
 
     def _remember(self, held: Tensor) -> None:
-        """The ring starts from the prompt's last queries' attention to the held slots, [B, H, S, w] (fewer columns: fewer queries)."""
+        """The ring starts from the prompt's last queries' attention to the held slots, [B, H, S, w] (fewer columns:
+        fewer queries)."""
         self.recent.zero_()
         self.recent[..., : held.shape[-1]] = held  # fewer columns when the prompt is shorter than the window
         self.step.fill_(held.shape[-1])
@@ -308,7 +338,8 @@ PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
     "kvzip": KVzip(),
     "oracle": Oracle(),
 }
-COMPRESSOR_OPTIONS = {o.name: name for name, c in PROMPT_COMPRESSORS.items() for o in c.options}  # option -> the compressor taking it
+# option -> the compressor taking it
+COMPRESSOR_OPTIONS = {o.name: name for name, c in PROMPT_COMPRESSORS.items() for o in c.options}
 
 
 def make_prompt_compressor(name: str, **options) -> PromptCompressor:
@@ -318,8 +349,13 @@ def make_prompt_compressor(name: str, **options) -> PromptCompressor:
     compressor = PROMPT_COMPRESSORS[name]
     foreign = sorted(set(options) - {o.name for o in compressor.options})
     if foreign:
-        takes = f"takes only {', '.join(o.name for o in compressor.options)}" if compressor.options else "takes no options"
-        raise ValueError(f"prompt compression strategy {name!r} {takes}; got {foreign} (they apply to {', '.join({COMPRESSOR_OPTIONS[o] for o in foreign})})")
+        takes = (
+            f"takes only {', '.join(o.name for o in compressor.options)}" if compressor.options else "takes no options"
+        )
+        raise ValueError(
+            f"prompt compression strategy {name!r} {takes}; got {foreign} (they apply to "
+            f"{', '.join({COMPRESSOR_OPTIONS[o] for o in foreign})})"
+        )
     if not options:
         return compressor
     return type(compressor)(**{o.keyword: options[o.name] for o in compressor.options if o.name in options})

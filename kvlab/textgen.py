@@ -114,7 +114,9 @@ def encode_prompts(tokenizer: Tokenizer, texts: list[str], chat: bool, system_pr
     else:
         prompts = [tokenizer.encode(t, bos=tokenizer.add_bos) for t in texts]
     if not all(prompts):
-        raise ValueError("the prompt is empty (0 tokens); give some text with --prompt (or a file holding it), or use --chat")
+        raise ValueError(
+            "the prompt is empty (0 tokens); give some text with --prompt (or a file holding it), or use --chat"
+        )
     return prompts
 
 
@@ -124,13 +126,20 @@ MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: sampl
 def check_generate_args(args: argparse.Namespace, settings: dict, tensor_parallel: bool) -> None:
     """generate.py's flags that cannot be right together: one error each, never silently ignored."""
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
-        raise ValueError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {args.temperature}")
+        raise ValueError(
+            f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {args.temperature}"
+        )
     if args.top_k is not None and args.temperature == 0:
-        raise ValueError(f"--top_k {args.top_k} applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)")
+        raise ValueError(
+            f"--top_k {args.top_k} applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)"
+        )
     if args.system_prompt is not None and not args.chat:
         raise ValueError("--system_prompt applies to --chat; add --chat, or drop --system_prompt")
     if args.compile and settings.get("slow_tier") == "host":
-        raise ValueError("--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs eagerly; drop --compile")
+        raise ValueError(
+            "--slow_tier host copies a data-dependent number of KVs from host memory each step, which runs "
+            "eagerly; drop --compile"
+        )
     if args.attention_loss and (args.compile or args.compile_prefill):
         raise ValueError("--attention_loss runs eagerly (it records every step); drop --compile/--compile_prefill")
     if tensor_parallel and args.attention_loss:
@@ -141,26 +150,33 @@ def check_fits_context(prompts: list[list[int]], max_new_tokens: int, context: i
     """The longest prompt and --max_new_tokens against the model's context: one error naming the flag to change."""
     longest = max(map(len, prompts))
     if longest >= context:
-        raise ValueError(f"a prompt of {longest} tokens leaves no room in the model's context of {context} tokens; shorten it")
+        raise ValueError(
+            f"a prompt of {longest} tokens leaves no room in the model's context of {context} tokens; shorten it"
+        )
     if longest + max_new_tokens > context:
         raise ValueError(
-            f"--max_new_tokens {max_new_tokens} with a prompt of {longest} tokens exceeds the model's context of {context} tokens; "
-            f"give --max_new_tokens <= {context - longest}"
+            f"--max_new_tokens {max_new_tokens} with a prompt of {longest} tokens exceeds the model's context "
+            f"of {context} tokens; give --max_new_tokens <= {context - longest}"
         )
 
 
 def check_servable(args: argparse.Namespace, spec: CacheSpec, tensor_parallel: bool) -> None:
     """Several prompts with kvcompress go to continuous batching, which takes one process and none of these flags."""
     if tensor_parallel:
-        raise ValueError("continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one prompt, or run one process")
+        raise ValueError(
+            "continuous batching (several prompts with kvcompress) does not run under torchrun yet; give one "
+            "prompt, or run one process"
+        )
     if spec.layer_budget != "uniform" or spec.compress_first_token or args.attention_loss or spec.prefill_chunk:
         raise ValueError(
-            "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, --compress_first_token, "
-            "--attention_loss or --prefill_chunk"
+            "several prompts with kvcompress are served by continuous batching, which takes no --layer_budget, "
+            "--compress_first_token, --attention_loss or --prefill_chunk"
         )
 
 
-def loaded_model_line(config: dict, model: Transformer, dtype: torch.dtype, device: torch.device, tensor_parallel: bool, seconds: float) -> str:
+def loaded_model_line(
+    config: dict, model: Transformer, dtype: torch.dtype, device: torch.device, tensor_parallel: bool, seconds: float
+) -> str:
     """One line on what was loaded: the model, its size (quantized: its weights' bytes), ranks, dtype, device."""
     if "quantization" in config:  # its matrices are integer buffers, not parameters
         size = f"{config['quantization']['mode']} weights, {weight_bytes(model) / 1e6:.0f} MB"
@@ -170,7 +186,15 @@ def loaded_model_line(config: dict, model: Transformer, dtype: torch.dtype, devi
     return f"Loaded {config['name']} ({size}{ranks}, {dtype}, {device}) in {seconds:.1f} s"
 
 
-def serve_prompts(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, spec: CacheSpec, **kw) -> None:
+def serve_prompts(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    spec: CacheSpec,
+    **kw,
+) -> None:
     """Several prompts through one shared KV-Compress pool by continuous batching, each printed as it finishes."""
 
     def show(i: int, ids: list[int]) -> None:
@@ -180,22 +204,46 @@ def serve_prompts(model: Transformer, tokenizer: Tokenizer, prompts: list[list[i
     print("\n" + serving_report(result, prompts, batch_size), file=sys.stderr)
 
 
-def warm_up(model: Transformer, spec: CacheSpec, prompts: list[list[int]], max_seq_length: int, prefill_step: Callable[..., Tensor], whole: bool) -> float:
+def warm_up(
+    model: Transformer,
+    spec: CacheSpec,
+    prompts: list[list[int]],
+    max_seq_length: int,
+    prefill_step: Callable[..., Tensor],
+    whole: bool,
+) -> float:
     """One prefill before the timed ones, so one-time initialisation is not counted as prefill time; seconds taken.
     With `whole` (a compiled prefill) it prefills the first batch itself: a prompt longer than its cache compiles the
-    compressing branch here, which short warm-up prompts never reach. The decode step compiles at its first real step."""
+    compressing branch here, which short warm-up prompts never reach. The decode step compiles at its first real
+    step."""
     t0 = time.perf_counter()
     if max_seq_length <= model.config.block_size:  # else generate() reports the error
         warm_spec = dataclasses.replace(spec, layer_budget="uniform", budget_options={})
         if spec.compression_ratio is None:  # warm-up rows: no per-row fractions
-            warm_spec.lengths = [n if n is None else slots for n, slots in zip(spec.lengths, layer_slots(spec, max_seq_length), strict=True)]
+            warm_spec.lengths = [
+                n if n is None else slots
+                for n, slots in zip(spec.lengths, layer_slots(spec, max_seq_length), strict=True)
+            ]
         with quiet_notices():
-            generate(model, prompts if whole else [p[:8] for p in prompts], 1, warm_spec, prefill_step=prefill_step, max_seq_length=max_seq_length)
+            generate(
+                model,
+                prompts if whole else [p[:8] for p in prompts],
+                1,
+                warm_spec,
+                prefill_step=prefill_step,
+                max_seq_length=max_seq_length,
+            )
     return time.perf_counter() - t0
 
 
 def generate_batches(
-    model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], batch_size: int, max_new_tokens: int, spec: CacheSpec, **kw
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    batch_size: int,
+    max_new_tokens: int,
+    spec: CacheSpec,
+    **kw,
 ) -> tuple[dict[str, float], Generation]:
     """Every batch of prompts generated and printed (a prompt alone is streamed as it decodes); the summed counts and
     timings, and the last batch's Generation. `kw`: generate()'s keywords."""
@@ -229,12 +277,14 @@ def timing_report(
     device: torch.device,
     compiled: tuple[bool, bool],
 ) -> str:
-    """Warm-up, prefill and decode throughput, the caches' report and peak memory; `compiled`: (prefill, decode step)."""
+    """Warm-up, prefill and decode throughput, the caches' report and peak memory; `compiled`: (prefill, decode
+    step)."""
     peak, peak_kind = peak_memory_bytes(device)
     return (
-        f"\nwarm-up{' (compiles prefill)' if compiled[0] else ''}: {warm_up_seconds:.2f} s\n"
-        f"prefill: {totals['prompt']} tokens in {totals['prefill_s']:.2f} s ({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\n"
-        f"decode: {totals['decode_tokens']} tokens in {totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
-        f"batch {batch_size}); first step{' (compile)' if compiled[1] else ''}: {totals['first_s']:.2f} s\n"
-        f"{cache_report(names, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB"
+        f"\nwarm-up{' (compiles prefill)' if compiled[0] else ''}: {warm_up_seconds:.2f} s\nprefill: "
+        f"{totals['prompt']} tokens in {totals['prefill_s']:.2f} s "
+        f"({totals['prompt'] / totals['prefill_s']:.1f} tokens/s)\ndecode: {totals['decode_tokens']} tokens in "
+        f"{totals['decode_s']:.2f} s ({totals['decode_tokens'] / max(totals['decode_s'], 1e-9):.1f} tokens/s, "
+        f"batch {batch_size}); first step{' (compile)' if compiled[1] else ''}: {totals['first_s']:.2f} "
+        f"s\n{cache_report(names, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB"
     )

@@ -30,8 +30,13 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # Digits(individual_digits=True) followed by GPT-2's ByteLevel regex, as one regex: digits stand alone and a
 # whitespace run before a digit is not split (the lookahead only backs off before letters and punctuation).
 SMOLLM_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n"
+    r"]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 GGUF_PRE_PATTERNS = {
     "smollm": SMOLLM_PATTERN,
     "llama-bpe": LLAMA3_PATTERN,
@@ -41,7 +46,10 @@ GGUF_PRE_PATTERNS = {
 }
 
 # Tokens that end generation, per chat family, when the vocabulary has them (eos always does).
-CHAT_STOP_TOKENS = {"chatml": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"]}
+CHAT_STOP_TOKENS = {
+    "chatml": ["<|im_end|>", "<|endoftext|>"],
+    "llama3": ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"],
+}
 
 
 class Tokenizer:
@@ -106,7 +114,9 @@ class Tokenizer:
         """Token ids of a conversation in the family's chat format. Message contents are encoded as plain text,
         so a user cannot inject special tokens."""
         if self.chat_template is None:
-            raise ValueError(f"this tokenizer has no chat template; set chat_template to one of {CHAT_TEMPLATES} in the config")
+            raise ValueError(
+                f"this tokenizer has no chat template; set chat_template to one of {CHAT_TEMPLATES} in the config"
+            )
         for m in messages:
             if m["role"] not in ROLES:
                 raise ValueError(f"unknown message role {m['role']!r}; choose one of {ROLES}")
@@ -134,7 +144,11 @@ class Tokenizer:
         return parts
 
     def _llama3(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[str | int]:
-        start, end, eot = self._special("<|start_header_id|>"), self._special("<|end_header_id|>"), self._special("<|eot_id|>")
+        start, end, eot = (
+            self._special("<|start_header_id|>"),
+            self._special("<|end_header_id|>"),
+            self._special("<|eot_id|>"),
+        )
         parts: list[str | int] = [self._special("<|begin_of_text|>")]
         for m in messages:
             parts += [start, m["role"], end, "\n\n" + m["content"], eot]
@@ -168,7 +182,9 @@ class Tokenizer:
 
     def _special(self, name: str) -> int:
         if name not in self.specials:
-            raise ValueError(f"chat template {self.chat_template!r} needs special token {name!r}, which this vocabulary lacks")
+            raise ValueError(
+                f"chat template {self.chat_template!r} needs special token {name!r}, which this vocabulary lacks"
+            )
         return self.specials[name]
 
     def _check_ids(self, ids: Sequence[int]) -> None:
@@ -224,12 +240,16 @@ class ByteLevelTokenizer(Tokenizer):
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; its control pieces (<s>, </s>) are the special tokens."""
 
-    def __init__(self, sp: spm.SentencePieceProcessor, chat_template: str | None, default_system_prompt: str | None) -> None:
+    def __init__(
+        self, sp: spm.SentencePieceProcessor, chat_template: str | None, default_system_prompt: str | None
+    ) -> None:
         specials = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i)}
         if sp.eos_id() < 0:
             raise ValueError("SentencePiece model has no eos piece; kvlab needs one to stop generation")
         bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
-        super().__init__("sentencepiece", sp.get_piece_size(), specials, bos_id, sp.eos_id(), chat_template, default_system_prompt)
+        super().__init__(
+            "sentencepiece", sp.get_piece_size(), specials, bos_id, sp.eos_id(), chat_template, default_system_prompt
+        )
         self._sp = sp
         self._special_ids = {i: s for s, i in specials.items()}
 
@@ -254,7 +274,9 @@ def _unencodable_chars(single_bytes: set[int]) -> re.Pattern | None:
         if b < 0x80:
             ranges.append((b, b))
         elif b < 0xC0:
-            raise ValueError(f"vocabulary has no token for UTF-8 continuation byte {b:#04x}; cannot encode arbitrary text")
+            raise ValueError(
+                f"vocabulary has no token for UTF-8 continuation byte {b:#04x}; cannot encode arbitrary text"
+            )
         elif 0xC2 <= b <= 0xDF:
             ranges.append(((b - 0xC0) << 6, ((b - 0xC0) << 6) + 0x3F))
         elif 0xE0 <= b <= 0xEF:

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from kvlab.tokenizer import GPT2_PATTERN, LLAMA3_PATTERN, SMOLLM_PATTERN, ByteLevelTokenizer, SentencePieceTokenizer, Tokenizer
+from kvlab.tokenizer import (
+    GPT2_PATTERN,
+    LLAMA3_PATTERN,
+    SMOLLM_PATTERN,
+    ByteLevelTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+)
 
 KINDS = ("bpe", "sentencepiece", "tiktoken")
 
@@ -54,7 +61,9 @@ def pattern_from_pre_tokenizer(pre: dict | None) -> str:
     """The single regex that reproduces a tokenizer.json pre_tokenizer (only the byte-level ones in use)."""
     steps = pre["pretokenizers"] if pre and pre.get("type") == "Sequence" else [pre]
     types = [s.get("type") if s else None for s in steps]
-    if types in (["ByteLevel"], ["Digits", "ByteLevel"], ["Split", "ByteLevel"]) and not steps[-1].get("add_prefix_space", False):
+    if types in (["ByteLevel"], ["Digits", "ByteLevel"], ["Split", "ByteLevel"]) and not steps[-1].get(
+        "add_prefix_space", False
+    ):
         first, use_regex = steps[0], steps[-1].get("use_regex", True)
         if types == ["ByteLevel"] and use_regex:
             return GPT2_PATTERN
@@ -115,7 +124,10 @@ def _load_bpe(path: Path, config: dict) -> ByteLevelTokenizer:
     bos = config.get("bos_token") or next((t for t in FALLBACK_BOS if t in specials), None)
     eos = config.get("eos_token") or next((t for t in FALLBACK_EOS if t in specials), None)
     if eos is None or eos not in specials or (bos is not None and bos not in specials):
-        raise ValueError(f"{path}: bos_token {bos!r} and eos_token {eos!r} must name added tokens (eos is required); have {sorted(specials)[:20]}")
+        raise ValueError(
+            f"{path}: bos_token {bos!r} and eos_token {eos!r} must name added tokens (eos is required); have "
+            f"{sorted(specials)[:20]}"
+        )
     return ByteLevelTokenizer(
         "bpe",
         ranks,
@@ -167,10 +179,14 @@ def load_tokenizer(checkpoint_dir: Path, config: dict) -> Tokenizer:
     name = str(config.get("file", "tokenizer.json" if kind == "bpe" else "tokenizer.model"))
     path = Path(checkpoint_dir) / name
     if not path.resolve().is_relative_to(Path(checkpoint_dir).resolve()):
-        raise ValueError(f"tokenizer file {name!r} lies outside {checkpoint_dir}; a checkpoint may only name files inside its own directory")
+        raise ValueError(
+            f"tokenizer file {name!r} lies outside {checkpoint_dir}; a checkpoint may only name files inside "
+            "its own directory"
+        )
     try:
         tokenizer = read_tokenizer(kind, path, config)
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, RuntimeError) as e:  # each library's own complaint about a damaged file
+    # each library's own complaint about a damaged file
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RuntimeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{path}: not a readable {kind} tokenizer file ({reason})") from None
     # Whether plain text starts with BOS (Llama 2/3 were trained so; SmolLM2 and Qwen2 were not).

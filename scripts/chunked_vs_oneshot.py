@@ -2,8 +2,10 @@
 made with --prefill_chunk N (`<size>+prefill_chunkN`) and its one-shot twin (`<size>`), the mean score of each,
 their paired difference (chunked - one-shot) and its standard error over the examples both finished.
 
-    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir results/chunked
-    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir results/chunked \\
+    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir
+    results/chunked
+    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir
+    results/chunked \\
         --prefill_chunk 512
     python scripts/chunked_vs_oneshot.py results/chunked
 
@@ -31,7 +33,12 @@ def paired(oneshot: list[float], chunked: list[float]) -> dict[str, float]:
     """Means (x100), the mean paired difference and its standard error (x100) of per-example values."""
     diffs = [c - o for o, c in zip(oneshot, chunked, strict=True)]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {"oneshot": 100 * statistics.fmean(oneshot), "chunked": 100 * statistics.fmean(chunked), "diff": 100 * statistics.fmean(diffs), "se": 100 * se}
+    return {
+        "oneshot": 100 * statistics.fmean(oneshot),
+        "chunked": 100 * statistics.fmean(chunked),
+        "diff": 100 * statistics.fmean(diffs),
+        "se": 100 * se,
+    }
 
 
 def comparisons(out_dir: Path) -> list[dict[str, Any]]:
@@ -48,12 +55,25 @@ def comparisons(out_dir: Path) -> list[dict[str, Any]]:
             for measure in MEASURES:
                 if ids and all(measure in chunked[i] and measure in oneshot[i] for i in ids):
                     values = paired([oneshot[i][measure] for i in ids], [chunked[i][measure] for i in ids])
-                    rows.append({"config": config_dir.name, "size": size, "chunk": int(chunk), "task": task, "measure": measure, "n": len(ids), **values})
+                    rows.append(
+                        {
+                            "config": config_dir.name,
+                            "size": size,
+                            "chunk": int(chunk),
+                            "task": task,
+                            "measure": measure,
+                            "n": len(ids),
+                            **values,
+                        }
+                    )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| task | config | size | chunk | measure | n | one-shot | chunked | chunked - one-shot (SE) |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| task | config | size | chunk | measure | n | one-shot | chunked | chunked - one-shot (SE) |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|",
+    ]
     for r in sorted(rows, key=lambda r: (r["task"], r["measure"], r["size"], r["config"])):
         cells = [
             r["task"],

@@ -40,7 +40,8 @@ def compact_run(run_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
     if (run_dir / "args.json").exists():
         entry["args"] = json.loads((run_dir / "args.json").read_text())
         key = entry["args"].get("key")
-        if isinstance(key, dict) and isinstance(key.get("checkpoint"), str):  # older runs stored the checkpoint's full path
+        # older runs stored the checkpoint's full path
+        if isinstance(key, dict) and isinstance(key.get("checkpoint"), str):
             key["checkpoint"] = Path(key["checkpoint"]).name
     by_job: dict[str, dict[str, dict[str, Any]]] = {}
     for path in sorted(run_dir.glob("*@*.jsonl")):
@@ -56,7 +57,10 @@ def compact_run(run_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
 def compact(out_dir: Path) -> int:
     """Every run directory under out_dir compacted; returns how many."""
     count = 0
-    for config_dir in sorted({p.parent.parent for p in out_dir.glob("*/*/*/args.json")} | {p.parent.parent for p in out_dir.glob("*/*/*/*@*.jsonl")}):
+    for config_dir in sorted(
+        {p.parent.parent for p in out_dir.glob("*/*/*/args.json")}
+        | {p.parent.parent for p in out_dir.glob("*/*/*/*@*.jsonl")}
+    ):
         runs = read_runs(config_dir)
         for run_dir in sorted(d for d in config_dir.iterdir() if d.is_dir()):
             compact_run(run_dir, runs)

@@ -23,7 +23,9 @@ def convert(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf_dir", type=Path, required=True, help="Hugging Face model directory")
-    p.add_argument("--out_dir", type=Path, default=None, help="output checkpoint directory (default: checkpoints/<hf_dir name>)")
+    p.add_argument(
+        "--out_dir", type=Path, default=None, help="output checkpoint directory (default: checkpoints/<hf_dir name>)"
+    )
     p.add_argument("--name", default=None, help="model name stored in the checkpoint (default: the hf_dir name)")
     run_cli(convert, p.parse_args(argv))
 

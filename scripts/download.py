@@ -15,7 +15,14 @@ from kvlab.checkpoint import CHECKPOINTS_DIR, KNOWN_MODELS, CheckpointError
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.convert import convert_hf_checkpoint
 
-ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+ALLOW_PATTERNS = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+]
 
 
 def download(repo_id: str, hf_dir: Path, token: str | None = None) -> Path:
@@ -25,7 +32,9 @@ def download(repo_id: str, hf_dir: Path, token: str | None = None) -> Path:
     try:
         snapshot_download(repo_id, local_dir=hf_dir, allow_patterns=ALLOW_PATTERNS, token=token)
     except Exception as e:  # the hub raises many types (offline, gated, not found); all end here
-        raise CheckpointError(f"could not download {repo_id!r} from the Hugging Face hub: {type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"could not download {repo_id!r} from the Hugging Face hub: {type(e).__name__}: {e}"
+        ) from e
     return hf_dir
 
 
@@ -40,9 +49,18 @@ def download_and_convert(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo_id", required=True, help=f"hub repo id, or a known short name: {', '.join(KNOWN_MODELS)}")
-    p.add_argument("--hf_token", default=os.environ.get("HF_TOKEN"), help="hub token for gated models (default: $HF_TOKEN)")
-    p.add_argument("--download_dir", type=Path, default=CHECKPOINTS_DIR / "hf", help="where the raw HF files go (default: checkpoints/hf)")
-    p.add_argument("--out_dir", type=Path, default=None, help="kvlab checkpoint directory (default: checkpoints/<repo name>)")
+    p.add_argument(
+        "--hf_token", default=os.environ.get("HF_TOKEN"), help="hub token for gated models (default: $HF_TOKEN)"
+    )
+    p.add_argument(
+        "--download_dir",
+        type=Path,
+        default=CHECKPOINTS_DIR / "hf",
+        help="where the raw HF files go (default: checkpoints/hf)",
+    )
+    p.add_argument(
+        "--out_dir", type=Path, default=None, help="kvlab checkpoint directory (default: checkpoints/<repo name>)"
+    )
     run_cli(download_and_convert, p.parse_args(argv))
 
 

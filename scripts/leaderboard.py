@@ -31,7 +31,8 @@ from kvlab.strategies import CACHE_STRATEGIES
 
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
 
-# kvpress's leaderboard presses, by the shipped config that runs each here, best known first; then the oracle and a recallable cache.
+# kvpress's leaderboard presses, by the shipped config that runs each here, best known first; then the oracle and a
+# recallable cache.
 METHODS = (
     "kvzip",
     "ada_expected_attention",
@@ -64,15 +65,31 @@ def build_parser() -> ArgumentParser:
         "--methods",
         nargs="+",
         default=list(METHODS),
-        help=f"cache configs (names in configs/ or YAML paths); the table and plot show these and the full cache, whatever else --out_dir holds (default: {' '.join(METHODS)})",
+        help="cache configs (names in configs/ or YAML paths); the table and plot show these and the full "
+        f"cache, whatever else --out_dir holds (default: {' '.join(METHODS)})",
     )
-    p.add_argument("--ratios", nargs="+", type=checked_ratio, default=list(RATIOS), help=f"compression ratios, each in [0, 1) (default: {' '.join(RATIOS)})")
+    p.add_argument(
+        "--ratios",
+        nargs="+",
+        type=checked_ratio,
+        default=list(RATIOS),
+        help=f"compression ratios, each in [0, 1) (default: {' '.join(RATIOS)})",
+    )
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="protocols (default: both)")
     p.add_argument("--tasks", nargs="+", default=["ruler"], help="RULER tasks (default: ruler, all 13)")
-    p.add_argument("--context_length", type=int, default=4096, help="RULER context length in tokens (default: 4096, kvpress's)")
+    p.add_argument(
+        "--context_length", type=int, default=4096, help="RULER context length in tokens (default: 4096, kvpress's)"
+    )
     p.add_argument("--num_samples", type=int, default=20, help="examples per task (default: 20)")
-    p.add_argument("--out_dir", type=Path, default=Path("results/leaderboard"), help="results directory (default: results/leaderboard)")
-    p.add_argument("--table_only", action="store_true", help="only (re)write the table and plot from the runs already in --out_dir")
+    p.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path("results/leaderboard"),
+        help="results directory (default: results/leaderboard)",
+    )
+    p.add_argument(
+        "--table_only", action="store_true", help="only (re)write the table and plot from the runs already in --out_dir"
+    )
     for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
         p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
     p.add_argument("--compile", action="store_true", help="passed to eval.py")
@@ -80,28 +97,43 @@ def build_parser() -> ArgumentParser:
         "--processes",
         type=positive_int,
         default=1,
-        help="run each sweep as N processes sharing its batches (eval.py under `python -m kvlab.launch --standalone`), each with "
-        "its share of the cores or one GPU each; on a 2-core CPU, 2 processes took 0.87x the time of one, with the same predictions (docs/scaling.md) (default: 1)",
+        help="run each sweep as N processes sharing its batches (eval.py under `python -m kvlab.launch "
+        "--standalone`), each with "
+        "its share of the cores or one GPU each; on a 2-core CPU, 2 processes took 0.87x the time of one, with "
+        "the same predictions (docs/scaling.md) (default: 1)",
     )
     return p
 
 
 def sweep_command(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
     """The command of one protocol's sweep: eval.py, launched as --processes ranks when more than one."""
-    launch = ["-m", "kvlab.launch", "--standalone", "--nproc_per_node", str(args.processes)] if args.processes > 1 else []
+    launch = (
+        ["-m", "kvlab.launch", "--standalone", "--nproc_per_node", str(args.processes)] if args.processes > 1 else []
+    )
     return [sys.executable, *launch, str(EVAL), *sweep_args(args, query_agnostic)]
 
 
 def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
     argv = ["--tasks", *args.tasks, "--cache_config", FULL, *args.methods, "--compression_ratios", *args.ratios]
-    argv += ["--context_lengths", str(args.context_length), "--num_samples", str(args.num_samples), "--out_dir", str(args.out_dir)]
     argv += [
-        x for flag in ("checkpoint_path", "device", "dtype", "batch_size") if getattr(args, flag) is not None for x in (f"--{flag}", str(getattr(args, flag)))
+        "--context_lengths",
+        str(args.context_length),
+        "--num_samples",
+        str(args.num_samples),
+        "--out_dir",
+        str(args.out_dir),
+    ]
+    argv += [
+        x
+        for flag in ("checkpoint_path", "device", "dtype", "batch_size")
+        if getattr(args, flag) is not None
+        for x in (f"--{flag}", str(getattr(args, flag)))
     ]
     return argv + ["--compile"] * args.compile + ["--query_agnostic"] * query_agnostic
 
 
-SUMMARY_COLUMNS = ("config", "size", "query_agnostic", "context_length", "value")  # what the leaderboard reads of summary.csv
+# what the leaderboard reads of summary.csv
+SUMMARY_COLUMNS = ("config", "size", "query_agnostic", "context_length", "value")
 
 
 def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[dict[str, Any]]:
@@ -113,16 +145,31 @@ def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[
         reader = csv.DictReader(f)
         missing = [c for c in SUMMARY_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise ValueError(f"{summary}: no column(s) {', '.join(missing)}; rerun the sweeps (or eval.py on --out_dir) to rewrite it")
+            raise ValueError(
+                f"{summary}: no column(s) {', '.join(missing)}; rerun the sweeps (or eval.py on --out_dir) to "
+                "rewrite it"
+            )
         for r in reader:
             chunked = r.get("prefill_chunk")  # kvpress's protocol prefills at once
-            if int(r["context_length"]) != context_length or r["config"] not in names or chunked or not (r["size"] == FULL or r["size"].startswith("ratio")):
+            if (
+                int(r["context_length"]) != context_length
+                or r["config"] not in names
+                or chunked
+                or not (r["size"] == FULL or r["size"].startswith("ratio"))
+            ):
                 continue
             ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")
-            modes = list(MODES) if r["size"] == FULL else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]
+            modes = (
+                list(MODES)
+                if r["size"] == FULL
+                else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]
+            )
             for mode in modes:  # the full cache is both protocols' reference
                 scores[mode, r["config"], ratio].append(float(r["value"]))
-    return [dict(mode=m, method=c, ratio=float(x), score=sum(v) / len(v), tasks=len(v)) for (m, c, x), v in sorted(scores.items())]
+    return [
+        dict(mode=m, method=c, ratio=float(x), score=sum(v) / len(v), tasks=len(v))
+        for (m, c, x), v in sorted(scores.items())
+    ]
 
 
 def cell_text(row: dict[str, Any] | None, full: dict[str, Any] | None) -> str:
@@ -140,14 +187,19 @@ def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 RECALLABLE_NOTE = (
-    "‡ recallable: nothing is evicted, every token's KVs stay in the slow tier (host-tier bytes: the full cache's), and the "
-    "ratio sizes the tokens each decode step attends (the prompt's share, plus every token after it)"
+    "‡ recallable: nothing is evicted, every token's KVs stay in the slow tier (host-tier bytes: the full "
+    "cache's), and the ratio sizes the tokens each decode step attends (the prompt's share, plus every token "
+    "after it)"
 )
 
 
 def recallable(methods: list[str]) -> frozenset[str]:
     """The methods whose cache keeps every token and recalls what each step attends (ClusterKV, Quest)."""
-    return frozenset(Path(m).stem for m in methods if CACHE_STRATEGIES[load_cache_config(m).get("cache_strategy", FULL)].keeps_history)
+    return frozenset(
+        Path(m).stem
+        for m in methods
+        if CACHE_STRATEGIES[load_cache_config(m).get("cache_strategy", FULL)].keeps_history
+    )
 
 
 def markdown(rows: list[dict[str, Any]], recalling: frozenset[str] = frozenset()) -> str:
@@ -162,12 +214,16 @@ def markdown(rows: list[dict[str, Any]], recalling: frozenset[str] = frozenset()
         cell = {(r["method"], r["ratio"]): r for r in mine}
         full = next((r for r in mine if r["method"] == FULL), None)
         methods = sorted(
-            {r["method"] for r in mine if r["method"] != FULL}, key=lambda m: (m in recalling, -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell))
+            {r["method"] for r in mine if r["method"] != FULL},
+            key=lambda m: (m in recalling, -sum(cell[m, x]["score"] for x in ratios if (m, x) in cell)),
         )
         full_score = "-" if full is None else f"{full['score']:.1f}"
         out += [f"**{mode}** (mean RULER score; full cache: {full_score})", ""]
         out += ["| method | " + " | ".join(f"{x:g}" for x in ratios) + " |", "|---|" + "---|" * len(ratios)]
-        out += [f"| {m}{' ‡' * (m in recalling)} | " + " | ".join(cell_text(cell.get((m, x)), full) for x in ratios) + " |" for m in methods]
+        out += [
+            f"| {m}{' ‡' * (m in recalling)} | " + " | ".join(cell_text(cell.get((m, x)), full) for x in ratios) + " |"
+            for m in methods
+        ]
         out += ["", RECALLABLE_NOTE, ""] if recalling & set(methods) else [""]
     return "\n".join(out)
 
@@ -189,14 +245,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     modes = [m for m in MODES if any(r["mode"] == m and r["method"] != FULL for r in rows)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False, sharey=True)
-    methods = sorted({r["method"] for r in rows} - {FULL})  # one colour and marker per method in every panel (tab20: up to 20 apart)
+    # one colour and marker per method in every panel (tab20: up to 20 apart)
+    methods = sorted({r["method"] for r in rows} - {FULL})
     for ax, mode in zip(axes[0], modes, strict=True):
         mine = [r for r in rows if r["mode"] == mode]
         full = [r["score"] for r in mine if r["method"] == FULL]
         for i, method in enumerate(methods):
             points = sorted((r["ratio"], r["score"]) for r in mine if r["method"] == method)
             if points:
-                ax.plot([0.0, *(x for x, _ in points)], full[:1] + [y for _, y in points], marker="os^Dv"[i % 5], color=plt.cm.tab20(i % 20), label=method)
+                ax.plot(
+                    [0.0, *(x for x, _ in points)],
+                    full[:1] + [y for _, y in points],
+                    marker="os^Dv"[i % 5],
+                    color=plt.cm.tab20(i % 20),
+                    label=method,
+                )
         ax.set(title=mode, xlabel="compression ratio (share of the prompt removed)", ylabel="mean RULER score")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
@@ -215,8 +278,9 @@ def run(args: argparse.Namespace) -> None:
     rows = leaderboard(summary, args.context_length, args.methods)
     if all(r["method"] == FULL for r in rows):
         raise ValueError(
-            f"{summary} holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with --context_length "
-            f"{args.context_length}: nothing to rank; run the sweeps (drop --table_only), or give the methods and length it holds"
+            f"{summary} holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with "
+            f"--context_length {args.context_length}: nothing to rank; run the sweeps (drop --table_only), or "
+            "give the methods and length it holds"
         )
     with (args.out_dir / "leaderboard.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["mode", "method", "ratio", "score", "tasks"])

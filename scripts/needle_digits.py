@@ -28,11 +28,17 @@ def table(results: Path) -> str:
             records = list(by_id.values())
             if task is None or not records:
                 continue
-            digits = [task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits") for r in records]
+            digits = [
+                task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits")
+                for r in records
+            ]
             if None in digits:  # not a task with numeric needles
                 continue
             score = 100 * sum(r["score"] for r in records) / len(records)
-            lines.append(f"| {model_name} | {config} | {run} | {job} | {len(records)} | {score:.0f} | {100 * sum(digits) / len(digits):.1f} |")
+            lines.append(
+                f"| {model_name} | {config} | {run} | {job} | {len(records)} | {score:.0f} | "
+                f"{100 * sum(digits) / len(digits):.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

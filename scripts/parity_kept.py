@@ -40,7 +40,9 @@ def kvpress_kept(model: Any, press: Any, context: list[int]) -> list[Tensor]:
     removed: dict[int, Tensor] = {}
     compress = press.compress
 
-    def recording(module: Any, hidden_states: Tensor, keys: Tensor, values: Tensor, attentions: Any, kwargs: dict) -> tuple[Tensor, Tensor]:
+    def recording(
+        module: Any, hidden_states: Tensor, keys: Tensor, values: Tensor, attentions: Any, kwargs: dict
+    ) -> tuple[Tensor, Tensor]:
         kept_keys, kept_values = compress(module, hidden_states, keys, values, attentions, kwargs)
         removed[module.layer_idx] = ~kept_by_match(keys, kept_keys)
         return kept_keys, kept_values
@@ -62,7 +64,8 @@ def kvlab_kept(model: Transformer, context: int) -> list[Tensor]:
     layers = []
     for layer in model.layers:
         pos = layer.attention.kv_cache.pos[0]
-        pos = pos if pos.dim() == 2 else pos.expand(layer.attention.n_local_heads, -1)  # a cache whose heads share positions
+        # a cache whose heads share positions
+        pos = pos if pos.dim() == 2 else pos.expand(layer.attention.n_local_heads, -1)
         held = torch.zeros(pos.shape[0], context, dtype=torch.bool)
         for head, row in enumerate(pos):
             held[head, row[(row >= 0) & (row < context)]] = True
@@ -76,7 +79,13 @@ def differences(theirs: list[Tensor], ours: list[Tensor]) -> list[dict[str, Any]
     for layer, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         only_a, only_b = ((a & ~b).nonzero().tolist(), (b & ~a).nonzero().tolist())
         rows.append(
-            {"layer": layer, "kvpress": int(a.sum()), "kvlab": int(b.sum()), "kvpress_only": list(map(tuple, only_a)), "kvlab_only": list(map(tuple, only_b))}
+            {
+                "layer": layer,
+                "kvpress": int(a.sum()),
+                "kvlab": int(b.sum()),
+                "kvpress_only": list(map(tuple, only_a)),
+                "kvlab_only": list(map(tuple, only_b)),
+            }
         )
     return rows
 
@@ -85,24 +94,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("method", help="a kvlab config with a kvpress press (kvpress_parity.py's methods)")
     parser.add_argument("example", help="a RULER example id, e.g. niah_single_2/1024/0 (task/context length/index)")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="query_agnostic", help="what is compressed: the context alone, or the question too")
-    parser.add_argument("--ratio", type=float, default=0.875, help="compression ratio, the share of the prompt removed (default: 0.875)")
-    parser.add_argument("--num_samples", type=int, default=2, help="examples per task, as the parity run made them (default: 2)")
     parser.add_argument(
-        "--out_dir", type=Path, default=Path("results/parity"), help="where kvpress_parity.py keeps transformers' model (default: results/parity)"
+        "--protocol",
+        choices=PROTOCOLS,
+        default="query_agnostic",
+        help="what is compressed: the context alone, or the question too",
+    )
+    parser.add_argument(
+        "--ratio", type=float, default=0.875, help="compression ratio, the share of the prompt removed (default: 0.875)"
+    )
+    parser.add_argument(
+        "--num_samples", type=int, default=2, help="examples per task, as the parity run made them (default: 2)"
+    )
+    parser.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path("results/parity"),
+        help="where kvpress_parity.py keeps transformers' model (default: results/parity)",
     )
     return parser
 
 
 def run(args: argparse.Namespace) -> None:
     task, length = args.example.split("/")[:2]
-    inputs = argparse.Namespace(tasks=[task], num_samples=args.num_samples, context_length=int(length), out_dir=args.out_dir)
+    inputs = argparse.Namespace(
+        tasks=[task], num_samples=args.num_samples, context_length=int(length), out_dir=args.out_dir
+    )
     tokenizer, hf, factories, examples = kvpress_inputs(inputs)
     if factories.get(args.method) is None:
-        raise ValueError(f"{args.method!r} has no kvpress press; valid: {', '.join(m for m, f in factories.items() if f is not None)}")
+        raise ValueError(
+            f"{args.method!r} has no kvpress press; valid: "
+            f"{', '.join(m for m, f in factories.items() if f is not None)}"
+        )
     ids = [e.id for e in examples[task]]
     if args.example not in ids:
-        raise ValueError(f"example {args.example!r} is not among the {args.num_samples} made per task; valid: {', '.join(ids)}")
+        raise ValueError(
+            f"example {args.example!r} is not among the {args.num_samples} made per task; valid: {', '.join(ids)}"
+        )
     example = examples[task][ids.index(args.example)]
     agnostic = PROTOCOLS[args.protocol]
     split = context_end(example, agnostic)
@@ -115,11 +143,13 @@ def run(args: argparse.Namespace) -> None:
     rows = differences(theirs, kvlab_kept(model, split))
     for row in rows:
         print(
-            f"layer {row['layer']}: kept {row['kvpress']} / {row['kvlab']} (kvpress / kvlab); only kvpress {row['kvpress_only']}; only kvlab {row['kvlab_only']}"
+            f"layer {row['layer']}: kept {row['kvpress']} / {row['kvlab']} (kvpress / kvlab); only kvpress "
+            f"{row['kvpress_only']}; only kvlab {row['kvlab_only']}"
         )
     total = sum(len(r["kvpress_only"]) + len(r["kvlab_only"]) for r in rows)
     print(
-        f"{args.method} {args.protocol} {args.ratio} {args.example}: {total} (head, position) pairs differ of {sum(r['kvpress'] for r in rows)} kept by kvpress"
+        f"{args.method} {args.protocol} {args.ratio} {args.example}: {total} (head, position) pairs differ of "
+        f"{sum(r['kvpress'] for r in rows)} kept by kvpress"
     )
 
 

@@ -29,7 +29,8 @@ def read_summary(summary: Path) -> list[dict[str, str]]:
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(
-                f"{summary}: missing column(s) {', '.join(missing)} (has: {', '.join(reader.fieldnames or []) or 'nothing'}); rerun eval.py to rewrite it"
+                f"{summary}: missing column(s) {', '.join(missing)} (has: "
+                f"{', '.join(reader.fieldnames or []) or 'nothing'}); rerun eval.py to rewrite it"
             )
         rows = list(reader)
     for line, r in enumerate(rows, 2):
@@ -40,7 +41,8 @@ def read_summary(summary: Path) -> list[dict[str, str]]:
                 raise ValueError(f"{summary} line {line}: {column} {r[column]!r} is not a number") from None
             if not math.isfinite(number) or (column == "compression" and number <= 0):
                 raise ValueError(
-                    f"{summary} line {line}: {column} {r[column]!r} cannot be plotted (a finite number{', > 0' if column == 'compression' else ''})"
+                    f"{summary} line {line}: {column} {r[column]!r} cannot be plotted (a finite "
+                    f"number{', > 0' if column == 'compression' else ''})"
                 )
     if not rows:
         raise ValueError(f"{summary} has no rows: no finished task to plot")
@@ -81,7 +83,9 @@ def plot(summary: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", type=Path, nargs="?", default=Path("results"), help="eval.py --out_dir (default: results/)")
+    p.add_argument(
+        "results", type=Path, nargs="?", default=Path("results"), help="eval.py --out_dir (default: results/)"
+    )
     p.add_argument("--out", type=Path, default=None, help="PNG path (default: <results>/plot.png)")
     args = p.parse_args(argv)
     run_cli(lambda a: plot(a.results / "summary.csv", a.out or a.results / "plot.png"), args)

@@ -40,7 +40,9 @@ def layer_plans(args: argparse.Namespace) -> tuple[list[float], dict[str, list[i
     recorded = RecordedPrefill()
     plans = {}
     for planner in args.planners:
-        settings = dict(cache_strategy=args.cache_strategy, max_cache_length=args.max_cache_length, layer_budget=planner)
+        settings = dict(
+            cache_strategy=args.cache_strategy, max_cache_length=args.max_cache_length, layer_budget=planner
+        )
         result = generate(model, [prompt], 1, cache_spec(settings, model.config.n_layer, tokenizer), recorded=recorded)
         plans[planner] = result.layer_budgets[0] if result.layer_budgets else [int(h) for h in result.tokens_held]
     return recorded.similarity[0].tolist(), plans
@@ -85,10 +87,26 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="prompt text, or a path to a .txt file")
-    p.add_argument("--cache_strategy", default="heavy_hitter", help="the strategy inside each layer's budget (default: heavy_hitter)")
-    p.add_argument("--max_cache_length", type=float, default=0.25, help="the uniform fraction that sets the total budget (default: 0.25)")
-    p.add_argument("--planners", nargs="+", default=list(LAYER_BUDGETS), help=f"planners to compare (default: {' '.join(LAYER_BUDGETS)})")
-    p.add_argument("--checkpoint_path", type=Path, default=None, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--cache_strategy",
+        default="heavy_hitter",
+        help="the strategy inside each layer's budget (default: heavy_hitter)",
+    )
+    p.add_argument(
+        "--max_cache_length",
+        type=float,
+        default=0.25,
+        help="the uniform fraction that sets the total budget (default: 0.25)",
+    )
+    p.add_argument(
+        "--planners",
+        nargs="+",
+        default=list(LAYER_BUDGETS),
+        help=f"planners to compare (default: {' '.join(LAYER_BUDGETS)})",
+    )
+    p.add_argument(
+        "--checkpoint_path", type=Path, default=None, help="kvlab checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--out", type=Path, default=Path("layers.png"), help="PNG to write (default: layers.png)")
     run_cli(run, p.parse_args(argv))
 

@@ -1,7 +1,8 @@
 """Quantize a kvlab checkpoint's weights once, GPT-Fast style, into a new checkpoint beside it.
 
-    python scripts/quantize.py --mode int8                     # the default model -> checkpoints/SmolLM2-135M-Instruct-int8/
-    python scripts/quantize.py --checkpoint_path checkpoints/NAME --mode int4 --groupsize 64   # -> checkpoints/NAME-int4-g64/
+    python scripts/quantize.py --mode int8   # the default model -> checkpoints/SmolLM2-135M-Instruct-int8/
+    # -> checkpoints/NAME-int4-g64/:
+    python scripts/quantize.py --checkpoint_path checkpoints/NAME --mode int4 --groupsize 64
     python generate.py --checkpoint_path checkpoints/NAME-int8
 
 int8: one scale per output channel; int4: a scale and zero per group of --groupsize inputs. Every Linear,
@@ -16,7 +17,14 @@ from pathlib import Path
 
 import torch
 
-from kvlab.checkpoint import CheckpointError, check_destination, contained, load_checkpoint, read_config, save_checkpoint
+from kvlab.checkpoint import (
+    CheckpointError,
+    check_destination,
+    contained,
+    load_checkpoint,
+    read_config,
+    save_checkpoint,
+)
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.convert import default_checkpoint
 from kvlab.model import ModelArgs
@@ -33,7 +41,9 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
     if "quantization" in config:
-        raise CheckpointError(f"{checkpoint_dir} is already quantized ({config['quantization']}); quantize the float checkpoint")
+        raise CheckpointError(
+            f"{checkpoint_dir} is already quantized ({config['quantization']}); quantize the float checkpoint"
+        )
     out_dir = Path(out_dir or quantized_dir(checkpoint_dir, quant))
     check_destination(out_dir, checkpoint_dir)
     model, _, config = load_checkpoint(checkpoint_dir, "cpu", torch.float32)
@@ -46,7 +56,15 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
 
     name = f"{config['name']}-{out_dir.name.removeprefix(checkpoint_dir.name + '-')}"
     source = {**config["source"], "quantized_from": str(checkpoint_dir)}
-    save_checkpoint(out_dir, name, ModelArgs.from_dict(config["model"]), quantized_state(model, quant), copy_tokenizer, source, quant.to_dict())
+    save_checkpoint(
+        out_dir,
+        name,
+        ModelArgs.from_dict(config["model"]),
+        quantized_state(model, quant),
+        copy_tokenizer,
+        source,
+        quant.to_dict(),
+    )
     return out_dir
 
 
@@ -62,9 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint_path", type=Path, help="float kvlab checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
     p.add_argument(
-        "--groupsize", type=int, help=f"int4 only: inputs per scale and zero, one of {', '.join(map(str, GROUPSIZES))} (default: {DEFAULT_GROUPSIZE})"
+        "--groupsize",
+        type=int,
+        help=f"int4 only: inputs per scale and zero, one of {', '.join(map(str, GROUPSIZES))} (default: "
+        f"{DEFAULT_GROUPSIZE})",
     )
-    p.add_argument("--out_dir", type=Path, help="output directory (default: beside the checkpoint, NAME-int8 or NAME-int4-gG)")
+    p.add_argument(
+        "--out_dir", type=Path, help="output directory (default: beside the checkpoint, NAME-int8 or NAME-int4-gG)"
+    )
     run_cli(convert, p.parse_args(argv))
 
 

@@ -23,14 +23,22 @@ from kvlab.model import ModelArgs, Transformer
 from kvlab.parallel import split
 from kvlab.storage import make_storage
 
-CACHES = (("full", 1.0, None), ("0.5 (heavy_hitter, snapkv, ...)", 0.5, None), ("0.125", 0.125, None), ("4-bit, all tokens", 1.0, 4), ("4-bit x 0.25", 0.25, 4))
+CACHES = (
+    ("full", 1.0, None),
+    ("0.5 (heavy_hitter, snapkv, ...)", 0.5, None),
+    ("0.125", 0.125, None),
+    ("4-bit, all tokens", 1.0, 4),
+    ("4-bit x 0.25", 0.25, 4),
+)
 
 
 def weight_bytes_per_rank(args: ModelArgs, ranks: int, element: int) -> int:
     """The largest rank's weights: sharded attention and FFN, the rest whole."""
     with torch.device("meta"):
         model = Transformer(args)
-    sharded = sum(p.numel() for layer in model.layers for p in (*layer.attention.parameters(), *layer.feed_forward.parameters()))
+    sharded = sum(
+        p.numel() for layer in model.layers for p in (*layer.attention.parameters(), *layer.feed_forward.parameters())
+    )
     whole = sum(p.numel() for p in model.parameters()) - sharded  # parameters() counts a tied LM head once
     share = max(split(args.n_local_heads, ranks)) / args.n_local_heads  # FFN units split at least as evenly
     return element * (whole + math.ceil(sharded * share))
@@ -45,7 +53,9 @@ def kv_bytes_per_token(args: ModelArgs, ranks: int, dtype: torch.dtype, bits: in
 
 def table(models: list[str], gpu_gib: float, reserve: float, rank_counts: list[int]) -> str:
     dtype = torch.bfloat16
-    head = ["model (context)", "GPUs", "weights / GPU (GiB)", "KV / token / GPU (KiB)"] + [f"tokens held: {name}" for name, _, _ in CACHES]
+    head = ["model (context)", "GPUs", "weights / GPU (GiB)", "KV / token / GPU (KiB)"] + [
+        f"tokens held: {name}" for name, _, _ in CACHES
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in models:
         args = ModelArgs.from_dict(KNOWN_MODELS[name].args)
@@ -59,7 +69,11 @@ def table(models: list[str], gpu_gib: float, reserve: float, rank_counts: list[i
                 tokens = room / (kv_bytes_per_token(args, ranks, dtype, bits) * fraction)
                 cells.append("does not fit" if room <= 0 else f"{tokens / 1e3:,.0f}K ({tokens / args.block_size:.1f})")
             per_token = kv_bytes_per_token(args, ranks, dtype, None) / 2**10
-            lines.append(f"| {name} ({args.block_size // 1024}K) | {ranks} | {weights / 2**30:.1f} | {per_token:.0f} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {name} ({args.block_size // 1024}K) | {ranks} | {weights / 2**30:.1f} | {per_token:.0f} | "
+                + " | ".join(cells)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -74,8 +88,16 @@ def main() -> None:
         help="known models (default: Llama-3.1-8B Qwen2.5-7B Llama-3.1-70B)",
     )
     p.add_argument("--gpu_gib", type=float, default=80.0, help="memory of one GPU in GiB (default: 80, an H100)")
-    p.add_argument("--reserve", type=float, default=0.1, help="share of each GPU kept for activations and workspace (default: 0.1)")
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="tensor-parallel sizes (default: 1 2 4 8; never more than the KV heads)")
+    p.add_argument(
+        "--reserve", type=float, default=0.1, help="share of each GPU kept for activations and workspace (default: 0.1)"
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="tensor-parallel sizes (default: 1 2 4 8; never more than the KV heads)",
+    )
     args = p.parse_args()
     print(table(args.models, args.gpu_gib, args.reserve, args.ranks), end="")
 

@@ -30,7 +30,11 @@ def fast_few(values: list, fast: list) -> list:
     marked slow and run in the full suite. A tuple is one test's values for several names."""
 
     def slow(v):
-        return pytest.param(*v, marks=pytest.mark.slow) if isinstance(v, tuple) else pytest.param(v, marks=pytest.mark.slow)
+        return (
+            pytest.param(*v, marks=pytest.mark.slow)
+            if isinstance(v, tuple)
+            else pytest.param(v, marks=pytest.mark.slow)
+        )
 
     return [v if v in fast else slow(v) for v in values]
 
@@ -61,14 +65,25 @@ def torch_kernels(model: Transformer):
 
 def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
     """A 1-layer kvlab checkpoint with the default model's tokenizer."""
-    args = ModelArgs(vocab_size=49152, n_layer=1, n_head=2, n_local_heads=1, dim=16, intermediate_size=32, block_size=64, tie_embeddings=True)
+    args = ModelArgs(
+        vocab_size=49152,
+        n_layer=1,
+        n_head=2,
+        n_local_heads=1,
+        dim=16,
+        intermediate_size=32,
+        block_size=64,
+        tie_embeddings=True,
+    )
     state = dict(Transformer(args).state_dict())
 
     def write_tokenizer(tmp):
         shutil.copy(tokenizer_json, tmp / "tokenizer.json")
         return {"kind": "bpe", "file": "tokenizer.json"}
 
-    save_checkpoint(out_dir, "tiny", args, {k: v for k, v in state.items() if not k.startswith("rope")}, write_tokenizer, {})
+    save_checkpoint(
+        out_dir, "tiny", args, {k: v for k, v in state.items() if not k.startswith("rope")}, write_tokenizer, {}
+    )
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +102,9 @@ def make_tiny_model() -> Transformer:
     """A 2-layer random model with GQA (4 query heads, 2 KV heads): fast enough to compile in every test.
     Seeded, so every process (a tensor-parallel rank too) builds the same weights."""
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=64, block_size=128)).eval()
+    model = Transformer(
+        ModelArgs(vocab_size=64, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=64, block_size=128)
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)
@@ -99,7 +116,16 @@ def miniature_smollm() -> Transformer:
     at width 72 with random weights. Every config fits it (the DuoAttention gates too), and 3,000 prompt
     tokens prefill in a moment."""
     torch.manual_seed(0)
-    args = ModelArgs(vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3, dim=72, intermediate_size=96, block_size=8192, tie_embeddings=True)
+    args = ModelArgs(
+        vocab_size=49152,
+        n_layer=30,
+        n_head=9,
+        n_local_heads=3,
+        dim=72,
+        intermediate_size=96,
+        block_size=8192,
+        tie_embeddings=True,
+    )
     model = Transformer(args).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -162,4 +188,8 @@ def spec_for(
     strategies = strategy if isinstance(strategy, list) else [strategy] * n
     spec = cache_spec({"cache_strategy": strategies, **settings}, n)
     lengths = cache_length if isinstance(cache_length, list) else [cache_length] * n
-    return dataclasses.replace(spec, lengths=[None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)], token_classes=token_classes or {})
+    return dataclasses.replace(
+        spec,
+        lengths=[None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)],
+        token_classes=token_classes or {},
+    )

@@ -53,7 +53,10 @@ def reference_pyramid(C: int, w: int, L: int, prompt: int, beta: int) -> list[in
     return [max_num - layer * steps + w for layer in range(L)]
 
 
-@pytest.mark.parametrize("C, w, L, prompt, beta", [(128, 8, 4, 1000, 20), (128, 8, 4, 240, 20), (512, 14, 30, 4096, 20), (300, 14, 30, 620, 5)])
+@pytest.mark.parametrize(
+    "C, w, L, prompt, beta",
+    [(128, 8, 4, 1000, 20), (128, 8, 4, 240, 20), (512, 14, 30, 4096, 20), (300, 14, 30, 620, 5)],
+)
 def test_pyramid_schedule_matches_the_reference_formula(C, w, L, prompt, beta):
     assert pyramid_schedule(C, w, L, prompt, beta) == reference_pyramid(C, w, L, prompt, beta)
 
@@ -99,7 +102,12 @@ def test_squeeze_measures_attention_that_changes_the_hidden_state(tiny_model):
         with residual_similarity(model) as per_token:
             model(tokens, pos, prefill=True)
         assert torch.allclose(per_token[silenced], torch.ones(1, 80)) and per_token[0].max() < 0.99
-        result = generate(model, [tokens[0].tolist()], 8, spec_for(model, "heavy_hitter", 0.5, layer_budget="squeeze", recent_window=4))
+        result = generate(
+            model,
+            [tokens[0].tolist()],
+            8,
+            spec_for(model, "heavy_hitter", 0.5, layer_budget="squeeze", recent_window=4),
+        )
         assert result.layer_similarity[0][silenced] == pytest.approx(1.0)
         total = 2 * cache_slots(0.5, 88)
         # Two layers: KMeans puts each in its own group; the silenced one gets p x the uniform share.
@@ -121,7 +129,9 @@ def test_generate_keeps_the_total_and_sizes_each_layer_by_its_plan(smollm, plann
     assert [c.capacity for c in caches] == [max(r[i] for r in result.layer_budgets) for i in range(30)]
     held = torch.stack([c.tokens_held() for c in caches], dim=1)  # [B, L]: every layer full to its own budget
     stored = [len(p) + 7 for p in prompts]  # the last generated token is never written to the cache
-    assert held.tolist() == [[float(min(b, n)) for b in row] for row, n in zip(result.layer_budgets, stored, strict=True)]
+    assert held.tolist() == [
+        [float(min(b, n)) for b in row] for row, n in zip(result.layer_budgets, stored, strict=True)
+    ]
     assert len(set(result.layer_budgets[0])) > 1
 
 
@@ -130,7 +140,9 @@ def test_uniform_planner_equals_no_planner(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode(paul_graham_text()[:2000])[:300]
     plain = generate(model, [prompt], 12, spec_for(model, "heavy_hitter", 0.3))
-    planned = generate(model, [prompt], 12, spec_for(model, ["heavy_hitter"] * 30, 0.3, layer_budget="pyramid", pyramid_beta=1))
+    planned = generate(
+        model, [prompt], 12, spec_for(model, ["heavy_hitter"] * 30, 0.3, layer_budget="pyramid", pyramid_beta=1)
+    )
     # pyramid_beta=1 puts min at (C - w) and max at (C - w): every layer equal, the uniform plan.
     assert planned.layer_budgets[0] == [cache_slots(0.3, 312)] * 30 and planned.tokens == plain.tokens
 
@@ -161,12 +173,16 @@ def test_budget_settings_from_flags_and_yaml(smollm):
     tokenizer = smollm[1]
     spec = cache_spec(resolve_settings({}, load_cache_config("squeeze_heavy_hitter")), 30, tokenizer)
     assert spec.layer_budget == "squeeze" and spec.strategies == ["heavy_hitter"] * 30
-    assert cache_spec(dict(cache_strategy="window", layer_budget="pyramid", pyramid_beta=10), 30, tokenizer).budget_options == dict(pyramid_beta=10)
+    assert cache_spec(
+        dict(cache_strategy="window", layer_budget="pyramid", pyramid_beta=10), 30, tokenizer
+    ).budget_options == dict(pyramid_beta=10)
     with pytest.raises(ValueError, match="--squeeze_p applies to --layer_budget squeeze, not pyramid"):
         cache_spec(dict(cache_strategy="window", layer_budget="pyramid", squeeze_p=0.3), 30, tokenizer)
     with pytest.raises(ValueError, match="needs a compressing --cache_strategy"):
         cache_spec(dict(layer_budget="squeeze"), 30, tokenizer)
-    with pytest.raises(ValueError, match="unknown layer budget planner 'wide'; choose from: uniform, pyramid, funnel, squeeze"):
+    with pytest.raises(
+        ValueError, match="unknown layer budget planner 'wide'; choose from: uniform, pyramid, funnel, squeeze"
+    ):
         plan_budgets("wide", 100, 100, [10])
 
 

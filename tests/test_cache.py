@@ -41,7 +41,8 @@ def test_window_evicts_the_oldest_and_recent_global_keeps_sinks():
 def test_l2_evicts_the_largest_key_norm_outside_protected_tokens():
     keys = torch.tensor([9.0, 1.0, 7.0, 2.0, 3.0, 8.0]).view(1, 1, 6, 1)
     cache = filled(L2Cache(1, 1, 6, 1, torch.float32, global_tokens=1, recent_window=2), 6, keys)
-    assert sorted(insert(cache, 6).tolist()) == [0, 1, 3, 4, 5, 6]  # 9.0 is a sink, 8.0 is recent (window 2 = positions 5, 6): 7.0 goes
+    # 9.0 is a sink, 8.0 is recent (window 2 = positions 5, 6): 7.0 goes
+    assert sorted(insert(cache, 6).tolist()) == [0, 1, 3, 4, 5, 6]
 
 
 def test_heavy_hitter_accumulates_and_tova_uses_only_the_last_query():
@@ -53,7 +54,8 @@ def test_heavy_hitter_accumulates_and_tova_uses_only_the_last_query():
         cache.scores.zero_()
         cache.observe(first)
         cache.observe(second)
-    assert sorted(insert(h2o, 6).tolist()) == [0, 1, 2, 4, 5, 6]  # accumulated: slot 3 (0.2) is lowest, tie with 4 broken by index
+    # accumulated: slot 3 (0.2) is lowest, tie with 4 broken by index
+    assert sorted(insert(h2o, 6).tolist()) == [0, 1, 2, 4, 5, 6]
     assert sorted(insert(tova, 6).tolist()) == [0, 1, 3, 4, 5, 6]  # last query alone: slot 2 (0.0) is lowest
 
 
@@ -61,7 +63,8 @@ def test_prompt_longer_than_cache_keeps_most_important_and_protected_tokens():
     keys = torch.tensor([5.0, 1.0, 9.0, 2.0, 8.0, 3.0, 7.0, 6.0]).view(1, 1, 8, 1)
     cache = L2Cache(1, 1, 5, 1, torch.float32, global_tokens=1, recent_window=2)
     cache.prefill(torch.arange(8)[None], keys, keys, keys)
-    assert sorted(cache.pos[0, 0].tolist()) == [0, 1, 3, 6, 7]  # sink 0, recent 6 and 7, then the lowest norms 1.0 and 2.0
+    # sink 0, recent 6 and 7, then the lowest norms 1.0 and 2.0
+    assert sorted(cache.pos[0, 0].tolist()) == [0, 1, 3, 6, 7]
     assert sorted(cache.storage.read()[0][0, 0, :, 0].tolist()) == [1.0, 2.0, 5.0, 6.0, 7.0]
 
 
@@ -74,15 +77,19 @@ def test_recent_window_0_leaves_the_prompts_last_token_to_its_score_and_decodes_
         cache.prefill(torch.arange(5)[None], keys, keys, keys)
     assert sorted(caches[0].pos[0, 0].tolist()) == [0, 1, 3]  # 8.0, the prompt's last token, goes with 9.0
     assert sorted(caches[1].pos[0, 0].tolist()) == [0, 1, 4]  # protected: 3.0 goes instead
-    caches[1].prefill(torch.arange(5)[None], keys, keys, keys)  # the same held tokens in both, then the same decode steps
+    # the same held tokens in both, then the same decode steps
+    caches[1].prefill(torch.arange(5)[None], keys, keys, keys)
     caches[0].prefill(torch.arange(5)[None], *[keys.masked_fill(torch.arange(5).view(1, 1, 5, 1) == 3, 100.0)] * 3)
     for position, value in ((5, 5.0), (6, 0.5), (7, 7.0)):
-        assert sorted(insert(caches[0], position, value).tolist()) == sorted(insert(caches[1], position, value).tolist())
+        assert sorted(insert(caches[0], position, value).tolist()) == sorted(
+            insert(caches[1], position, value).tolist()
+        )
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    strategy=st.sampled_from([s for s in EVICTING if s != "hybrid"]),  # hybrid keeps what its policies cover: tests/test_hybrid.py
+    # hybrid keeps what its policies cover: tests/test_hybrid.py
+    strategy=st.sampled_from([s for s in EVICTING if s != "hybrid"]),
     capacity=st.integers(4, 12),
     prompt_len=st.integers(1, 20),
     steps=st.integers(0, 25),
@@ -96,7 +103,12 @@ def test_eviction_invariants(strategy, capacity, prompt_len, steps, seed):
     lens = torch.tensor([prompt_len, max(1, prompt_len - 3)])
     columns = torch.arange(prompt_len)
     input_pos = torch.where(columns < lens[:, None], columns, -1)
-    cache.prefill(input_pos, torch.randn(B, H, prompt_len, D), torch.randn(B, H, prompt_len, D), torch.randn(B, 2 * H, prompt_len, D))
+    cache.prefill(
+        input_pos,
+        torch.randn(B, H, prompt_len, D),
+        torch.randn(B, H, prompt_len, D),
+        torch.randn(B, 2 * H, prompt_len, D),
+    )
     for step in range(steps + 1):
         if step:
             pos = (lens + step - 1)[:, None]
@@ -109,7 +121,9 @@ def test_eviction_invariants(strategy, capacity, prompt_len, steps, seed):
             for h in range(H):
                 kept = [p for p in cache.pos[b, h].tolist() if p >= 0]
                 assert len(kept) == len(set(kept)) == min(capacity, int(newest[b]) + 1)
-                must_keep = set(range(min(g, int(newest[b]) + 1))) | set(range(max(0, int(newest[b]) - w + 1), int(newest[b]) + 1))
+                must_keep = set(range(min(g, int(newest[b]) + 1))) | set(
+                    range(max(0, int(newest[b]) - w + 1), int(newest[b]) + 1)
+                )
                 assert must_keep <= set(kept)
 
 
@@ -130,18 +144,36 @@ class MaskedFullCache(FullCache):
 @pytest.mark.parametrize("strategy,sinks", [("window", 0), ("recent_global", 4)])
 def test_window_strategies_equal_an_explicit_mask_reference(smollm, strategy, sinks):
     model, tokenizer, _ = smollm
-    ids = tokenizer.encode("In the beginning of the nineteenth century, the city was small, and its harbour held only a few fishing boats that")
+    ids = tokenizer.encode(
+        "In the beginning of the nineteenth century, the city was small, and its harbour held only a few "
+        "fishing boats that"
+    )
     n_prompt, capacity, a = 20, 16, model.config
     logits = {}
     for name in ("reference", strategy):
         if name == "reference":
-            caches = [MaskedFullCache(1, a.n_local_heads, len(ids), a.head_dim, torch.float32, keep=capacity, sinks=sinks) for _ in range(a.n_layer)]
+            caches = [
+                MaskedFullCache(1, a.n_local_heads, len(ids), a.head_dim, torch.float32, keep=capacity, sinks=sinks)
+                for _ in range(a.n_layer)
+            ]
         else:
-            caches = make_caches(strategy, a.n_layer, 1, a.n_local_heads, capacity, a.head_dim, torch.float32, global_tokens=sinks, recent_window=4)
+            caches = make_caches(
+                strategy,
+                a.n_layer,
+                1,
+                a.n_local_heads,
+                capacity,
+                a.head_dim,
+                torch.float32,
+                global_tokens=sinks,
+                recent_window=4,
+            )
         model.setup_caches(caches)
         with torch.no_grad():
             model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], prefill=True)
-            logits[name] = torch.cat([model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(n_prompt, len(ids))])
+            logits[name] = torch.cat(
+                [model(torch.tensor([[ids[p]]]), torch.tensor([[p]]))[0] for p in range(n_prompt, len(ids))]
+            )
     model.cache_key = None
     torch.testing.assert_close(logits[strategy], logits["reference"], atol=1e-4, rtol=1e-4)
 
@@ -165,7 +197,8 @@ def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
                 newest = len(prompt) + 22  # the last decoded token written (the final sampled one is never inserted)
                 for head in layer.attention.kv_cache.pos[row].tolist():
                     held = set(head) - {-1}
-                    assert len(held) == 10 and {0, 1} | {newest - 2, newest - 1, newest} <= held  # full, sinks and recent window kept
+                    # full, sinks and recent window kept
+                    assert len(held) == 10 and {0, 1} | {newest - 2, newest - 1, newest} <= held
     else:
         assert compiled == eager
 
@@ -173,24 +206,34 @@ def test_compiled_decode_equals_eager_for_every_strategy(tiny_model, strategy):
 @pytest.mark.parametrize("strategy", fast_few([s for s in EVICTING if s != "random"], ["heavy_hitter"]))
 def test_batch_equals_one_by_one_for_every_strategy(smollm, strategy):
     model, tokenizer, _ = smollm
-    prompts = [tokenizer.encode("The quick brown fox jumps over the lazy dog because"), tokenizer.encode("Photosynthesis is the process")]
+    prompts = [
+        tokenizer.encode("The quick brown fox jumps over the lazy dog because"),
+        tokenizer.encode("Photosynthesis is the process"),
+    ]
     spec = spec_for(model, strategy, 12, global_tokens=2, recent_window=4)
     single = [generate(model, [p], 10, spec, max_seq_length=24).tokens[0] for p in prompts]
     assert generate(model, prompts, 10, spec, max_seq_length=24).tokens == single
 
 
 def test_scissorhands_history_window_forgets_old_steps_and_threshold_counts_steps():
-    windowed = filled(HeavyHitterCache(1, 1, 4, 1, torch.float32, global_tokens=0, recent_window=1, history_window=2), 4)
-    counted = filled(HeavyHitterCache(1, 1, 4, 1, torch.float32, global_tokens=0, recent_window=1, count_threshold=1.0), 4)
+    windowed = filled(
+        HeavyHitterCache(1, 1, 4, 1, torch.float32, global_tokens=0, recent_window=1, history_window=2), 4
+    )
+    counted = filled(
+        HeavyHitterCache(1, 1, 4, 1, torch.float32, global_tokens=0, recent_window=1, count_threshold=1.0), 4
+    )
     steps = [[0.7, 0.1, 0.1, 0.1], [0.1, 0.5, 0.3, 0.1], [0.1, 0.3, 0.5, 0.1]]
     for cache in (windowed, counted):
         cache.scores.zero_()
         for p in steps:
             cache.observe(torch.tensor(p).view(1, 1, 1, 1, 4))
-    torch.testing.assert_close(windowed.scores[0, 0], torch.tensor([0.2, 0.8, 0.8, 0.2]))  # the first step has left the window
-    assert counted.scores[0, 0].tolist() == [1.0, 2.0, 2.0, 0.0]  # steps with attention >= 1/4 (uniform over 4 held tokens)
+    # the first step has left the window
+    torch.testing.assert_close(windowed.scores[0, 0], torch.tensor([0.2, 0.8, 0.8, 0.2]))
+    # steps with attention >= 1/4 (uniform over 4 held tokens)
+    assert counted.scores[0, 0].tolist() == [1.0, 2.0, 2.0, 0.0]
     insert(windowed, 4)
-    assert windowed.history[0, 0, :, :].sum(dim=-1).tolist()[windowed.pos[0, 0].tolist().index(4)] == 0.0  # a new token starts with no history
+    # a new token starts with no history
+    assert windowed.history[0, 0, :, :].sum(dim=-1).tolist()[windowed.pos[0, 0].tolist().index(4)] == 0.0
 
 
 def test_snapkv_per_query_head_keeps_tokens_per_query_head():
@@ -203,10 +246,29 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
     cache.prefill(torch.arange(T)[None], k, v, q)
     assert cache.pos.shape == (B, n_kv * group, 12)
     for head in range(n_kv * group):  # each query head alone, with its KV head's keys, picks the same tokens
-        alone = make_caches("heavy_hitter", 1, B, 1, 12, D, torch.float32, prompt_compression_strategy="snapkv", snapkv_window=4, recent_window=1)[0]
-        alone.prefill(torch.arange(T)[None], k[:, head // group : head // group + 1], v[:, head // group : head // group + 1], q[:, head : head + 1])
+        alone = make_caches(
+            "heavy_hitter",
+            1,
+            B,
+            1,
+            12,
+            D,
+            torch.float32,
+            prompt_compression_strategy="snapkv",
+            snapkv_window=4,
+            recent_window=1,
+        )[0]
+        alone.prefill(
+            torch.arange(T)[None],
+            k[:, head // group : head // group + 1],
+            v[:, head // group : head // group + 1],
+            q[:, head : head + 1],
+        )
         assert sorted(cache.pos[0, head].tolist()) == sorted(alone.pos[0, 0].tolist())
-    assert cache.nbytes() == group * make_caches("heavy_hitter", 1, B, n_kv, 12, D, torch.float32, recent_window=1)[0].nbytes()
+    assert (
+        cache.nbytes()
+        == group * make_caches("heavy_hitter", 1, B, n_kv, 12, D, torch.float32, recent_window=1)[0].nbytes()
+    )
 
 
 @pytest.mark.parametrize(
@@ -218,12 +280,14 @@ def test_snapkv_per_query_head_keeps_tokens_per_query_head():
             ("keydiff", dict(cache_bits=8, key_quant_axis="channel")),
             ("heavy_hitter", dict(history_window=5, count_threshold=1.0)),
             ("heavy_hitter", dict(prompt_compression_strategy="snapkv", snapkv_gqa="query", snapkv_window=4)),
-            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", chunk_size=3, value_weight="norm")),  # ChunkKV, CriticalKV
+            # ChunkKV, CriticalKV
+            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", chunk_size=3, value_weight="norm")),
             ("heavy_hitter", dict(prompt_compression_strategy="expected_attention", ea_window=4, ea_future=8)),
             ("expected_attention", dict(head_budget="adakv", value_epsilon=0.01)),
             ("lagkv", dict(prompt_compression_strategy="lagkv", lagkv_size=2)),
             ("rkv", dict(prompt_compression_strategy="rkv", rkv_window=4, rkv_lambda=0.5)),
-            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),  # ThinK + SnapKV
+            # ThinK + SnapKV
+            ("heavy_hitter", dict(prompt_compression_strategy="snapkv", key_channel_pruning=0.4, think_window=4)),
             ("l2", dict(key_channel_pruning=0.5, cache_bits=4)),  # ThinK + KIVI-style channel quantization
             ("heavy_hitter", dict(cache_bits=16)),  # float16 keys and values, read by the native attention as they are
             ("l2", dict(cache_bits=16)),
@@ -250,7 +314,10 @@ def test_cache_fractions_apply_to_each_sequence_length(smollm):
     spec = spec_for(model, "heavy_hitter", 0.5, global_tokens=2, recent_window=4)
     batch = generate(model, prompts, 12, spec)
     own = [round(0.5 * (len(p) + 12)) for p in prompts]
-    assert own[0] > own[1] and [layer.attention.kv_cache.tokens_held().tolist() for layer in model.layers] == [own] * model.config.n_layer
+    assert (
+        own[0] > own[1]
+        and [layer.attention.kv_cache.tokens_held().tolist() for layer in model.layers] == [own] * model.config.n_layer
+    )
     assert batch.tokens == [generate(model, [p], 12, spec).tokens[0] for p in prompts]
 
 
@@ -261,8 +328,8 @@ def test_short_cache_errors_speak_in_flags():
     with pytest.raises(ValueError) as err:
         cls(1, 2, 8, 4, torch.float32, global_tokens=4, recent_window=10)
     assert str(err.value) == (
-        f"{cls.__name__}: --max_cache_length gives 8 slots here; the cache needs more than --global_tokens 4 + --recent_window 10: "
-        "raise --max_cache_length or lower --recent_window/--global_tokens"
+        f"{cls.__name__}: --max_cache_length gives 8 slots here; the cache needs more than --global_tokens 4 + "
+        "--recent_window 10: raise --max_cache_length or lower --recent_window/--global_tokens"
     )
     cache = cls(2, 2, 32, 4, torch.float32, global_tokens=4, recent_window=10)
     with pytest.raises(ValueError) as err:

@@ -24,9 +24,18 @@ def test_per_layer_patterns():
 def test_command_line_overrides_config_which_overrides_defaults():
     config = {"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "recent_window": 10}
     cli = {"cache_strategy": None, "max_cache_length": 64, "recent_window": None, "global_tokens": None}
-    assert resolve_settings(cli, config) == {"cache_strategy": "heavy_hitter", "max_cache_length": 64, "recent_window": 10}
-    ratio = {"compression_ratio": 0.75, "max_cache_length": None}  # a size on the command line replaces the config's, of either kind
-    assert resolve_settings(ratio, config) == {"cache_strategy": "heavy_hitter", "compression_ratio": 0.75, "recent_window": 10}
+    assert resolve_settings(cli, config) == {
+        "cache_strategy": "heavy_hitter",
+        "max_cache_length": 64,
+        "recent_window": 10,
+    }
+    # a size on the command line replaces the config's, of either kind
+    ratio = {"compression_ratio": 0.75, "max_cache_length": None}
+    assert resolve_settings(ratio, config) == {
+        "cache_strategy": "heavy_hitter",
+        "compression_ratio": 0.75,
+        "recent_window": 10,
+    }
     patterned = {**config, "max_cache_length": [0.2, 0.8], "max_cache_length_pattern": "tile"}
     assert resolve_settings({"max_cache_length": 0.3}, patterned) == {**config, "max_cache_length": 0.3}
 
@@ -34,14 +43,20 @@ def test_command_line_overrides_config_which_overrides_defaults():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("cache_strategy: l2\ncache_lenght: 5\n", "unknown key 'cache_lenght'; valid keys: cache_strategy, max_cache_length"),
+        (
+            "cache_strategy: l2\ncache_lenght: 5\n",
+            "unknown key 'cache_lenght'; valid keys: cache_strategy, max_cache_length",
+        ),
         ("max_cache_length: 1.5\n", "max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5"),
         ("cache_bits: 3\n", "cache_bits must be one of 32, 16, 8, 4, 2, got 3"),
         ("cache_strategy: h2o\n", "cache_strategy must be one of full, window, recent_global"),
         ("global_tokens: four\n", "global_tokens must be an integer from 0 to 131072, got 'four'"),
         ("compress_first_token: 1\n", "compress_first_token must be true or false, got 1"),
         ("max_cache_length: [0.5, 2.5]\nmax_cache_length_pattern: tile\n", "got 2.5"),
-        ("cache_strategy: [full, l2]\ncache_strategy_pattern: zigzag\n", "cache_strategy_pattern must be one of tile, repeat, got 'zigzag'"),
+        (
+            "cache_strategy: [full, l2]\ncache_strategy_pattern: zigzag\n",
+            "cache_strategy_pattern must be one of tile, repeat, got 'zigzag'",
+        ),
         ("- a list\n", "expected a mapping of settings, got list"),
         ("cache_strategy: [l2\n", "not valid YAML"),
     ],
@@ -55,28 +70,50 @@ def test_bad_configs_are_rejected_with_the_key_and_valid_values(tmp_path: Path, 
 
 
 def test_unknown_config_name_lists_the_shipped_ones():
-    with pytest.raises(ValueError, match="cache config .nope. not found; give a .yaml path or one of: ada_expected_attention, ada_pyramidkv, ada_snapkv"):
+    with pytest.raises(
+        ValueError,
+        match="cache config .nope. not found; give a .yaml path or one of: ada_expected_attention, "
+        "ada_pyramidkv, ada_snapkv",
+    ):
         load_cache_config("nope")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_config_runs(name, generate_cli):
-    prompt = " ".join(["The history of the printing press begins in the fifteenth century, in Mainz."] * 10)  # 160 tokens: 10% = 17 slots
+    # 160 tokens: 10% = 17 slots
+    prompt = " ".join(["The history of the printing press begins in the fifteenth century, in Mainz."] * 10)
     proc = generate_cli("--cache_config", name, "--max_new_tokens", "8", "--prompt", prompt)
     assert proc.returncode == 0, proc.stderr
     report = next(line for line in proc.stderr.splitlines() if line.startswith("KV cache ("))
     assert report.startswith(f"KV cache ({name}): ")
-    if name in ("pyramid", "funnel", "pyramidkv", "squeeze_heavy_hitter", "squeeze_recent_global", "ada_pyramidkv", "kvc_ada_pyramidkv"):
-        assert "tokens held per layer: " in proc.stderr and "layer budgets (slots per layer, first sequence): " in proc.stderr
-    split = load_cache_config(name).get("head_budget", "uniform") != "uniform"  # Ada-KV's configs, kvzip's ranking over the model, their oracles
+    if name in (
+        "pyramid",
+        "funnel",
+        "pyramidkv",
+        "squeeze_heavy_hitter",
+        "squeeze_recent_global",
+        "ada_pyramidkv",
+        "kvc_ada_pyramidkv",
+    ):
+        assert (
+            "tokens held per layer: " in proc.stderr
+            and "layer budgets (slots per layer, first sequence): " in proc.stderr
+        )
+    # Ada-KV's configs, kvzip's ranking over the model, their oracles
+    split = load_cache_config(name).get("head_budget", "uniform") != "uniform"
     assert ("head budgets (slots per KV head and layer, first sequence): " in proc.stderr) == split
     assert split == (name.startswith(("ada_", "critical_ada_", "oracle_")) or name == "kvzip")
 
 
 def test_flags_override_a_shipped_config(generate_cli):
-    proc = generate_cli("--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8")
+    proc = generate_cli(
+        "--cache_config", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "8"
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "KV cache (heavy_hitter): 14 of 14 tokens held per layer and KV head on average (1.00x compression)" in proc.stderr
+    assert (
+        "KV cache (heavy_hitter): 14 of 14 tokens held per layer and KV head on average (1.00x compression)"
+        in proc.stderr
+    )
     assert (ROOT / "configs" / "heavy_hitter.yaml").exists()
 
 
@@ -84,7 +121,9 @@ def test_per_layer_list_of_the_wrong_length_names_the_key():
     from kvlab.config import cache_spec
 
     settings = {"cache_strategy": "l2", "max_cache_length": [0.5, 0.25, 0.1]}
-    with pytest.raises(ValueError, match=r"^max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern"):
+    with pytest.raises(
+        ValueError, match=r"^max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern"
+    ):
         cache_spec(settings, 30)
 
 
@@ -95,5 +134,6 @@ def test_per_layer_list_of_the_wrong_length_names_the_file(tmp_path: Path, gener
     proc = generate_cli("--cache_config", str(path), "--max_new_tokens", "2")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {path}: max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern: tile, repeat (or exactly 30 values)"
+        f"error: {path}: max_cache_length: a list of 3 values for 30 layers needs max_cache_length_pattern: "
+        "tile, repeat (or exactly 30 values)"
     )

@@ -21,7 +21,13 @@ transformers = pytest.importorskip("transformers")
 ROOT = __import__("conftest").ROOT
 
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
 )
 TINY_MODELS = {
     "llama-sharded": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rms_norm_eps=1e-5), "30KB"),
@@ -113,7 +119,9 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     assert not torch.equal(permuted, w)
     torch.testing.assert_close(unpermute_rope_rows(permuted, n_head), w)
     bias = torch.randn(n_head * head_dim)
-    torch.testing.assert_close(unpermute_rope_rows(bias.reshape(n_head, 2, head_dim // 2).swapaxes(1, 2).reshape(-1), n_head), bias)
+    torch.testing.assert_close(
+        unpermute_rope_rows(bias.reshape(n_head, 2, head_dim // 2).swapaxes(1, 2).reshape(-1), n_head), bias
+    )
 
 
 def write_tiny_gguf(path, arch: str) -> None:
@@ -153,11 +161,28 @@ def write_tiny_gguf(path, arch: str) -> None:
             b + "attn_v.weight": (kv_heads * head_dim, dim),
         }
         if arch == "qwen2":
-            shapes |= {b + "attn_q.bias": (heads * head_dim,), b + "attn_k.bias": (kv_heads * head_dim,), b + "attn_v.bias": (kv_heads * head_dim,)}
-        shapes |= {b + "attn_output.weight": (dim, heads * head_dim), b + "attn_norm.weight": (dim,), b + "ffn_norm.weight": (dim,)}
-        shapes |= {b + "ffn_gate.weight": (ffn, dim), b + "ffn_up.weight": (ffn, dim), b + "ffn_down.weight": (dim, ffn)}
+            shapes |= {
+                b + "attn_q.bias": (heads * head_dim,),
+                b + "attn_k.bias": (kv_heads * head_dim,),
+                b + "attn_v.bias": (kv_heads * head_dim,),
+            }
+        shapes |= {
+            b + "attn_output.weight": (dim, heads * head_dim),
+            b + "attn_norm.weight": (dim,),
+            b + "ffn_norm.weight": (dim,),
+        }
+        shapes |= {
+            b + "ffn_gate.weight": (ffn, dim),
+            b + "ffn_up.weight": (ffn, dim),
+            b + "ffn_down.weight": (dim, ffn),
+        }
     for name, shape in shapes.items():
-        w.add_tensor(name, np.ones(shape, np.float32) if name.endswith("norm.weight") else (rng.standard_normal(shape) * 0.2).astype(np.float32))
+        w.add_tensor(
+            name,
+            np.ones(shape, np.float32)
+            if name.endswith("norm.weight")
+            else (rng.standard_normal(shape) * 0.2).astype(np.float32),
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -175,7 +200,9 @@ def test_gguf_conversion_matches_transformers_on_the_same_file(arch, tmp_path):
 
     write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     model, _, _ = load_checkpoint(convert_gguf(tmp_path / "tiny.gguf", tmp_path / "checkpoint"))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
     ids = torch.tensor([[1, 50, 300, 7000, 12, 9, 400, 33]])
     a = model.config
     model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 8, a.head_dim, torch.float32))
@@ -205,9 +232,16 @@ def test_missing_checkpoint_and_unknown_family_are_clear_errors(tmp_path):
 
 def test_convert_script_reports_unknown_family_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    proc = subprocess.run([sys.executable, "scripts/convert_hf_checkpoint.py", "--hf_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "scripts/convert_hf_checkpoint.py", "--hf_dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path}/config.json: unknown model family 'gpt2'; supported: llama, mistral, qwen2, qwen3"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/config.json: unknown model family 'gpt2'; supported: llama, mistral, qwen2, qwen3"
+    ]
 
 
 def test_download_script_fetches_then_converts(tmp_path, monkeypatch, smollm_dir):
@@ -222,14 +256,23 @@ def test_download_script_fetches_then_converts(tmp_path, monkeypatch, smollm_dir
         write_tiny_hf_model("llama-sharded", local_dir, smollm_dir / "tokenizer.json")
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
-    download.main(["--repo_id", "SmolLM2-135M", "--download_dir", str(tmp_path / "hf"), "--out_dir", str(tmp_path / "ours")])
+    download.main(
+        ["--repo_id", "SmolLM2-135M", "--download_dir", str(tmp_path / "hf"), "--out_dir", str(tmp_path / "ours")]
+    )
     assert calls == [("HuggingFaceTB/SmolLM2-135M-Instruct", download.ALLOW_PATTERNS, None)]
     assert load_checkpoint(tmp_path / "ours")[2]["name"] == "SmolLM2-135M-Instruct"
 
 
 def test_download_offline_is_one_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "scripts/download.py", "--repo_id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--download_dir", str(tmp_path)],
+        [
+            sys.executable,
+            "scripts/download.py",
+            "--repo_id",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "--download_dir",
+            str(tmp_path),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -237,7 +280,9 @@ def test_download_offline_is_one_clear_error(tmp_path):
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: could not download 'HuggingFaceTB/SmolLM2-135M-Instruct' from the Hugging Face hub")
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: could not download 'HuggingFaceTB/SmolLM2-135M-Instruct' from the Hugging Face hub"
+    )
 
 
 def test_default_checkpoint_is_converted_once_and_reused(smollm_dir):
@@ -307,7 +352,9 @@ def test_a_damaged_default_checkpoint_says_how_to_reconvert(tmp_path, smollm_dir
     ckpt = tmp_path / DEFAULT_MODEL
     write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
     (ckpt / "config.json").write_text("{")
-    with pytest.raises(CheckpointError, match=rf"{ckpt / 'config.json'}: .*delete {ckpt}.*converted again on first use"):
+    with pytest.raises(
+        CheckpointError, match=rf"{ckpt / 'config.json'}: .*delete {ckpt}.*converted again on first use"
+    ):
         load_checkpoint(ckpt)
 
 

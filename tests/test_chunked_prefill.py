@@ -50,7 +50,8 @@ def chunk_log(monkeypatch):
 
     def recording(self, input_pos, k, v, q, attend, probe=0):
         def attend_seen(keys, values, key_pos):
-            log["attended"].append(int((key_pos[..., : key_pos.shape[-1] - probe] >= 0).sum(dim=-1).max()))  # KVzip's repeat is not held
+            # KVzip's repeat is not held
+            log["attended"].append(int((key_pos[..., : key_pos.shape[-1] - probe] >= 0).sum(dim=-1).max()))
             return attend(keys, values, key_pos)
 
         y = original(self, input_pos, k, v, q, attend_seen, probe)
@@ -63,7 +64,9 @@ def chunk_log(monkeypatch):
     return log
 
 
-@pytest.mark.parametrize("settings", [{"cache_strategy": s} for s in SCORED] + VARIANTS, ids=lambda s: "-".join(map(str, s.values())))
+@pytest.mark.parametrize(
+    "settings", [{"cache_strategy": s} for s in SCORED] + VARIANTS, ids=lambda s: "-".join(map(str, s.values()))
+)
 def test_held_slots_never_exceed_the_budget_plus_the_chunk(settings, tiny_model, chunk_log):
     budget, chunk = 24, 16
     spec = cache_spec({**settings, "max_cache_length": budget, "prefill_chunk": chunk}, tiny_model.config.n_layer)
@@ -76,13 +79,19 @@ def test_held_slots_never_exceed_the_budget_plus_the_chunk(settings, tiny_model,
     assert result.tokens_held == [budget] * layers
 
 
-@pytest.mark.parametrize("settings", [{}, {"kvc_full": True}, {"kvc_scope": "layer"}], ids=["kvc_w", "kvc_full", "layer_scope"])
-def test_the_paged_pool_holds_the_budgets_plus_one_chunk_and_frees_blocks_between_chunks(settings, tiny_model, monkeypatch):
+@pytest.mark.parametrize(
+    "settings", [{}, {"kvc_full": True}, {"kvc_scope": "layer"}], ids=["kvc_w", "kvc_full", "layer_scope"]
+)
+def test_the_paged_pool_holds_the_budgets_plus_one_chunk_and_frees_blocks_between_chunks(
+    settings, tiny_model, monkeypatch
+):
     """Blocks in use before each compression (every layer's budget + a chunk of 10, not a multiple of the block size 4:
     a chunk fills each head's partial last block first) and the pool the prefill sized, against one-shot's."""
     budget, chunk, block = 24, 10, 4
     in_use, original = [], PagedKV.compress_row
-    monkeypatch.setattr(PagedKV, "compress_row", lambda self, row: in_use.append(self.blocks_in_use()) or original(self, row))
+    monkeypatch.setattr(
+        PagedKV, "compress_row", lambda self, row: in_use.append(self.blocks_in_use()) or original(self, row)
+    )
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 50)]
     base = {"cache_strategy": "kvcompress", "max_cache_length": budget, "kvc_block_size": block, **settings}
     one_shot = generate(tiny_model, prompts, 4, cache_spec(base, 2))
@@ -92,15 +101,19 @@ def test_the_paged_pool_holds_the_budgets_plus_one_chunk_and_frees_blocks_betwee
     per_head = -(-kept // block) + -(-chunk // block) + 1  # + one block a chunk straddles
     assert max(in_use) <= 2 * 2 * tiny_model.config.n_local_heads * per_head  # layers x rows x heads
     assert chunked.cache_stats["kvcompress: pool blocks"] < one_shot.cache_stats["kvcompress: pool blocks"]
-    assert chunked.cache_stats["kvcompress: blocks freed"] > 0 and max(chunked.tokens_held) <= kept + 4  # + decoded tokens
+    # + decoded tokens
+    assert chunked.cache_stats["kvcompress: blocks freed"] > 0 and max(chunked.tokens_held) <= kept + 4
 
 
 def test_ada_kv_shares_each_layers_budget_between_chunks(tiny_model, chunk_log):
     budget, chunk, heads = 24, 16, tiny_model.config.n_local_heads
-    spec = cache_spec({"cache_strategy": "keydiff", "head_budget": "adakv", "max_cache_length": budget, "prefill_chunk": chunk}, 2)
+    spec = cache_spec(
+        {"cache_strategy": "keydiff", "head_budget": "adakv", "max_cache_length": budget, "prefill_chunk": chunk}, 2
+    )
     prompt = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(2)).tolist()
     generate(tiny_model, [prompt], 4, spec)
-    assert max(chunk_log["layer_held"]) == heads * budget and max(chunk_log["held"]) > budget  # uneven shares of one layer total
+    # uneven shares of one layer total
+    assert max(chunk_log["layer_held"]) == heads * budget and max(chunk_log["held"]) > budget
     assert max(chunk_log["attended"]) <= max(chunk_log["slots"]) + chunk
 
 
@@ -130,11 +143,18 @@ def test_a_chunked_prefill_that_evicts_nothing_between_chunks_gives_the_one_shot
     assert chunked.tokens == one_shot.tokens and chunked.tokens_held == one_shot.tokens_held
 
 
-@pytest.mark.parametrize("strategy", fast_few(["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv", "kvzip", "kvcompress"], ["keydiff"]))
+@pytest.mark.parametrize(
+    "strategy",
+    fast_few(
+        ["keydiff", "tova", "heavy_hitter", "expected_attention", "rkv", "lagkv", "kvzip", "kvcompress"], ["keydiff"]
+    ),
+)
 def test_each_row_of_a_batch_of_mixed_lengths_is_compressed_as_alone(strategy, smollm, essay):
     """The short row's prompt ends chunks before the long one's: chunks of padding leave its cache unchanged."""
     model, tokenizer, _ = smollm
-    spec = cache_spec({**settings_for(strategy), "max_cache_length": 96, "prefill_chunk": 64}, model.config.n_layer, tokenizer)
+    spec = cache_spec(
+        {**settings_for(strategy), "max_cache_length": 96, "prefill_chunk": 64}, model.config.n_layer, tokenizer
+    )
     long, short = essay[:400], essay[1000:1150]
     together = generate(model, [long, short], 6, spec)
     alone = [generate(model, [p], 6, spec).tokens[0] for p in (long, short)]
@@ -156,7 +176,10 @@ def test_every_strategy_runs_chunked_and_says_which_compress_only_at_the_end(smo
         assert len(result.tokens[0]) == 4
         if cls.takes_prompt_compressor:
             assert result.tokens_held == [200] * model.config.n_layer, name
-    named = [re.match(r"note: (.+) cannot compress between prefill chunks", line) for line in capsys.readouterr().err.splitlines()]
+    named = [
+        re.match(r"note: (.+) cannot compress between prefill chunks", line)
+        for line in capsys.readouterr().err.splitlines()
+    ]
     assert {m.group(1) for m in named if m} == {"hybrid", "clusterkv", "quest", "duo_attention"}
 
 
@@ -169,11 +192,25 @@ def test_a_bad_prefill_chunk_is_one_line_naming_the_value(text):
 def test_a_chunk_beyond_the_context_and_whole_prompt_scorers_are_refused(tiny_model):
     with pytest.raises(ValueError, match="--prefill_chunk 129 exceeds the model's context of 128 tokens"):
         generate(tiny_model, [[1, 2, 3]], 2, cache_spec({"cache_strategy": "full", "prefill_chunk": 129}, 2))
-    spec = cache_spec({"cache_strategy": "keydiff", "prompt_compression_strategy": "oracle", "max_cache_length": 8, "prefill_chunk": 4}, 2)
+    spec = cache_spec(
+        {
+            "cache_strategy": "keydiff",
+            "prompt_compression_strategy": "oracle",
+            "max_cache_length": 8,
+            "prefill_chunk": 4,
+        },
+        2,
+    )
     with pytest.raises(ValueError, match="Oracle scores the whole prompt with a further pass of the model"):
         generate(tiny_model, [list(range(20))], 2, spec)
     with pytest.raises(ValueError, match="--attention_loss compares with a one-shot prefill"):
-        generate(tiny_model, [list(range(20))], 2, cache_spec({"cache_strategy": "l2", "max_cache_length": 8, "prefill_chunk": 4}, 2), attention_loss=True)
+        generate(
+            tiny_model,
+            [list(range(20))],
+            2,
+            cache_spec({"cache_strategy": "l2", "max_cache_length": 8, "prefill_chunk": 4}, 2),
+            attention_loss=True,
+        )
 
 
 def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(tiny_model):
@@ -182,11 +219,17 @@ def test_kvzip_refuses_a_repeat_beyond_the_context_in_one_line(tiny_model):
     is empty, but one-shot passes after the first quote the previous chunk's last 8 tokens."""
     settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 24}
     chunked = cache_spec({**settings, "prefill_chunk": 32}, 2)
-    refused = r"the prompt \(100 tokens\) \+ its request \(0\) \+ 32 must fit the model's context of 128 tokens; give a smaller --prefill_chunk$"
+    refused = (
+        r"the prompt \(100 tokens\) \+ its request \(0\) \+ 32 must fit the model's context of 128 tokens; give "
+        r"a smaller --prefill_chunk$"
+    )
     with pytest.raises(ValueError, match=refused):
         generate(tiny_model, [[i % 64 for i in range(100)]], 2, chunked)
     assert len(generate(tiny_model, [[i % 64 for i in range(96)]], 2, chunked).tokens[0]) == 2
-    no_room = r"the prompt \(120 tokens\) and its request \(8\) leave no room in the model's context of 128 tokens; shorten the prompt$"
+    no_room = (
+        r"the prompt \(120 tokens\) and its request \(8\) leave no room in the model's context of 128 tokens; "
+        r"shorten the prompt$"
+    )
     with pytest.raises(ValueError, match=no_room):
         generate(tiny_model, [[i % 64 for i in range(120)]], 2, cache_spec(settings, 2))
     assert len(generate(tiny_model, [[i % 64 for i in range(119)]], 2, cache_spec(settings, 2)).tokens[0]) == 2
@@ -201,7 +244,10 @@ def test_kvzip_repeats_what_fits_after_a_long_prompt(tiny_model, capsys, given):
     asked = settings if given is None else {**settings, "kvzip_chunk": given}
     prompt = [i % 64 for i in range(100)]
     fitted = generate(tiny_model, [prompt], 2, cache_spec(asked, 2))
-    note = f"note: kvzip repeats the context 20 tokens at a time, not {given or 2048} (--kvzip_chunk), so that the prompt (100"
+    note = (
+        f"note: kvzip repeats the context 20 tokens at a time, not {given or 2048} (--kvzip_chunk), so that the "
+        "prompt (100"
+    )
     assert note in capsys.readouterr().err
     shortened = generate(tiny_model, [prompt], 2, cache_spec({**settings, "kvzip_chunk": 20}, 2))
     assert fitted.tokens == shortened.tokens and fitted.tokens_held == shortened.tokens_held
@@ -218,7 +264,12 @@ def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm
     model over the recorded keys, as one-shot KVzip scores."""
     model, tokenizer, _ = smollm
     prompt, N = essay[:160], 80
-    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "kvzip", "max_cache_length": 200, "prefill_chunk": N}
+    settings = {
+        "cache_strategy": "recent_global",
+        "prompt_compression_strategy": "kvzip",
+        "max_cache_length": 200,
+        "prefill_chunk": N,
+    }
     spec = cache_spec(settings, model.config.n_layer, tokenizer)
     generate(model, [prompt], 2, spec)
     caches = [layer.attention.kv_cache for layer in model.layers]
@@ -228,17 +279,26 @@ def test_kvzip_scores_each_chunk_by_repeating_it_as_a_separate_pass_would(smollm
         model(torch.tensor([prompt]), torch.arange(160)[None], prefill=True)
     model.setup_caches(caches)
     instruction = list(spec.repeat.instruction)
-    one_shot = KVzip().queries(prompt[:N], [], spec.repeat)  # the first chunk is scored as one-shot KVzip scores a prompt
+    # the first chunk is scored as one-shot KVzip scores a prompt
+    one_shot = KVzip().queries(prompt[:N], [], spec.repeat)
     first = prompt_attention_from(model, [(k[:, :, :N], v[:, :, :N]) for k, v, _ in recorder.layers], one_shot, "max")
-    second = prompt_attention_from(model, [(k, v) for k, v, _ in recorder.layers], [Pass(instruction + prompt[N:], len(instruction), (N, 2 * N))], "max")
+    second = prompt_attention_from(
+        model,
+        [(k, v) for k, v, _ in recorder.layers],
+        [Pass(instruction + prompt[N:], len(instruction), (N, 2 * N))],
+        "max",
+    )
     for cache, a, b in zip(caches, first, second, strict=True):
         assert torch.equal(cache.pos[0, :, :160], torch.arange(160).expand(cache.pos.shape[1], 160))
         # fp32 attention through 30 layers by other kernels (one pass vs two, masked vs causal): 3e-6 measured on AVX2
-        torch.testing.assert_close(cache.prompt_scores[0, :, :160], torch.maximum(F.pad(a, (0, N)), b), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            cache.prompt_scores[0, :, :160], torch.maximum(F.pad(a, (0, N)), b), atol=1e-4, rtol=0
+        )
 
 
 def test_a_chunks_attention_is_the_prompts_for_the_same_queries_and_keys():
-    """Held keys that are the whole prefix, in each head's own order: the chunk's last queries attend as in the prompt."""
+    """Held keys that are the whole prefix, in each head's own order: the chunk's last queries attend as in the
+    prompt."""
     torch.manual_seed(0)
     B, H, n_kv, T, N, D = 2, 6, 2, 40, 8, 16
     q, k = torch.randn(B, H, T, D), torch.randn(B, n_kv, T, D)
@@ -246,9 +306,14 @@ def test_a_chunks_attention_is_the_prompts_for_the_same_queries_and_keys():
     input_pos[1, 37:] = -1  # the second row's prompt is shorter: its chunk is padded (still 4 real queries)
     expected = window_attention(input_pos, k, q, 4)
     chunk_pos = input_pos[:, T - N :]
-    shuffle = torch.stack([torch.randperm(T) for _ in range(B * n_kv)]).view(B, n_kv, T)  # each head holds the keys in its own order
+    # each head holds the keys in its own order
+    shuffle = torch.stack([torch.randperm(T) for _ in range(B * n_kv)]).view(B, n_kv, T)
     got = chunk_attention(
-        input_pos[:, None, :].expand(B, n_kv, T).gather(2, shuffle), k.gather(2, shuffle[..., None].expand(-1, -1, -1, D)), chunk_pos, q[:, :, T - N :], 4
+        input_pos[:, None, :].expand(B, n_kv, T).gather(2, shuffle),
+        k.gather(2, shuffle[..., None].expand(-1, -1, -1, D)),
+        chunk_pos,
+        q[:, :, T - N :],
+        4,
     )
     unshuffled = torch.empty_like(got).scatter_(4, shuffle[:, :, None, None, :].expand_as(got), got)
     torch.testing.assert_close(unshuffled, expected)
@@ -261,12 +326,20 @@ def test_chunk_means_group_held_tokens_by_position_whatever_their_spacing():
 
 
 @pytest.mark.parametrize(
-    "strategy", ["keydiff", "kvzip", pytest.param("heavy_hitter", marks=pytest.mark.slow), pytest.param("expected_attention", marks=pytest.mark.slow)]
+    "strategy",
+    [
+        "keydiff",
+        "kvzip",
+        pytest.param("heavy_hitter", marks=pytest.mark.slow),
+        pytest.param("expected_attention", marks=pytest.mark.slow),
+    ],
 )
 def test_the_compiled_chunk_step_gives_the_eager_tokens_with_one_graph_for_every_chunk(strategy, tiny_model):
     """Chunks of one static shape (the last one padded): one compiled graph serves them all, no recompile."""
     torch._dynamo.reset()
-    spec = cache_spec({**settings_for(strategy), "max_cache_length": 24, "prefill_chunk": 16}, tiny_model.config.n_layer)
+    spec = cache_spec(
+        {**settings_for(strategy), "max_cache_length": 24, "prefill_chunk": 16}, tiny_model.config.n_layer
+    )
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 61)]
     eager = generate(tiny_model, prompts, 6, spec)
     compiled_step = torch.compile(prefill_chunk_step, fullgraph=True)
@@ -285,12 +358,24 @@ def test_chunked_vs_oneshot_pairs_the_examples_both_runs_finished(tmp_path):
     runs = {"ratio0.5+query_agnostic": [1.0, 1.0, 0.0], "ratio0.5+query_agnostic+prefill_chunk512": [0.0, 1.0]}
     config_dir = tmp_path / "SmolLM2-135M-Instruct" / "keydiff"
     config_dir.mkdir(parents=True)
-    lines = [{"run": run, "job": "vt@2048", "id": f"vt/{i}", "score": s} for run, scores in runs.items() for i, s in enumerate(scores)]
+    lines = [
+        {"run": run, "job": "vt@2048", "id": f"vt/{i}", "score": s}
+        for run, scores in runs.items()
+        for i, s in enumerate(scores)
+    ]
     (config_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     rows = script.comparisons(tmp_path)
     assert rows == [
-        {"config": "keydiff", "size": "ratio0.5+query_agnostic", "chunk": 512, "task": "vt@2048", "measure": "score", "n": 2}
-        | {"oneshot": 100.0, "chunked": 50.0, "diff": -50.0, "se": pytest.approx(50.0)}  # diffs -1, 0: stdev 0.707 / sqrt 2
+        {
+            "config": "keydiff",
+            "size": "ratio0.5+query_agnostic",
+            "chunk": 512,
+            "task": "vt@2048",
+            "measure": "score",
+            "n": 2,
+        }
+        # diffs -1, 0: stdev 0.707 / sqrt 2
+        | {"oneshot": 100.0, "chunked": 50.0, "diff": -50.0, "se": pytest.approx(50.0)}
     ]
 
 
@@ -323,9 +408,12 @@ def test_a_full_cache_chunk_attends_over_the_filled_slots_eager_and_every_slot_c
     assert compiled.tokens == one_shot.tokens
 
 
-def test_the_model_wide_ranking_between_chunks_keeps_the_one_shot_choice_when_nothing_is_evicted_before_the_last(tiny_model):
-    """head_budget global under --prefill_chunk ranks every layer's held and chunk tokens together after each chunk. With
-    a key score (l2) and a total that holds the first chunk whole, the last ranking sees every prompt token with its
+def test_the_model_wide_ranking_between_chunks_keeps_the_one_shot_choice_when_nothing_is_evicted_before_the_last(
+    tiny_model,
+):
+    """head_budget global under --prefill_chunk ranks every layer's held and chunk tokens together after each chunk.
+    With a key score (l2) and a total that holds the first chunk whole, the last ranking sees every prompt token with
+    its
     exact key: the same tokens kept per head, and the same text, as the one-shot prefill's ranking."""
     settings = {"cache_strategy": "l2", "head_budget": "global", "max_cache_length": 48, "global_tokens": 2}
     prompt = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -333,7 +421,10 @@ def test_the_model_wide_ranking_between_chunks_keeps_the_one_shot_choice_when_no
     for chunk in (None, 40):
         spec = cache_spec({**settings, **({"prefill_chunk": chunk} if chunk else {})}, tiny_model.config.n_layer)
         out = generate(tiny_model, [prompt], 1, spec)
-        held[chunk] = (out.tokens, [sorted(p.tolist()) for c in (b.attention.kv_cache for b in tiny_model.layers) for p in c.pos[0]])
+        held[chunk] = (
+            out.tokens,
+            [sorted(p.tolist()) for c in (b.attention.kv_cache for b in tiny_model.layers) for p in c.pos[0]],
+        )
     assert held[40] == held[None]
     counts = [sum(p >= 0 for p in head) for head in held[40][1]]
     assert sum(counts) == 48 * len(counts) and len(set(counts)) > 1  # the one-shot total, shared unevenly
@@ -352,7 +443,9 @@ def test_the_model_wide_ranking_between_chunks_holds_the_one_shot_total(tiny_mod
     generate(tiny_model, [prompt], 1, spec)
     caches = [b.attention.kv_cache for b in tiny_model.layers]
     total = n_layer * heads * len(prompt)
-    assert sum(int((c.pos >= 0).sum()) for c in caches) == (total - int(total * ratio) if ratio else n_layer * heads * budget)
+    assert sum(int((c.pos >= 0).sum()) for c in caches) == (
+        total - int(total * ratio) if ratio else n_layer * heads * budget
+    )
     assert max(chunk_log["held"]) > budget and all(c.storage.compacted for c in caches)
     assert max(chunk_log["attended"]) < len(prompt)
 
@@ -366,7 +459,9 @@ def test_kvzips_model_wide_ranking_under_chunks_records_the_prompt_in_chunks_and
     kept by every head, and the same text, as without chunks."""
     calls = []
     original = PrefillRecorder.prefill_chunk
-    monkeypatch.setattr(PrefillRecorder, "prefill_chunk", lambda self, *a, **k: calls.append(a[1].shape[2]) or original(self, *a, **k))
+    monkeypatch.setattr(
+        PrefillRecorder, "prefill_chunk", lambda self, *a, **k: calls.append(a[1].shape[2]) or original(self, *a, **k)
+    )
     kvzip = {k: v for k, v in load_cache_config("kvzip").items() if k != "max_cache_length"}
     limit = {"compression_ratio": ratio} if ratio else {"max_cache_length": 16}
     prompt = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(6)).tolist()

@@ -73,7 +73,9 @@ def test_convert_refuses_an_out_dir_holding_other_files(tmp_path, capsys):
 def test_the_source_checkpoint_is_never_the_destination(tiny_ckpt, capsys):
     before = snapshot(tiny_ckpt)
     with pytest.raises(SystemExit) as exit_info:
-        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int8", "--out_dir", str(tiny_ckpt / ".." / tiny_ckpt.name)])
+        quantize.main(
+            ["--checkpoint_path", str(tiny_ckpt), "--mode", "int8", "--out_dir", str(tiny_ckpt / ".." / tiny_ckpt.name)]
+        )
     assert "is the source checkpoint" in one_line_error(capsys, exit_info)
     assert snapshot(tiny_ckpt) == before and "quantization" not in json.loads((tiny_ckpt / "config.json").read_text())
 
@@ -100,7 +102,18 @@ def test_an_existing_checkpoint_is_replaced_only_once_the_new_one_is_complete(ti
 @pytest.mark.parametrize("groupsize", ["0", "-32", "48"])
 def test_quantize_refuses_a_bad_group_size(groupsize, tiny_ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        quantize.main(["--checkpoint_path", str(tiny_ckpt), "--mode", "int4", "--groupsize", groupsize, "--out_dir", str(tmp_path / "q")])
+        quantize.main(
+            [
+                "--checkpoint_path",
+                str(tiny_ckpt),
+                "--mode",
+                "int4",
+                "--groupsize",
+                groupsize,
+                "--out_dir",
+                str(tmp_path / "q"),
+            ]
+        )
     assert f"got {groupsize}" in one_line_error(capsys, exit_info) and not (tmp_path / "q").exists()
 
 
@@ -130,7 +143,8 @@ def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli
 
 # kvpress's presses protect only the newest token: half of 9 tokens is above their floor (2), so nothing is raised.
 PROTECTING_THE_NEWEST_ONLY = {
-    f"configs/{name}.yaml" for name in ("l2", "keydiff", "tova", "snapkv", "pyramidkv", "chunkkv", "critical_snapkv", "critical_ada_snapkv")
+    f"configs/{name}.yaml"
+    for name in ("l2", "keydiff", "tova", "snapkv", "pyramidkv", "chunkkv", "critical_snapkv", "critical_ada_snapkv")
 }
 # Nothing to raise: keeps every token, sizes itself (FastGen, the paged pool, DuoAttention's retrieval heads),
 # or a slot count of its own (the ClusterKV and Quest configs: 512 slots, more than this run's 9 tokens).
@@ -156,22 +170,34 @@ WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {
     [
         (
             ["--max_cache_length", "0.5"],
-            "note: --max_cache_length 0.5 gives 9 of 18 slots here; heavy_hitter needs at least 15 (its protected tokens + 1), so using 15",
+            "note: --max_cache_length 0.5 gives 9 of 18 slots here; heavy_hitter needs at least 15 (its "
+            "protected tokens + 1), so using 15",
         ),
         (
             ["--compression_ratio", "0.9"],
-            "note: --compression_ratio 0.9 keeps 0 of 6 prompt tokens here; heavy_hitter needs at least 15 (its protected tokens + 1), so nothing is evicted",
+            "note: --compression_ratio 0.9 keeps 0 of 6 prompt tokens here; heavy_hitter needs at least 15 (its "
+            "protected tokens + 1), so nothing is evicted",
         ),
         (
             ["--compression_ratio", "0"],
-            "note: --compression_ratio 0.0 keeps 6 of 6 prompt tokens here; heavy_hitter needs at least 15 (its protected tokens + 1), so nothing is evicted",
+            "note: --compression_ratio 0.0 keeps 6 of 6 prompt tokens here; heavy_hitter needs at least 15 (its "
+            "protected tokens + 1), so nothing is evicted",
         ),
     ],
 )
 def test_a_fraction_below_the_protected_tokens_is_raised_to_them(flags, note, generate_cli):
     """The design card's command on a short prompt: 6 prompt + 12 new tokens (a cache of 17 tokens:
     the last one generated is never stored)."""
-    run = generate_cli("--cache_strategy", "heavy_hitter", *flags, "--prompt", "The history of the printing press", "--max_new_tokens", "12", "--ignore_eos")
+    run = generate_cli(
+        "--cache_strategy",
+        "heavy_hitter",
+        *flags,
+        "--prompt",
+        "The history of the printing press",
+        "--max_new_tokens",
+        "12",
+        "--ignore_eos",
+    )
     err = run.stderr
     assert run.returncode == 0, err
     held = 15 if flags[0] == "--max_cache_length" else 17
@@ -192,7 +218,8 @@ def long_prompt(smollm, tmp_path_factory):
 @pytest.mark.parametrize("case", STRATEGIES_AND_CONFIGS, ids=lambda case: case[1])
 def test_every_strategy_and_config_runs_on_a_long_prompt(case, long_prompt, smollm, smollm_dir, monkeypatch, capsys):
     """3,000 prompt tokens, 8 new, through the command line on the miniature: the defaults compress without a note."""
-    miniature = (miniature_smollm(), smollm[1], {"name": "SmolLM2-135M-Instruct"})  # the default model's name: its shipped DuoAttention gates
+    # the default model's name: its shipped DuoAttention gates
+    miniature = (miniature_smollm(), smollm[1], {"name": "SmolLM2-135M-Instruct"})
     monkeypatch.setattr(generate, "load_checkpoint", lambda *args, **kwargs: miniature)
     monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
     generate.main([*case, "--prompt", str(long_prompt), "--max_new_tokens", "8", "--ignore_eos"])
@@ -216,7 +243,11 @@ def test_every_strategy_and_config_runs_on_a_long_prompt(case, long_prompt, smol
 
 @pytest.mark.parametrize(
     "strategy, option, value, attribute",
-    [("lagkv", "lagkv_size", 8, "lag"), ("rkv", "rkv_window", 4, "window"), ("expected_attention", "ea_future", 64, "future")],
+    [
+        ("lagkv", "lagkv_size", 8, "lag"),
+        ("rkv", "rkv_window", 4, "window"),
+        ("expected_attention", "ea_future", 64, "future"),
+    ],
 )
 def test_a_strategy_takes_its_own_prompt_options(strategy, option, value, attribute):
     """--lagkv_size with --cache_strategy lagkv configures lagkv's own prompt compressor (no
@@ -232,19 +263,34 @@ def test_a_strategy_takes_its_own_prompt_options(strategy, option, value, attrib
     [
         (["--cache_config", "{tmp}/dup.yaml"], "not valid YAML: duplicate key 'recent_window'"),
         (["--cache_config", "{tmp}/latin1.yaml"], "latin1.yaml: not UTF-8 text"),
-        (["--cache_config", "{tmp}/empty_tile.yaml"], "empty_tile.yaml: max_cache_length: an empty list; give one value, or one per layer"),
-        (["--cache_config", "{tmp}/empty_repeat.yaml"], "empty_repeat.yaml: cache_strategy: an empty list; give one value, or one per layer"),
+        (
+            ["--cache_config", "{tmp}/empty_tile.yaml"],
+            "empty_tile.yaml: max_cache_length: an empty list; give one value, or one per layer",
+        ),
+        (
+            ["--cache_config", "{tmp}/empty_repeat.yaml"],
+            "empty_repeat.yaml: cache_strategy: an empty list; give one value, or one per layer",
+        ),
         (["--prompts_file", "{tmp}"], "is a directory; give a UTF-8 text file, one prompt per line"),
         (["--prompts_file", "{tmp}/latin1.yaml"], "latin1.yaml' is not a UTF-8 text file"),
         (["--prompt", "{tmp}/empty.txt"], "the prompt is empty (0 tokens)"),
         (["--cache_strategy", "l2", "--value_epsilon", "inf"], "value_epsilon must be a number >= 0, got inf"),
         (["--cache_strategy", "heavy_hitter", "--count_threshold", "inf"], "count_threshold must be"),
-        (["--cache_strategy", "clusterkv", "--kmeans_iterations", "100000"], "kmeans_iterations must be an integer from 1 to 1000, got 100000"),
+        (
+            ["--cache_strategy", "clusterkv", "--kmeans_iterations", "100000"],
+            "kmeans_iterations must be an integer from 1 to 1000, got 100000",
+        ),
         (["--cache_strategy", "lagkv", "--lagkv_size", str(2**40)], "lagkv_size must be an integer from 1 to 131072"),
         (["--batch_size", "100000000"], "--batch_size 100000000 needs about"),
         (["--cache_strategy", "kvcompress", "--kvc_pool_blocks", "100000000"], "kvc_pool_blocks 100000000 needs about"),
-        (["--cache_strategy", "window", "--head_budget", "adakv"], "WindowCache: --head_budget adakv shares a layer's slots by how each head scores"),
-        (["--cache_config", "kvcompress", "--prompts_file", "{tmp}/two.txt", "--prefill_chunk", "64"], "--attention_loss or --prefill_chunk"),
+        (
+            ["--cache_strategy", "window", "--head_budget", "adakv"],
+            "WindowCache: --head_budget adakv shares a layer's slots by how each head scores",
+        ),
+        (
+            ["--cache_config", "kvcompress", "--prompts_file", "{tmp}/two.txt", "--prefill_chunk", "64"],
+            "--attention_loss or --prefill_chunk",
+        ),
     ],
 )
 def test_bad_generate_inputs_are_one_line_naming_the_value(argv, error, tmp_path, capsys):
@@ -252,12 +298,16 @@ def test_bad_generate_inputs_are_one_line_naming_the_value(argv, error, tmp_path
     (tmp_path / "latin1.yaml").write_bytes("cache_strategy: l2 # café\n".encode("latin-1"))
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "two.txt").write_text("The history of\nOnce upon\n")
-    (tmp_path / "empty_tile.yaml").write_text("cache_strategy: l2\nmax_cache_length: []\nmax_cache_length_pattern: tile\n")
+    (tmp_path / "empty_tile.yaml").write_text(
+        "cache_strategy: l2\nmax_cache_length: []\nmax_cache_length_pattern: tile\n"
+    )
     (tmp_path / "empty_repeat.yaml").write_text("cache_strategy: []\ncache_strategy_pattern: repeat\n")
     with pytest.raises(SystemExit) as exit_info:
         generate.main([arg.format(tmp=tmp_path) for arg in argv])
     lines = capsys.readouterr().err.splitlines()  # the error, after at most the line saying the model loaded
-    assert exit_info.value.code in (1, 2) and lines[-1].startswith("error: ") and error in lines[-1] and len(lines) <= 2, lines
+    assert (
+        exit_info.value.code in (1, 2) and lines[-1].startswith("error: ") and error in lines[-1] and len(lines) <= 2
+    ), lines
 
 
 @pytest.mark.parametrize(
@@ -284,7 +334,14 @@ def test_eval_writes_each_cache_size_one_way_and_refuses_repeats(capsys):
     import eval as kv_eval
     from kvlab.jobs import parse_size
 
-    assert [parse_size(text) for text in ("0.5", ".5", "0.50", "512", "1.0", "1")] == ["0.5", "0.5", "0.5", "512", "1.0", "1"]
+    assert [parse_size(text) for text in ("0.5", ".5", "0.50", "512", "1.0", "1")] == [
+        "0.5",
+        "0.5",
+        "0.5",
+        "512",
+        "1.0",
+        "1",
+    ]
     with pytest.raises(SystemExit):
         kv_eval.main(["--tasks", "niah_single_1", "--cache_config", "l2", "--cache_sizes", "0.5", ".5", "0.50"])
     assert capsys.readouterr().err == "error: --cache_sizes gives the same value twice: 0.5 0.5 0.5; give each once\n"
@@ -305,12 +362,20 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(capsys):
     from kvlab.cli import run_cli
 
     def allocate(args):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 GB")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 10 GB"
+        )
 
     with pytest.raises(SystemExit) as exit_info:
         run_cli(allocate, None)
     err = capsys.readouterr().err
-    assert exit_info.value.code == 1 and err.startswith("error: out of memory (") and "lower --batch_size" in err and err.count("\n") == 1
+    assert (
+        exit_info.value.code == 1
+        and err.startswith("error: out of memory (")
+        and "lower --batch_size" in err
+        and err.count("\n") == 1
+    )
 
 
 @pytest.mark.parametrize("bits", [[], ["--cache_bits", "4"]])
@@ -320,7 +385,10 @@ def test_duo_attention_finds_the_shipped_gates_of_the_default_model(bits, genera
     run = generate_cli("--cache_strategy", "duo_attention", *bits, "--prompt", "Hello", "--max_new_tokens", "2")
     err = run.stderr
     assert run.returncode == 0, err
-    assert "duo_attention: the gates calibrated for SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.json)" in err and "heads retrieval: 45" in err
+    assert (
+        "duo_attention: the gates calibrated for SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.json)" in err
+        and "heads retrieval: 45" in err
+    )
 
 
 @pytest.mark.parametrize(
@@ -330,7 +398,8 @@ def test_duo_attention_finds_the_shipped_gates_of_the_default_model(bits, genera
         ('{"model_type": "llama"}', None, "config.json: no 'num_attention_heads', which a llama config.json gives"),
         ("{oops", None, "config.json: not valid JSON ("),
         (
-            '{"model_type": "llama", "vocab_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 4, "intermediate_size": 8}',
+            '{"model_type": "llama", "vocab_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, '
+            '"hidden_size": 4, "intermediate_size": 8}',
             b"garbage" * 10,
             "model.safetensors: not a readable safetensors file (",
         ),
@@ -352,7 +421,16 @@ def test_a_bad_hugging_face_directory_is_one_line_naming_the_file(config, weight
     "flags, error",
     [
         (
-            ["--tasks", "niah_single_1", "--cache_config", "heavy_hitter", "--cache_sizes", "8", "--context_lengths", "512"],
+            [
+                "--tasks",
+                "niah_single_1",
+                "--cache_config",
+                "heavy_hitter",
+                "--cache_sizes",
+                "8",
+                "--context_lengths",
+                "512",
+            ],
             "HeavyHitterCache: --max_cache_length gives 8 slots",
         ),
         (["--tasks", "book_kjv", "--ppl_prompt_tokens", "0"], "--ppl_prompt_tokens must lie in [1, 2047]"),
@@ -376,17 +454,24 @@ def test_damaged_results_are_one_line_naming_the_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         leaderboard.main(["--table_only", "--out_dir", str(tmp_path)])
     assert "summary.csv: no column(s) size, query_agnostic, context_length, value" in one_line_error(capsys, exit_info)
-    (tmp_path / "summary.csv").write_text("config,size,query_agnostic,context_length,value\nfull,full,False,1024,50\nl2,512,False,1024,40\n")
+    (tmp_path / "summary.csv").write_text(
+        "config,size,query_agnostic,context_length,value\nfull,full,False,1024,50\nl2,512,False,1024,40\n"
+    )
     with pytest.raises(SystemExit) as exit_info:  # the full cache and a cache size: no ratio to rank
         leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
-    assert "summary.csv holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with --context_length 1024" in one_line_error(
-        capsys, exit_info
+    assert (
+        "summary.csv holds no run of --methods at a ratio (size ratio<r>, prompt prefilled at once) with "
+        "--context_length 1024" in one_line_error(capsys, exit_info)
     )
     rows = ["full,full,False,vt,1024,50", "full,full,False,qa_1,1024,60", "kvzip,ratio0.5,True,vt,1024,40"]
-    (tmp_path / "summary.csv").write_text("\n".join(["config,size,query_agnostic,task,context_length,value", *rows]) + "\n")
+    (tmp_path / "summary.csv").write_text(
+        "\n".join(["config,size,query_agnostic,task,context_length,value", *rows]) + "\n"
+    )
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024", "--methods", "kvzip"])
-    assert "| kvzip | 40.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()  # a sweep still running: its table
-    assert "no plot" in capsys.readouterr().err and not (tmp_path / "leaderboard.png").exists()  # but no complete cell to plot
+    # a sweep still running: its table
+    assert "| kvzip | 40.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()
+    # but no complete cell to plot
+    assert "no plot" in capsys.readouterr().err and not (tmp_path / "leaderboard.png").exists()
     (tmp_path / "summary.csv").write_text("config,task,context_length,metric,value,compression\nl2,vt,512,acc,50,inf\n")
     with pytest.raises(SystemExit) as exit_info:
         plot.main([str(tmp_path)])
@@ -394,7 +479,9 @@ def test_damaged_results_are_one_line_naming_the_file(tmp_path, capsys):
     config_dir = tmp_path / "SmolLM2-135M-Instruct" / "l2"
     config_dir.mkdir(parents=True)
     (config_dir / "runs.json").write_text('{"0.5": {"tasks": {"vt@512": {"metric": "acc", "value": 50.0}}}}')
-    with pytest.raises(ValueError, match=r"runs.json 0.5 vt@512: no n, compression; remove that task from it and rerun"):
+    with pytest.raises(
+        ValueError, match=r"runs.json 0.5 vt@512: no n, compression; remove that task from it and rerun"
+    ):
         write_summary(tmp_path)
     (config_dir / "runs.json").write_text("{garbage")
     with pytest.raises(ValueError, match=r"runs.json: not valid JSON"):
@@ -406,14 +493,19 @@ def test_a_damaged_tokenizer_file_is_one_error_naming_it(content, tiny_ckpt):
     from kvlab.checkpoint import load_checkpoint
 
     (tiny_ckpt / "tokenizer.json").write_text(content)
-    with pytest.raises(ValueError, match=re.escape(f"{tiny_ckpt / 'tokenizer.json'}: not a readable bpe tokenizer file (")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"{tiny_ckpt / 'tokenizer.json'}: not a readable bpe tokenizer file (")
+    ):
         load_checkpoint(tiny_ckpt)
 
 
 @pytest.mark.parametrize("command", ["generate.py", "eval.py"])
 def test_ctrl_c_while_torch_loads_is_one_line(command):
-    """SIGINT half a second in, while the command still imports torch (seconds on these machines): one line, status 130."""
-    proc = subprocess.Popen([sys.executable, command, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """SIGINT half a second in, while the command still imports torch (seconds on these machines): one line, status
+    130."""
+    proc = subprocess.Popen(
+        [sys.executable, command, "--help"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -423,7 +515,17 @@ def test_ctrl_c_while_torch_loads_is_one_line(command):
 def test_a_rank_failing_under_kvlab_launch_ends_with_its_error_and_one_line():
     """torchrun answers a rank's one-line error with its own traceback; kvlab.launch ends with the ranks' error and
     one line naming the rank and its status, which it exits with."""
-    cmd = [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", "generate.py", "--max_new_tokens", "-3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvlab.launch",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "generate.py",
+        "--max_new_tokens",
+        "-3",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = done.stderr.splitlines()
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -435,19 +537,33 @@ def test_a_rank_failing_under_kvlab_launch_ends_with_its_error_and_one_line():
     "flags,code,error",
     [
         (["--nproc_per_node", "0"], 2, "error: --nproc_per_node must be >= 1 (or auto, cpu, gpu), got 0"),
-        (["--nnodes", "0", "--nproc_per_node", "1"], 1, "error: torchrun could not start the ranks: min_nodes must be > 0"),
+        (
+            ["--nnodes", "0", "--nproc_per_node", "1"],
+            1,
+            "error: torchrun could not start the ranks: min_nodes must be > 0",
+        ),
     ],
 )
 def test_kvlab_launch_refuses_bad_launcher_flags_in_one_line(flags, code, error):
     """What torchrun answers with an AssertionError or ValueError traceback before any rank runs."""
-    done = subprocess.run([sys.executable, "-m", "kvlab.launch", *flags, "generate.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == code and done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlab.launch", *flags, "generate.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code and done.stderr.startswith(error) and done.stderr.count("\n") == 1, done.stderr[
+        -2000:
+    ]
 
 
 def test_ctrl_c_under_kvlab_launch_ends_with_the_ranks_line_and_130():
     """SIGINT to the terminal's process group while 2 ranks decode: each rank's one line, no launcher traceback."""
     cmd = [sys.executable, "-m", "kvlab.launch", "--nproc_per_node", "2", "generate.py", "--max_new_tokens", "4000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     time.sleep(8)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)

@@ -29,7 +29,10 @@ def test_compiled_decode_step_logits_match_eager_on_cuda(cuda_smollm):
     """Teacher-forced through the same cache, the compiled step's logits equal eager's: to float32
     rounding in float32, to bfloat16 rounding in bfloat16 (where greedy ties may then break differently)."""
     model, tokenizer, _ = cuda_smollm
-    ids = tokenizer.encode("The three most important inventions of the nineteenth century were the telegraph, the railway and the camera, because")
+    ids = tokenizer.encode(
+        "The three most important inventions of the nineteenth century were the telegraph, the railway and the "
+        "camera, because"
+    )
     n_prompt = 8
     generate(model, [ids[:n_prompt]], len(ids))  # sets up caches of the right capacity and prefills
     model(torch.tensor([ids[:n_prompt]], device="cuda"), torch.arange(n_prompt, device="cuda")[None], prefill=True)
@@ -50,7 +53,10 @@ def test_compiled_decode_step_logits_match_eager_on_cuda(cuda_smollm):
 
 def test_compiled_greedy_tokens_equal_eager_on_cuda_float32(smollm_dir):
     model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
-    prompts = [tokenizer.encode("The three most important inventions of the nineteenth century were"), tokenizer.encode("Water boils at")]
+    prompts = [
+        tokenizer.encode("The three most important inventions of the nineteenth century were"),
+        tokenizer.encode("Water boils at"),
+    ]
     eager = generate(model, prompts, 32).tokens
     torch._dynamo.reset()
     compiled = generate(model, prompts, 32, decode_step=compile_decode_step(torch.device("cuda"))).tokens
@@ -59,7 +65,9 @@ def test_compiled_greedy_tokens_equal_eager_on_cuda_float32(smollm_dir):
 
 def test_recall_host_tier_is_pinned_and_decodes_like_the_device_tier_on_cuda(cuda_smollm):
     model, tokenizer, _ = cuda_smollm
-    prompt = tokenizer.encode(" ".join(["The history of the printing press begins in Mainz, where Gutenberg worked."] * 30))
+    prompt = tokenizer.encode(
+        " ".join(["The history of the printing press begins in Mainz, where Gutenberg worked."] * 30)
+    )
     options = dict(tokens_per_cluster=16, sink_tokens=4)
     device = generate(model, [prompt], 24, spec_for(model, "clusterkv", 96, **options))
     host = generate(model, [prompt], 24, spec_for(model, "clusterkv", 96, **{**options, "slow_tier": "host"}))
@@ -70,7 +78,10 @@ def test_recall_host_tier_is_pinned_and_decodes_like_the_device_tier_on_cuda(cud
 
 def test_kvcompress_compiled_equals_eager_on_cuda_float32(smollm_dir):
     model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
-    prompts = [tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)), tokenizer.encode("Water boils at")]
+    prompts = [
+        tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)),
+        tokenizer.encode("Water boils at"),
+    ]
     spec = spec_for(model, "kvcompress", 0.25, kvc_block_size=16)
     eager = generate(model, prompts, 32, spec)
     torch._dynamo.reset()
@@ -80,11 +91,18 @@ def test_kvcompress_compiled_equals_eager_on_cuda_float32(smollm_dir):
 
 def test_kvcompress_flex_attention_compiled_equals_the_gathered_path_on_cuda_float32(smollm_dir):
     model, tokenizer, _ = load_checkpoint(smollm_dir, "cuda", torch.float32)
-    prompts = [tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)), tokenizer.encode("Water boils at")]
+    prompts = [
+        tokenizer.encode(" ".join(["The three most important inventions of the nineteenth century were"] * 12)),
+        tokenizer.encode("Water boils at"),
+    ]
     options = dict(kvc_block_size=16, kvc_compress_every=0)
     gathered = generate(model, prompts, 32, spec_for(model, "kvcompress", 0.25, **options))
     torch._dynamo.reset()
     flex = generate(
-        model, prompts, 32, spec_for(model, "kvcompress", 0.25, kvc_attention="flex", **options), decode_step=compile_decode_step(torch.device("cuda"))
+        model,
+        prompts,
+        32,
+        spec_for(model, "kvcompress", 0.25, kvc_attention="flex", **options),
+        decode_step=compile_decode_step(torch.device("cuda")),
     )
     assert flex.tokens == gathered.tokens and gathered.cache_stats["kvcompress: blocks freed"] > 0

@@ -17,7 +17,9 @@ def test_attention_loss_is_the_full_attention_mass_on_evicted_tokens():
     torch.manual_seed(0)
     D = 4
     keys = torch.randn(1, 1, 7, D)
-    probe = AttentionLossProbe(WindowCache(1, 1, 4, D, torch.float32, recent_window=1), FullCache(1, 1, 8, D, torch.float32))
+    probe = AttentionLossProbe(
+        WindowCache(1, 1, 4, D, torch.float32, recent_window=1), FullCache(1, 1, 8, D, torch.float32)
+    )
     probe.prefill(torch.arange(6)[None], keys[:, :, :6], keys[:, :, :6], None)  # the window keeps positions 2-5
     q = torch.randn(1, 2, 1, D)  # two query heads share the KV head
     _, _, kept_pos = probe.update(torch.tensor([[6]]), keys[:, :, 6:], keys[:, :, 6:], q)  # evicts position 2
@@ -34,5 +36,7 @@ def test_no_eviction_means_no_attention_loss(smollm):
         loss = generate(model, [prompt], 8, spec_for(model, strategy, cache_length), attention_loss=True).attention_loss
         assert len(loss["per_layer"]) == model.config.n_layer and len(loss["per_step"]) == 7
         assert max(loss["per_layer"]) < 1e-5
-    evicting = generate(model, [prompt], 8, spec_for(model, "window", 8, recent_window=2), attention_loss=True).attention_loss
+    evicting = generate(
+        model, [prompt], 8, spec_for(model, "window", 8, recent_window=2), attention_loss=True
+    ).attention_loss
     assert 0.05 < sum(evicting["per_step"]) / 7 < 1

@@ -13,7 +13,8 @@ from kvlab.cache import FullCache
 from kvlab.duo import calibrate, mixed_attention, read_gates, retrieval_heads, streaming_mask, write_gates
 from kvlab.engine import compile_decode_step, generate
 
-GATES = torch.tensor([[0.9, 0.1], [0.2, 0.8]])  # the tiny model: 2 layers x 2 KV heads; retrieval: layer 0 head 0, layer 1 head 1
+# the tiny model: 2 layers x 2 KV heads; retrieval: layer 0 head 0, layer 1 head 1
+GATES = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
 
 
 @pytest.fixture
@@ -29,7 +30,9 @@ class MaskedFull(FullCache):
 
     positions_per_head = False
 
-    def __init__(self, *args, retrieval: torch.Tensor, sinks: int, recent: int, prompt: int | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, retrieval: torch.Tensor, sinks: int, recent: int, prompt: int | None = None, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.retrieval, self.sinks, self.recent, self.prompt = retrieval, sinks, recent, prompt
 
@@ -45,7 +48,9 @@ def teacher_forced_logits(model, caches, tokens: list[int], prompt: int) -> torc
     model.setup_caches(caches)
     with torch.no_grad():
         model(torch.tensor([tokens[:prompt]]), torch.arange(prompt)[None], prefill=True)
-        return torch.stack([model(torch.tensor([[tokens[p]]]), torch.tensor([[p]]))[0, -1] for p in range(prompt, len(tokens))])
+        return torch.stack(
+            [model(torch.tensor([[tokens[p]]]), torch.tensor([[p]]))[0, -1] for p in range(prompt, len(tokens))]
+        )
 
 
 @pytest.mark.parametrize("ring", [False, True])
@@ -59,25 +64,39 @@ def test_retrieval_heads_keep_everything_and_streaming_heads_sinks_and_window(ti
     duo = make_caches("duo_attention", a.n_layer, 1, a.n_local_heads, 48, a.head_dim, torch.float32, **settings)
     reference = [
         MaskedFull(
-            1, a.n_local_heads, 48, a.head_dim, torch.float32, retrieval=retrieval_heads(GATES, 0.5)[layer], sinks=2, recent=5, prompt=None if ring else 12
+            1,
+            a.n_local_heads,
+            48,
+            a.head_dim,
+            torch.float32,
+            retrieval=retrieval_heads(GATES, 0.5)[layer],
+            sinks=2,
+            recent=5,
+            prompt=None if ring else 12,
         )
         for layer in range(a.n_layer)
     ]
     torch.testing.assert_close(
-        teacher_forced_logits(tiny_model, duo, tokens, 12), teacher_forced_logits(tiny_model, reference, tokens, 12), atol=1e-5, rtol=1e-5
+        teacher_forced_logits(tiny_model, duo, tokens, 12),
+        teacher_forced_logits(tiny_model, reference, tokens, 12),
+        atol=1e-5,
+        rtol=1e-5,
     )
     streamed = [0, 1, 35, 36, 37, 38, 39] if ring else [0, 1, *range(7, 40)]
     for layer, cache in enumerate(duo):
         for head in range(a.n_local_heads):
             held = sorted(set(cache.pos[0, head].tolist()) - {-1})
             assert held == (list(range(40)) if GATES[layer, head] > 0.5 else streamed)
-    assert duo[0].nbytes() == 2 * 4 * a.head_dim * (48 + (7 if ring else 48))  # K and V, float32: one head of 48 slots, the other 2 + 5 or 48
+    # K and V, float32: one head of 48 slots, the other 2 + 5 or 48
+    assert duo[0].nbytes() == 2 * 4 * a.head_dim * (48 + (7 if ring else 48))
 
 
 @pytest.mark.parametrize("ring", [False, True])
 def test_compiled_decode_equals_eager_and_batch_equals_alone(tiny_model, gates_file, ring):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
-    spec = spec_for(tiny_model, "duo_attention", 1.0, duo_gates=gates_file, global_tokens=2, recent_window=3, duo_ring=ring)
+    spec = spec_for(
+        tiny_model, "duo_attention", 1.0, duo_gates=gates_file, global_tokens=2, recent_window=3, duo_ring=ring
+    )
     eager = generate(tiny_model, prompts, 24, spec).tokens
     assert eager == [generate(tiny_model, [p], 24, spec, max_seq_length=36).tokens[0] for p in prompts]
     torch._dynamo.reset()
@@ -113,7 +132,15 @@ def test_calibration_streams_heads_that_lose_nothing_and_keeps_those_that_do(tin
 
 def test_gates_files_and_settings_are_checked(tmp_path, gates_file, tiny_model):
     a = tiny_model.config
-    build = dict(strategy="duo_attention", n_layer=2, batch_size=1, n_kv_heads=a.n_local_heads, capacity=16, head_dim=a.head_dim, dtype=torch.float32)
+    build = dict(
+        strategy="duo_attention",
+        n_layer=2,
+        batch_size=1,
+        n_kv_heads=a.n_local_heads,
+        capacity=16,
+        head_dim=a.head_dim,
+        dtype=torch.float32,
+    )
     with pytest.raises(ValueError, match="duo_attention needs --duo_gates FILE: calibrate"):
         make_caches(**build)
     with pytest.raises(ValueError, match="no such file"):
@@ -126,4 +153,7 @@ def test_gates_files_and_settings_are_checked(tmp_path, gates_file, tiny_model):
     with pytest.raises(ValueError, match="duo_attention: --recent_window 0 leaves its streaming heads no window"):
         make_caches(**build, duo_gates=gates_file, recent_window=0)
     caches = make_caches(**build, duo_gates=gates_file, duo_retrieval=0.25)
-    assert [c.stats() for c in caches] == [{"heads retrieval": 1, "heads streaming": 1}, {"heads retrieval": 0, "heads streaming": 2}]
+    assert [c.stats() for c in caches] == [
+        {"heads retrieval": 1, "heads streaming": 1},
+        {"heads retrieval": 0, "heads streaming": 2},
+    ]

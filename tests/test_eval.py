@@ -52,7 +52,9 @@ class EchoTask(GenerationTask):
         return [
             Example(
                 f"echo/{i}",
-                tokenizer.encode(f"Here is a word to remember for later, so please repeat it exactly once: {words[i % len(words)]}."),
+                tokenizer.encode(
+                    f"Here is a word to remember for later, so please repeat it exactly once: {words[i % len(words)]}."
+                ),
                 [words[i % len(words)]],
                 4,
             )
@@ -68,9 +70,12 @@ def test_book_documents_are_deterministic_and_sized(smollm):
     plays = BOOKS["book_shakespeare"].documents(tokenizer, 3, 1200)
     assert [len(d.input_ids) for d in plays] == [1200] * 3 and len({d.id for d in plays}) == 3
     assert plays[0].checkpoints == [500, 1000, 1199]
-    assert [d.id for d in BOOKS["book_shakespeare"].documents(tokenizer, 2, 1200)] == [d.id for d in plays[:2]]  # nested
+    # nested
+    assert [d.id for d in BOOKS["book_shakespeare"].documents(tokenizer, 2, 1200)] == [d.id for d in plays[:2]]
     kjv = BOOKS["book_kjv"].documents(tokenizer, 2, 500)
-    assert tokenizer.decode(kjv[0].input_ids).lstrip().startswith("In the beginning God created") and kjv[1].id.endswith("/500/500")
+    assert tokenizer.decode(kjv[0].input_ids).lstrip().startswith("In the beginning God created") and kjv[
+        1
+    ].id.endswith("/500/500")
 
 
 def test_pg19_reads_a_directory_and_explains_how_to_get_it_offline(tmp_path, monkeypatch):
@@ -83,13 +88,17 @@ def test_pg19_reads_a_directory_and_explains_how_to_get_it_offline(tmp_path, mon
         raise ConnectionError("no network\n(a second line of the hub's message)")
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
-    with pytest.raises(ValueError, match="task pg19 needs the hub dataset emozilla/pg19-test, .*no network .* set KVLAB_PG19_DIR") as info:
+    with pytest.raises(
+        ValueError, match="task pg19 needs the hub dataset emozilla/pg19-test, .*no network .* set KVLAB_PG19_DIR"
+    ) as info:
         pg19_books()
     assert "\n" not in str(info.value)
 
 
 def test_unknown_task_lists_families_and_tasks():
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; choose task names, a family \(book, longbench, ruler\) or all"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'nope'; choose task names, a family \(book, longbench, ruler\) or all"
+    ):
         resolve_tasks(["nope"])
     assert [t.name for t in resolve_tasks(["book"])] == ["book_shakespeare", "book_kjv", "pg19"]
 
@@ -104,10 +113,15 @@ def test_full_cache_perplexity_equals_one_forward_pass(smollm):
         a = model.config
         model.setup_caches(make_caches("full", a.n_layer, 1, a.n_local_heads, 96, a.head_dim, torch.float32))
         logits = model(torch.tensor([doc]), torch.arange(96)[None], prefill=True, logits_at=torch.arange(95)[None])
-    torch.testing.assert_close(losses[0], F.cross_entropy(logits[0], torch.tensor(doc[1:]), reduction="none"), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        losses[0], F.cross_entropy(logits[0], torch.tensor(doc[1:]), reduction="none"), atol=2e-4, rtol=1e-4
+    )
     assert held.tolist() == [95.0]  # the last token is predicted, never inserted
     compressed, held = evaluate.document_nll(
-        model, [doc], cache_spec({"cache_strategy": "recent_global", "max_cache_length": 32}, 30, tokenizer), evaluate.score_one_token
+        model,
+        [doc],
+        cache_spec({"cache_strategy": "recent_global", "max_cache_length": 32}, 30, tokenizer),
+        evaluate.score_one_token,
     )
     assert held.tolist() == [32.0] and not torch.allclose(compressed, losses)
 
@@ -127,17 +141,33 @@ def task_metrics(config_dir, run: str, job: str) -> dict:
 
 def jobs_under(out_dir) -> list[tuple[str, str, str]]:
     """(config directory, run, job) of every job with records under out_dir."""
-    return sorted((d.relative_to(out_dir).as_posix(), *key) for d in config_dirs(out_dir) for key in read_config_records(d))
+    return sorted(
+        (d.relative_to(out_dir).as_posix(), *key) for d in config_dirs(out_dir) for key in read_config_records(d)
+    )
 
 
 @pytest.mark.slow
 def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monkeypatch):
-    args = ["--tasks", "book_shakespeare", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "3"]
+    args = [
+        "--tasks",
+        "book_shakespeare",
+        "--cache_config",
+        "full",
+        "recent_global",
+        "--cache_sizes",
+        "0.5",
+        "--num_samples",
+        "3",
+    ]
     run_eval(tmp_path, *args)
-    assert jobs_under(tmp_path) == [(f"{M}/full", "full", "book_shakespeare@64"), (f"{M}/recent_global", "0.5", "book_shakespeare@64")]
+    assert jobs_under(tmp_path) == [
+        (f"{M}/full", "full", "book_shakespeare@64"),
+        (f"{M}/recent_global", "0.5", "book_shakespeare@64"),
+    ]
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [(r["config"], r["size"]) for r in rows] == [("full", "full"), ("recent_global", "0.5")]
-    assert float(rows[0]["relative_to_full"]) == 1.0 and float(rows[1]["relative_to_full"]) > 1.0  # perplexity rises under compression
+    # perplexity rises under compression
+    assert float(rows[0]["relative_to_full"]) == 1.0 and float(rows[1]["relative_to_full"]) > 1.0
     assert abs(float(rows[1]["compression"]) - 2.0) < 0.1
 
     # A kill mid-run: metrics not written, the last line torn. Resuming redoes only the missing documents.
@@ -150,11 +180,15 @@ def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monke
     jsonl.write_text(finished[0] + "\n" + finished[1][:20])
     computed = []
     original = evaluate.document_nll
-    monkeypatch.setattr(evaluate, "document_nll", lambda model, docs, *a: computed.append(len(docs)) or original(model, docs, *a))
+    monkeypatch.setattr(
+        evaluate, "document_nll", lambda model, docs, *a: computed.append(len(docs)) or original(model, docs, *a)
+    )
     run_eval(tmp_path, *args)
     assert computed == [2]  # one batch (padded to 2) for the two unfinished documents; the full run was not touched
     resumed = jsonl.read_text().splitlines()
-    assert resumed[0] == finished[0] and sorted(json.loads(x)["id"] for x in resumed) == sorted(json.loads(x)["id"] for x in finished)
+    assert resumed[0] == finished[0] and sorted(json.loads(x)["id"] for x in resumed) == sorted(
+        json.loads(x)["id"] for x in finished
+    )
     assert task_metrics(config_dir, "0.5", "book_shakespeare@64")["n"] == 3
     plot_main([str(tmp_path)])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -165,11 +199,16 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     args = ["--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "5"]
     calls = []
     original = evaluate.generate
-    monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k))
+    monkeypatch.setattr(
+        evaluate,
+        "generate",
+        lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k),
+    )
     run_eval(tmp_path, *args)
     config_dir = tmp_path / f"{M}/heavy_hitter"
     records = job_records(config_dir, "0.9", "echo@64")
-    assert [r["id"] for r in records] == [f"echo/{i}" for i in range(5)] and calls == [2, 2, 2]  # the last batch padded to 2
+    # the last batch padded to 2
+    assert [r["id"] for r in records] == [f"echo/{i}" for i in range(5)] and calls == [2, 2, 2]
     assert all(r["score"] == float(r["answers"][0] in r["prediction"].lower()) for r in records)
     metrics = task_metrics(config_dir, "0.9", "echo@64")
     assert metrics["n"] == 5 and metrics["value"] == 100 * sum(r["score"] for r in records) / 5
@@ -187,27 +226,76 @@ def test_one_prefill_is_shared_by_every_config_and_changes_nothing(tmp_path, mon
     use_echo_task(monkeypatch)
     recorded, scored = [], []
     original_record, original_score = PrefillRecorder.prefill, AttentionScores.__call__
-    monkeypatch.setattr(PrefillRecorder, "prefill", lambda self, *a, **kw: recorded.append(1) or original_record(self, *a, **kw))
-    monkeypatch.setattr(AttentionScores, "__call__", lambda self, *a, **kw: scored.append(1) or original_score(self, *a, **kw))
+    monkeypatch.setattr(
+        PrefillRecorder, "prefill", lambda self, *a, **kw: recorded.append(1) or original_record(self, *a, **kw)
+    )
+    monkeypatch.setattr(
+        AttentionScores, "__call__", lambda self, *a, **kw: scored.append(1) or original_score(self, *a, **kw)
+    )
     configs, sizes = ["full", "heavy_hitter", "hybrid", "snapkv", "squeeze_heavy_hitter"], ["0.9", "0.8"]
-    run_eval(tmp_path / "together", "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", *sizes, "--num_samples", "4")
-    assert len(recorded) == len(scored) == 2 * 30  # two batches x 30 layers, for 9 runs (squeeze plans from the same prefill)
+    run_eval(
+        tmp_path / "together",
+        "--tasks",
+        "echo",
+        "--cache_config",
+        *configs,
+        "--cache_sizes",
+        *sizes,
+        "--num_samples",
+        "4",
+    )
+    # two batches x 30 layers, for 9 runs (squeeze plans from the same prefill)
+    assert len(recorded) == len(scored) == 2 * 30
     for config in configs:
         for size in ["full"] if config == "full" else sizes:
-            run_eval(tmp_path / config / size, "--tasks", "echo", "--cache_config", config, "--cache_sizes", sizes[size == "0.8"], "--num_samples", "4")
+            run_eval(
+                tmp_path / config / size,
+                "--tasks",
+                "echo",
+                "--cache_config",
+                config,
+                "--cache_sizes",
+                sizes[size == "0.8"],
+                "--num_samples",
+                "4",
+            )
             together = job_records(tmp_path / "together" / M / config, size, "echo@64")
             alone = job_records(tmp_path / config / size / M / config, size, "echo@64")
             assert [r["prediction"] for r in together] == [r["prediction"] for r in alone]
 
 
 # A generation and a perplexity task, two configs, two batches of one example each per task: four units.
-SWEEP = ["--tasks", "qa_1", "book_kjv", "--cache_config", "full", "recent_global", "--cache_sizes", "0.5", "--num_samples", "2", "--batch_size", "1"]
+SWEEP = [
+    "--tasks",
+    "qa_1",
+    "book_kjv",
+    "--cache_config",
+    "full",
+    "recent_global",
+    "--cache_sizes",
+    "0.5",
+    "--num_samples",
+    "2",
+    "--batch_size",
+    "1",
+]
 SWEEP += ["--context_lengths", "256", "--ppl_prompt_tokens", "240"]
 
 
 def torchrun_eval(out_dir, *args) -> subprocess.CompletedProcess:
     """eval.py under `torchrun --standalone --nproc_per_node 2` (gloo on the CPU, a free port per run)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "eval.py", "--out_dir", str(out_dir), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "eval.py",
+        "--out_dir",
+        str(out_dir),
+        *args,
+    ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -236,13 +324,23 @@ def test_two_ranks_share_a_sweep_out_and_equal_one_process(two_rank_sweep, tmp_p
         torch.set_num_threads(threads)
     runs = jobs_under(tmp_path)
     assert runs == [
-        (f"{M}/{config}", run, task) for config, run in (("full", "full"), ("recent_global", "0.5")) for task in ("book_kjv+prompt240@256", "qa_1@256")
+        (f"{M}/{config}", run, task)
+        for config, run in (("full", "full"), ("recent_global", "0.5"))
+        for task in ("book_kjv+prompt240@256", "qa_1@256")
     ]
     assert jobs_under(two_rank_sweep) == runs
     for config, run, job in runs:
         one = [without_seconds(r) for r in job_records(tmp_path / config, run, job)]
-        ranks = [[r for r in read_records(two_rank_sweep / config / f"records.rank{rank}.jsonl") if (r["run"], r["job"]) == (run, job)] for rank in (0, 1)]
-        assert [[r["id"] for r in records] for records in ranks] == [[r["id"]] for r in one]  # batch 0 on rank 0, batch 1 on rank 1
+        ranks = [
+            [
+                r
+                for r in read_records(two_rank_sweep / config / f"records.rank{rank}.jsonl")
+                if (r["run"], r["job"]) == (run, job)
+            ]
+            for rank in (0, 1)
+        ]
+        # batch 0 on rank 0, batch 1 on rank 1
+        assert [[r["id"] for r in records] for records in ranks] == [[r["id"]] for r in one]
         assert [without_seconds(r) for records in ranks for r in records] == one
         assert not (two_rank_sweep / config / RECORDS).exists()
         metrics = [task_metrics(out / config, run, job) for out in (tmp_path, two_rank_sweep)]
@@ -258,17 +356,27 @@ def test_a_sweep_of_two_ranks_resumes_in_one_process(two_rank_sweep, tmp_path, m
     config_dir = tmp_path / f"{M}/recent_global"
     rank1 = read_records(config_dir / "records.rank1.jsonl")
     removed = [r for r in rank1 if r["job"] == "qa_1@256"]
-    (config_dir / "records.rank1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rank1 if r["job"] != "qa_1@256"))
+    (config_dir / "records.rank1.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rank1 if r["job"] != "qa_1@256")
+    )
     generated, scored = [], []
     original_generate, original_nll = evaluate.generate, evaluate.document_nll
-    monkeypatch.setattr(evaluate, "generate", lambda model, prompts, *a, **k: generated.append(len(prompts)) or original_generate(model, prompts, *a, **k))
-    monkeypatch.setattr(evaluate, "document_nll", lambda model, docs, *a: scored.append(len(docs)) or original_nll(model, docs, *a))
+    monkeypatch.setattr(
+        evaluate,
+        "generate",
+        lambda model, prompts, *a, **k: generated.append(len(prompts)) or original_generate(model, prompts, *a, **k),
+    )
+    monkeypatch.setattr(
+        evaluate, "document_nll", lambda model, docs, *a: scored.append(len(docs)) or original_nll(model, docs, *a)
+    )
     capsys.readouterr()
     run_eval(tmp_path, *SWEEP)
     assert "resuming: 7 example(s) already done" in capsys.readouterr().err
     assert generated == [1] and scored == []  # the missing example, for its config alone
     assert [r["id"] for r in read_records(config_dir / RECORDS)] == [r["id"] for r in removed] and len(removed) == 1
-    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.glob(f"*/*/{RECORDS}")] == [f"{M}/recent_global/{RECORDS}"]
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.glob(f"*/*/{RECORDS}")] == [
+        f"{M}/recent_global/{RECORDS}"
+    ]
     assert task_metrics(config_dir, "0.5", "qa_1@256")["n"] == 2
 
 
@@ -289,7 +397,10 @@ def test_a_tensor_parallel_sweep_writes_one_process_records(two_rank_sweep, tmp_
             if "prediction" in record:
                 assert record["prediction"] == alone[id]["prediction"]
             else:
-                assert record["perplexity"] == pytest.approx(alone[id]["perplexity"], rel=1e-4) and record["tokens"] == alone[id]["tokens"]
+                assert (
+                    record["perplexity"] == pytest.approx(alone[id]["perplexity"], rel=1e-4)
+                    and record["tokens"] == alone[id]["tokens"]
+                )
 
 
 @pytest.mark.slow
@@ -297,7 +408,10 @@ def test_an_error_on_rank_0_stops_every_rank_at_once(tmp_path):
     (tmp_path / "file").write_text("")
     proc = torchrun_eval(tmp_path / "file", *KJV)  # a hang would wait out the timeout
     error = f"error: --out_dir {tmp_path / 'file'} is a file, not a directory; choose a directory"
-    assert proc.returncode != 0 and [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [error, error]
+    assert proc.returncode != 0 and [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        error,
+        error,
+    ]
 
 
 @pytest.mark.slow
@@ -305,7 +419,18 @@ def test_compiled_sweep_compiles_once_per_config_not_per_batch(tmp_path, monkeyp
     use_echo_task(monkeypatch)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    run_eval(tmp_path, "--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "6", "--compile")
+    run_eval(
+        tmp_path,
+        "--tasks",
+        "echo",
+        "--cache_config",
+        "heavy_hitter",
+        "--cache_sizes",
+        "0.9",
+        "--num_samples",
+        "6",
+        "--compile",
+    )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # three batches, one compiled decode step
     assert len(job_records(tmp_path / f"{M}/heavy_hitter", "0.9", "echo@64")) == 6
 
@@ -314,15 +439,41 @@ def test_pg19_reads_parquet_files(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
-    pq.write_table(pa.table({"short_book_title": ["Moby", "Emma"], "text": ["Call me Ishmael.", "Emma Woodhouse, handsome."]}), tmp_path / "test-0.parquet")
+    pq.write_table(
+        pa.table({"short_book_title": ["Moby", "Emma"], "text": ["Call me Ishmael.", "Emma Woodhouse, handsome."]}),
+        tmp_path / "test-0.parquet",
+    )
     assert pg19_books(tmp_path) == [("Moby", "Call me Ishmael."), ("Emma", "Emma Woodhouse, handsome.")]
 
 
 def test_layer_budget_planners_need_a_perplexity_prompt(tmp_path):
-    with pytest.raises(SystemExit, match="--layer_budget squeeze plans from the prompt at prefill, but book_kjv decodes .* --ppl_prompt_tokens N"):
-        run_eval(tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "32")
+    with pytest.raises(
+        SystemExit,
+        match="--layer_budget squeeze plans from the prompt at prefill, but book_kjv decodes .* --ppl_prompt_tokens N",
+    ):
+        run_eval(
+            tmp_path,
+            "--tasks",
+            "book_kjv",
+            "--cache_config",
+            "squeeze_heavy_hitter",
+            "--num_samples",
+            "1",
+            "--context_lengths",
+            "32",
+        )
     run_eval(
-        tmp_path, "--tasks", "book_kjv", "--cache_config", "squeeze_heavy_hitter", "--num_samples", "1", "--context_lengths", "96", "--ppl_prompt_tokens", "48"
+        tmp_path,
+        "--tasks",
+        "book_kjv",
+        "--cache_config",
+        "squeeze_heavy_hitter",
+        "--num_samples",
+        "1",
+        "--context_lengths",
+        "96",
+        "--ppl_prompt_tokens",
+        "48",
     )
     [record] = job_records(tmp_path / f"{M}/squeeze_heavy_hitter", "0.5", "book_kjv+prompt48@96")
     assert record["tokens"] == 95 and 1.9 < record["compression"] < 2.1
@@ -337,13 +488,17 @@ def test_a_prefilled_document_prompt_scores_like_one_forward_pass(smollm):
     model, tokenizer, _ = smollm
     doc = BOOKS["book_shakespeare"].documents(tokenizer, 1, 96)[0].input_ids
     one_token, _ = evaluate.document_nll(model, [doc], cache_spec({}, 30, tokenizer), evaluate.score_one_token)
-    prompted, held = evaluate.document_nll(model, [doc], cache_spec({}, 30, tokenizer), evaluate.score_one_token, prompt_tokens=40)
+    prompted, held = evaluate.document_nll(
+        model, [doc], cache_spec({}, 30, tokenizer), evaluate.score_one_token, prompt_tokens=40
+    )
     torch.testing.assert_close(prompted, one_token, atol=2e-4, rtol=1e-4)
     assert held.tolist() == [95.0]
     squeezed, held = evaluate.document_nll(
         model,
         [doc],
-        cache_spec({"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "layer_budget": "squeeze"}, 30, tokenizer),
+        cache_spec(
+            {"cache_strategy": "heavy_hitter", "max_cache_length": 0.5, "layer_budget": "squeeze"}, 30, tokenizer
+        ),
         evaluate.score_one_token,
         prompt_tokens=40,
     )
@@ -358,11 +513,25 @@ def test_attention_metrics_record_recall_per_example(tmp_path, monkeypatch):
     (tmp_path / "quest.yaml").write_text("cache_strategy: quest\nsink_tokens: 2\npage_size: 4\n")
     (tmp_path / "clusterkv.yaml").write_text("cache_strategy: clusterkv\nsink_tokens: 2\ntokens_per_cluster: 4\n")
     configs = [str(tmp_path / "quest.yaml"), str(tmp_path / "clusterkv.yaml")]
-    run_eval(tmp_path, "--tasks", "echo", "--cache_config", *configs, "--cache_sizes", "1.0", "10", "--num_samples", "2", "--attention_metrics")
+    run_eval(
+        tmp_path,
+        "--tasks",
+        "echo",
+        "--cache_config",
+        *configs,
+        "--cache_sizes",
+        "1.0",
+        "10",
+        "--num_samples",
+        "2",
+        "--attention_metrics",
+    )
     rows = {(r["config"], r["size"]): r for r in csv.DictReader((tmp_path / "summary.csv").open())}
     for config in ("quest", "clusterkv"):
         covering = job_records(tmp_path / M / config, "1.0", "echo@64")
-        assert [r["topb_recall"] for r in covering] == [1.0, 1.0] and all(abs(r["attention_loss"]) < 1e-6 for r in covering)
+        assert [r["topb_recall"] for r in covering] == [1.0, 1.0] and all(
+            abs(r["attention_loss"]) < 1e-6 for r in covering
+        )
         assert 0 < float(rows[(config, "10")]["topb_recall"]) < 1 and float(rows[(config, "10")]["attention_loss"]) > 0
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="--attention_metrics runs eagerly on generation tasks"):
@@ -421,7 +590,10 @@ def test_bad_out_dir_and_context_lengths_are_one_error_before_any_runs_json(tmp_
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=f"--out_dir {tmp_path / 'file'} is a file"):
         run_eval(tmp_path / "file", *KJV)
-    for bad, message in [("1", "--context_lengths 1 is below the 2 tokens book_kjv needs"), ("9000", "--context_lengths 9000 is over")]:
+    for bad, message in [
+        ("1", "--context_lengths 1 is below the 2 tokens book_kjv needs"),
+        ("9000", "--context_lengths 9000 is over"),
+    ]:
         with pytest.raises(SystemExit, match=f"{message}.*context length of 8192 tokens"):
             run_eval(tmp_path / "out", *KJV[:-1], bad)
     assert not list(tmp_path.rglob("runs.json"))
@@ -440,23 +612,39 @@ def test_a_read_only_out_dir_is_one_error_naming_it(tmp_path):
     out.chmod(0o555)
     command = [sys.executable, "eval.py", *KJV, "--out_dir", str(out)]
     try:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, preexec_fn=drop_write_override if os.geteuid() == 0 else None)
+        proc = subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=drop_write_override if os.geteuid() == 0 else None,
+        )
     except subprocess.SubprocessError:
         pytest.skip("running as root without CAP_SETPCAP: cannot make a directory read-only for the child")
     finally:
         out.chmod(0o755)
     assert proc.returncode == 1 and not list(out.iterdir())
-    assert proc.stderr.strip() == f"error: --out_dir {out} is not writable (Permission denied); choose a writable directory"  # one line, no traceback
+    # one line, no traceback
+    assert (
+        proc.stderr.strip()
+        == f"error: --out_dir {out} is not writable (Permission denied); choose a writable directory"
+    )
 
 
 def test_a_context_too_short_for_a_ruler_task_is_one_error_naming_its_minimum(tmp_path, smollm):
     pytest.importorskip("long_context_eval")
-    with pytest.raises(SystemExit, match=r"--context_lengths 10 is below the \d+ tokens niah_single_2 needs.*context length of 8192 tokens") as error:
+    with pytest.raises(
+        SystemExit,
+        match=r"--context_lengths 10 is below the \d+ tokens niah_single_2 needs.*context length of 8192 tokens",
+    ) as error:
         run_eval(tmp_path, "--tasks", "niah_single_2", "--num_samples", "2", "--context_lengths", "10")
     minimum = int(re.search(r"below the (\d+) tokens", str(error.value)).group(1))
     assert f"valid: {minimum} to the model's context length of 8192 tokens" in str(error.value)
     task, tokenizer = resolve_tasks(["niah_single_2"])[0], smollm[1]
-    assert [len(e.input_ids) + e.max_new_tokens <= minimum for e in task.examples(tokenizer, 2, 0, minimum)] == [True, True]
+    assert [len(e.input_ids) + e.max_new_tokens <= minimum for e in task.examples(tokenizer, 2, 0, minimum)] == [
+        True,
+        True,
+    ]
     with pytest.raises(ContextTooShortError):  # the minimum: one token fewer does not fit
         task.examples(tokenizer, 2, 0, minimum - 1)
     assert not list(tmp_path.rglob("runs.json"))
@@ -464,7 +652,8 @@ def test_a_context_too_short_for_a_ruler_task_is_one_error_naming_its_minimum(tm
 
 def test_numeric_needles_record_and_summarise_the_needle_digits(tmp_path, monkeypatch):
     pytest.importorskip("long_context_eval")
-    monkeypatch.setattr(TASKS["niah_single_2"], "max_new_tokens", 16)  # room for the 7 digits; RULER's 128 cost minutes here
+    # room for the 7 digits; RULER's 128 cost minutes here
+    monkeypatch.setattr(TASKS["niah_single_2"], "max_new_tokens", 16)
     run_eval(tmp_path, "--tasks", "niah_single_2", "--num_samples", "2", "--context_lengths", "200")
     config_dir = tmp_path / f"{M}/full"
     records = job_records(config_dir, "full", "niah_single_2@200")
@@ -487,14 +676,20 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(kv_eval, "Evaluator", Interrupted)
     with pytest.raises(SystemExit) as exit_info:
         run_eval(tmp_path, *KJV)
-    assert exit_info.value.code == 130 and capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C); rerun the same command to resume")
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip().endswith(
+        "interrupted (Ctrl-C); rerun the same command to resume"
+    )
 
 
 def test_plot_reports_a_malformed_summary(tmp_path):
-    (tmp_path / "summary.csv").write_text("model,config,size,task,context_length,metric,value\nm,full,full,t,64,perplexity,3.0\n")
+    (tmp_path / "summary.csv").write_text(
+        "model,config,size,task,context_length,metric,value\nm,full,full,t,64,perplexity,3.0\n"
+    )
     with pytest.raises(SystemExit, match=f"{tmp_path / 'summary.csv'}: missing column.*compression"):
         plot_main([str(tmp_path)])
-    (tmp_path / "summary.csv").write_text("model,config,size,task,context_length,metric,value,compression\nm,full,full,t,64,perplexity,high,1.0\n")
+    (tmp_path / "summary.csv").write_text(
+        "model,config,size,task,context_length,metric,value,compression\nm,full,full,t,64,perplexity,high,1.0\n"
+    )
     with pytest.raises(SystemExit, match=f"{tmp_path / 'summary.csv'} line 2: value 'high' is not a number"):
         plot_main([str(tmp_path)])
 
@@ -521,9 +716,19 @@ def test_without_sizes_each_config_runs_at_its_strategys_default_size():
     and ratios apply to every compressing config."""
     tasks = resolve_tasks(["niah_single_1"])
     planned = jobs_for(["full", "snapkv", "duo_attention", "hybrid"], None, tasks, [1024])
-    assert [(j.config, j.size) for j in planned] == [("full", "full"), ("snapkv", "0.5"), ("duo_attention", "1.0"), ("hybrid", "1.0")]
+    assert [(j.config, j.size) for j in planned] == [
+        ("full", "full"),
+        ("snapkv", "0.5"),
+        ("duo_attention", "1.0"),
+        ("hybrid", "1.0"),
+    ]
     planned = jobs_for(["snapkv", "duo_attention"], ["0.25", "ratio0.5"], tasks, [1024])
-    assert [(j.config, j.size) for j in planned] == [("snapkv", "0.25"), ("snapkv", "ratio0.5"), ("duo_attention", "0.25"), ("duo_attention", "ratio0.5")]
+    assert [(j.config, j.size) for j in planned] == [
+        ("snapkv", "0.25"),
+        ("snapkv", "ratio0.5"),
+        ("duo_attention", "0.25"),
+        ("duo_attention", "ratio0.5"),
+    ]
 
 
 def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_run(tmp_path, monkeypatch):
@@ -531,25 +736,62 @@ def test_prefill_chunk_runs_each_compressing_config_chunked_beside_its_one_shot_
     chunks = []
     original = evaluate.generate
     monkeypatch.setattr(
-        evaluate, "generate", lambda model, prompts, n, spec, *a, **k: chunks.append(spec.prefill_chunk) or original(model, prompts, n, spec, *a, **k)
+        evaluate,
+        "generate",
+        lambda model, prompts, n, spec, *a, **k: (
+            chunks.append(spec.prefill_chunk) or original(model, prompts, n, spec, *a, **k)
+        ),
     )
-    run_eval(tmp_path, "--tasks", "echo", "--cache_config", "full", "heavy_hitter", "--cache_sizes", "0.5", "--num_samples", "2", "--prefill_chunk", "16")
-    assert jobs_under(tmp_path) == [(f"{M}/full", "full", "echo@64"), (f"{M}/heavy_hitter", "0.5+prefill_chunk16", "echo@64")]
+    run_eval(
+        tmp_path,
+        "--tasks",
+        "echo",
+        "--cache_config",
+        "full",
+        "heavy_hitter",
+        "--cache_sizes",
+        "0.5",
+        "--num_samples",
+        "2",
+        "--prefill_chunk",
+        "16",
+    )
+    assert jobs_under(tmp_path) == [
+        (f"{M}/full", "full", "echo@64"),
+        (f"{M}/heavy_hitter", "0.5+prefill_chunk16", "echo@64"),
+    ]
     assert read_runs(tmp_path / f"{M}/heavy_hitter")["0.5+prefill_chunk16"]["args"]["key"]["prefill_chunk"] == 16
     assert chunks == [None, 16]  # full keeps every token: one-shot
     rows = {r["config"]: r for r in csv.DictReader((tmp_path / "summary.csv").open())}
-    assert (rows["heavy_hitter"]["size"], rows["heavy_hitter"]["prefill_chunk"], rows["full"]["prefill_chunk"]) == ("0.5", "16", "")
+    assert (rows["heavy_hitter"]["size"], rows["heavy_hitter"]["prefill_chunk"], rows["full"]["prefill_chunk"]) == (
+        "0.5",
+        "16",
+        "",
+    )
     assert "heavy_hitter@0.5+prefill_chunk16" in (tmp_path / "summary.md").read_text()
 
 
 def test_book_perplexity_refuses_prefill_chunk_in_one_line(tmp_path):
-    with pytest.raises(SystemExit, match=r"book_shakespeare prefills 1 prompt token\(s\) and decodes the rest token by token"):
-        run_eval(tmp_path, "--tasks", "book_shakespeare", "--cache_config", "recent_global", "--num_samples", "1", "--prefill_chunk", "16")
+    with pytest.raises(
+        SystemExit, match=r"book_shakespeare prefills 1 prompt token\(s\) and decodes the rest token by token"
+    ):
+        run_eval(
+            tmp_path,
+            "--tasks",
+            "book_shakespeare",
+            "--cache_config",
+            "recent_global",
+            "--num_samples",
+            "1",
+            "--prefill_chunk",
+            "16",
+        )
 
 
 def test_results_kept_one_directory_per_run_are_compacted_and_resume(tmp_path, capsys):
     """scripts/compact_results.py: a run directory's args.json (a full checkpoint path cut to its name), records (a
-    torn line dropped, rank files joined) and metrics become the config's records.jsonl and runs.json, which eval.py resumes."""
+    torn line dropped, rank files joined) and metrics become the config's records.jsonl and runs.json, which eval.py
+    resumes."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compact_results", ROOT / "scripts" / "compact_results.py")

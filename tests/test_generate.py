@@ -26,7 +26,13 @@ from kvlab.textgen import read_prompts, with_defaults
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "generate.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_compiled_graphs_are_cached_per_version_of_the_kernels(tmp_path):
@@ -43,10 +49,20 @@ def test_compiled_graphs_are_cached_per_version_of_the_kernels(tmp_path):
         ({"KVLAB_COMPILE_CACHE": str(tmp_path)}, str(tmp_path / f"kernels-{version}")),
         ({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}, str(tmp_path)),
     ]:
-        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, **extra})
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, **extra}
+        )
         assert result.stdout.strip() == want, result.stderr
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, "HOME": str(tmp_path), "XDG_CACHE_HOME": ""})
-    assert result.stdout.strip() == str(tmp_path / ".cache" / "kvlab" / "inductor" / f"kernels-{version}"), result.stderr
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**env, "HOME": str(tmp_path), "XDG_CACHE_HOME": ""},
+    )
+    assert result.stdout.strip() == str(tmp_path / ".cache" / "kvlab" / "inductor" / f"kernels-{version}"), (
+        result.stderr
+    )
 
 
 @pytest.mark.slow
@@ -55,8 +71,14 @@ def test_compiled_decode_equals_eager(smollm):
     batch of two prompts of different lengths; with a fixed max_seq_length, other prompts reuse the
     compiled graph instead of recompiling."""
     model, tokenizer, _ = smollm
-    prompts = [tokenizer.encode("The three most important inventions of the nineteenth century were"), tokenizer.encode("Water boils at")]
-    others = [tokenizer.encode("My favourite recipe for bread needs"), tokenizer.encode("The capital of Italy is Rome, and the capital of Spain is")]
+    prompts = [
+        tokenizer.encode("The three most important inventions of the nineteenth century were"),
+        tokenizer.encode("Water boils at"),
+    ]
+    others = [
+        tokenizer.encode("My favourite recipe for bread needs"),
+        tokenizer.encode("The capital of Italy is Rome, and the capital of Spain is"),
+    ]
     eager = [generate(model, p, 16, max_seq_length=40).tokens for p in (prompts, others)]
     torch._dynamo.reset()
     compiled_step = compile_decode_step(torch.device("cpu"))
@@ -95,19 +117,30 @@ def test_decode_steps_compiled_apart_keep_their_own_graphs(tiny_model):
     eager = [generate(m, prompts, 8).tokens for m in (tiny_model, wide)]
     torch._dynamo.reset()
     steps = [compile_decode_step(torch.device("cpu")) for _ in range(2)]
-    assert [generate(m, prompts, 8, decode_step=s).tokens for m, s in zip((tiny_model, wide), steps, strict=True)] == eager
+    assert [
+        generate(m, prompts, 8, decode_step=s).tokens for m, s in zip((tiny_model, wide), steps, strict=True)
+    ] == eager
     assert _debug_get_cache_entry_list(decode_one_token.__code__) == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inductor", [{}, {"freezing": True}, {"coordinate_descent_tuning": True}], ids=["python_wrapper", "freezing", "coordinate_descent"])
+@pytest.mark.parametrize(
+    "inductor",
+    [{}, {"freezing": True}, {"coordinate_descent_tuning": True}],
+    ids=["python_wrapper", "freezing", "coordinate_descent"],
+)
 def test_decode_compiled_with_inductor_settings_equals_eager(tiny_model, inductor):
     """A step compiled with bench_decode_profile's Inductor settings (options, not a mode) keeps eager's
     tokens; `{}` is stock Inductor, whose Python wrapper the CPU default replaces with a C++ one."""
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     eager = generate(tiny_model, prompts, 12).tokens
     torch._dynamo.reset()
-    assert generate(tiny_model, prompts, 12, decode_step=compile_decode_step(torch.device("cpu"), inductor=inductor)).tokens == eager
+    assert (
+        generate(
+            tiny_model, prompts, 12, decode_step=compile_decode_step(torch.device("cpu"), inductor=inductor)
+        ).tokens
+        == eager
+    )
 
 
 def test_sampling_respects_top_k_and_seed():
@@ -142,7 +175,11 @@ def test_prompt_that_names_an_existing_path_is_read_or_refused(tmp_path):
     a missing .txt stays an error; anything else is literal text."""
     notes = tmp_path / "notes.md"
     notes.write_text("notes in markdown")
-    assert read_prompts([str(notes), "just some words", "notes.md"]) == ["notes in markdown", "just some words", "notes.md"]
+    assert read_prompts([str(notes), "just some words", "notes.md"]) == [
+        "notes in markdown",
+        "just some words",
+        "notes.md",
+    ]
     with pytest.raises(ValueError, match=f"--prompt {str(tmp_path)!r} is a directory"):
         read_prompts([str(tmp_path)])
     binary = tmp_path / "tool"
@@ -183,7 +220,18 @@ def test_cli_generates_and_reports_stats():
 @pytest.mark.parametrize("strategy", ["window", "recent_global", "random", "l2", "heavy_hitter", "tova"])
 def test_cli_runs_every_strategy_and_reports_compression(strategy, generate_cli):
     prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg"
-    proc = generate_cli("--cache_strategy", strategy, "--max_cache_length", "0.5", "--max_new_tokens", "16", "--prompt", prompt, "--recent_window", "4")
+    proc = generate_cli(
+        "--cache_strategy",
+        strategy,
+        "--max_cache_length",
+        "0.5",
+        "--max_new_tokens",
+        "16",
+        "--prompt",
+        prompt,
+        "--recent_window",
+        "4",
+    )
     assert proc.returncode == 0, proc.stderr
     kept = [line for line in proc.stderr.splitlines() if line.startswith(f"KV cache ({strategy}): ")]
     assert (
@@ -192,11 +240,17 @@ def test_cli_runs_every_strategy_and_reports_compression(strategy, generate_cli)
 
 
 def test_cli_runs_hybrid_and_quantized_caches_and_reports_their_stats(generate_cli):
-    prompt = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith, built a press; soon, presses spread."
+    prompt = (
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a "
+        "goldsmith, built a press; soon, presses spread."
+    )
     proc = generate_cli("--cache_strategy", "hybrid", "--max_new_tokens", "16", "--prompt", prompt, "--chat")
     assert proc.returncode == 0, proc.stderr
-    policies = {line.split(": ")[0]: int(line.split(": ")[1]) for line in proc.stderr.splitlines() if line.startswith("heads ")}
-    assert list(policies) == [f"heads {p}" for p in HybridCache.policies] and sum(policies.values()) == 30 * 3  # layers x KV heads
+    policies = {
+        line.split(": ")[0]: int(line.split(": ")[1]) for line in proc.stderr.splitlines() if line.startswith("heads ")
+    }
+    # layers x KV heads
+    assert list(policies) == [f"heads {p}" for p in HybridCache.policies] and sum(policies.values()) == 30 * 3
     proc = generate_cli("--cache_strategy", "full", "--cache_bits", "4", "--max_new_tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert 1 / allocated_over_full(proc.stderr, "full") > 4  # packed 4-bit codes + scales vs float32
@@ -232,7 +286,8 @@ def test_cli_stores_a_float32_models_cache_as_float16_unless_told_and_says_so(ge
         ({"cache_bits": 8, "prefill_chunk": 64}, torch.float32, False, {}),
         ({"cache_strategy": []}, torch.float32, False, {}),  # left to cache_spec's error
         ({"cache_strategy": "bogus"}, torch.float32, False, {}),
-        (load_cache_config("kvzip"), torch.float32, False, {"prefill_chunk": 512, "cache_bits": 16}),  # recorded in chunks
+        # recorded in chunks
+        (load_cache_config("kvzip"), torch.float32, False, {"prefill_chunk": 512, "cache_bits": 16}),
         (load_cache_config("kvzip_uniform"), torch.float32, False, {"cache_bits": 16}),  # chunks would evict: none
     ],
 )
@@ -242,7 +297,17 @@ def test_generate_defaults_apply_only_where_nothing_was_given(settings, dtype, a
 
 
 def test_cli_reports_attention_loss_per_layer_and_over_time(generate_cli):
-    proc = generate_cli("--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--recent_window", "4", "--max_new_tokens", "12", "--attention_loss")
+    proc = generate_cli(
+        "--cache_strategy",
+        "heavy_hitter",
+        "--max_cache_length",
+        "16",
+        "--recent_window",
+        "4",
+        "--max_new_tokens",
+        "12",
+        "--attention_loss",
+    )
     assert proc.returncode == 0, proc.stderr
     by_step = next(line for line in proc.stderr.splitlines() if line.startswith("attention loss: mean"))
     assert "over 11 decode steps; by step 1: " in by_step
@@ -251,38 +316,81 @@ def test_cli_reports_attention_loss_per_layer_and_over_time(generate_cli):
 
 
 BAD_INPUTS = {
-    "unknown strategy": (["--cache_strategy", "bogus"], "error: argument --cache_strategy: cache_strategy must be one of full, window, recent_global"),
+    "unknown strategy": (
+        ["--cache_strategy", "bogus"],
+        "error: argument --cache_strategy: cache_strategy must be one of full, window, recent_global",
+    ),
     "bad dtype": (["--dtype", "fp8"], "error: unknown dtype 'fp8'; choose from: auto, float32, bfloat16, float16"),
     "bad device": (["--device", "tpu"], "error: unknown device 'tpu'; choose from: auto, cpu, cuda, cuda:N"),
     "no cuda": (["--device", "cuda"], "error: --device cuda was given but no CUDA GPU is available"),
     "zero tokens": (["--max_new_tokens", "0"], "error: argument --max_new_tokens: must be >= 1, got 0 (see --help)"),
-    "not a number": (["--max_new_tokens", "many"], "error: argument --max_new_tokens: invalid positive_int value: 'many' (see --help)"),
+    "not a number": (
+        ["--max_new_tokens", "many"],
+        "error: argument --max_new_tokens: invalid positive_int value: 'many' (see --help)",
+    ),
     "unknown flag": (["--cache_size", "3"], "error: unrecognized arguments: --cache_size 3 (see --help)"),
-    "negative temperature": (["--temperature", "-1"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got -1.0"),
+    "negative temperature": (
+        ["--temperature", "-1"],
+        "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got -1.0",
+    ),
     "missing prompt file": (["--prompt", "nowhere.txt"], "error: prompt file 'nowhere.txt' does not exist"),
-    "prompt is a directory": (["--prompt", "tests/data"], "error: --prompt 'tests/data' is a directory; give a text file or the prompt text itself"),
-    "prompt is a binary file": (["--prompt", sys.executable], f"error: --prompt {sys.executable!r} is not a UTF-8 text file"),
-    "nan temperature": (["--temperature", "nan"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got nan"),
-    "infinite temperature": (["--temperature", "inf"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got inf"),
-    "subnormal temperature": (["--temperature", "1e-310"], "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got 1e-310"),
-    "top_k when greedy": (["--top_k", "5"], "error: --top_k 5 applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)"),
-    "system prompt without chat": (["--system_prompt", "Be brief."], "error: --system_prompt applies to --chat; add --chat, or drop --system_prompt"),
-    "missing checkpoint": (["--checkpoint_path", "/nonexistent/ckpt"], "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)"),
-    "cache length for full": (["--max_cache_length", "0.5"], "error: --max_cache_length needs a compressing --cache_strategy; full keeps every token"),
+    "prompt is a directory": (
+        ["--prompt", "tests/data"],
+        "error: --prompt 'tests/data' is a directory; give a text file or the prompt text itself",
+    ),
+    "prompt is a binary file": (
+        ["--prompt", sys.executable],
+        f"error: --prompt {sys.executable!r} is not a UTF-8 text file",
+    ),
+    "nan temperature": (
+        ["--temperature", "nan"],
+        "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got nan",
+    ),
+    "infinite temperature": (
+        ["--temperature", "inf"],
+        "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got inf",
+    ),
+    "subnormal temperature": (
+        ["--temperature", "1e-310"],
+        "error: --temperature must be 0 (greedy) or a finite number >= 0.0001, got 1e-310",
+    ),
+    "top_k when greedy": (
+        ["--top_k", "5"],
+        "error: --top_k 5 applies to sampling; give a --temperature > 0 with it (0, the default, is greedy)",
+    ),
+    "system prompt without chat": (
+        ["--system_prompt", "Be brief."],
+        "error: --system_prompt applies to --chat; add --chat, or drop --system_prompt",
+    ),
+    "missing checkpoint": (
+        ["--checkpoint_path", "/nonexistent/ckpt"],
+        "error: no kvlab checkpoint at /nonexistent/ckpt (no config.json)",
+    ),
+    "cache length for full": (
+        ["--max_cache_length", "0.5"],
+        "error: --max_cache_length needs a compressing --cache_strategy; full keeps every token",
+    ),
     "bad cache length": (
         ["--cache_strategy", "l2", "--max_cache_length", "1.5"],
-        "error: argument --max_cache_length: max_cache_length must be a slot count >= 1 or a fraction in (0, 1], got 1.5",
+        "error: argument --max_cache_length: max_cache_length must be a slot count >= 1 or a fraction in (0, "
+        "1], got 1.5",
     ),
-    "bad cache bits": (["--cache_bits", "3"], "error: argument --cache_bits: cache_bits must be one of 32, 16, 8, 4, 2, got 3"),
+    "bad cache bits": (
+        ["--cache_bits", "3"],
+        "error: argument --cache_bits: cache_bits must be one of 32, 16, 8, 4, 2, got 3",
+    ),
     "option of another strategy": (
         ["--cache_strategy", "l2", "--history_window", "8"],
         "error: --history_window does not apply to --cache_strategy l2; it applies to: heavy_hitter",
     ),
-    "eviction option for full": (["--global_tokens", "2"], "error: --global_tokens does not apply to --cache_strategy full; it applies to: window"),
+    "eviction option for full": (
+        ["--global_tokens", "2"],
+        "error: --global_tokens does not apply to --cache_strategy full; it applies to: window",
+    ),
     "cache too small": (
         ["--cache_strategy", "l2", "--max_cache_length", "8"],
-        "error: L2Cache: --max_cache_length gives 8 slots here; the cache needs more than --global_tokens 4 + --recent_window 10: "
-        "raise --max_cache_length or lower --recent_window/--global_tokens",
+        "error: L2Cache: --max_cache_length gives 8 slots here; the cache needs more than --global_tokens 4 + "
+        "--recent_window 10: raise --max_cache_length or lower --recent_window/--global_tokens",
     ),
     "unknown compressor": (
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "bogus"],
@@ -292,14 +400,19 @@ BAD_INPUTS = {
         ["--cache_strategy", "l2", "--prompt_compression_strategy", "snapkv", "--snapkv_pooling", "median"],
         "error: argument --snapkv_pooling: snapkv_pooling must be max or avg, got 'median'",
     ),
-    "attention loss compiled": (["--attention_loss", "--compile"], "error: --attention_loss runs eagerly (it records every step); drop --compile"),
+    "attention loss compiled": (
+        ["--attention_loss", "--compile"],
+        "error: --attention_loss runs eagerly (it records every step); drop --compile",
+    ),
     "longer than context": (
         ["--max_new_tokens", "9000"],
-        "error: --max_new_tokens 9000 with a prompt of 7 tokens exceeds the model's context of 8192 tokens; give --max_new_tokens <= 8185",
+        "error: --max_new_tokens 9000 with a prompt of 7 tokens exceeds the model's context of 8192 tokens; "
+        "give --max_new_tokens <= 8185",
     ),
     "huge max_new_tokens": (
         ["--max_new_tokens", "1000000000000"],
-        "error: --max_new_tokens 1000000000000 with a prompt of 7 tokens exceeds the model's context of 8192 tokens; give --max_new_tokens <= 8185",
+        "error: --max_new_tokens 1000000000000 with a prompt of 7 tokens exceeds the model's context of 8192 "
+        "tokens; give --max_new_tokens <= 8185",
     ),
     "prompt fills the context": (
         ["--prompt", "word " * 8200],
@@ -313,7 +426,8 @@ def test_bad_input_is_one_error_line(case, capsys):
     if case == "no cuda" and torch.cuda.is_available():
         pytest.skip("a GPU is present")
     args, message = BAD_INPUTS[case]
-    proc = run_main(cli.main, capsys, *args)  # in this process: an exception other than the one-line exit fails the test
+    # in this process: an exception other than the one-line exit fails the test
+    proc = run_main(cli.main, capsys, *args)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(message)
@@ -326,10 +440,13 @@ def test_checkpoint_of_unknown_shape_is_one_error_line(tmp_path, smollm_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = run_cli("--checkpoint_path", str(tmp_path))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    valid = sorted(f.name for f in dataclasses.fields(ModelArgs))  # from the code: a checkpoint on disk may predate a field
+    # from the code: a checkpoint on disk may predate a field
+    valid = sorted(f.name for f in dataclasses.fields(ModelArgs))
     unknown = f"unknown model config keys ['n_embd']; valid keys: {valid}"
     reconvert = f"reconvert it (scripts/convert_hf_checkpoint.py, or delete {tmp_path} and convert again)"
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: bad 'model' section ({unknown}); {reconvert}"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'config.json'}: bad 'model' section ({unknown}); {reconvert}"
+    ]
 
 
 def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys):
@@ -340,9 +457,15 @@ def test_compile_prefill_warms_up_on_the_first_batch_itself(monkeypatch, capsys)
 
     calls = []
     real = textgen.generate
-    monkeypatch.setattr(textgen, "generate", lambda model, prompts, *a, **kw: calls.append([len(p) for p in prompts]) or real(model, prompts, *a, **kw))
+    monkeypatch.setattr(
+        textgen,
+        "generate",
+        lambda model, prompts, *a, **kw: calls.append([len(p) for p in prompts]) or real(model, prompts, *a, **kw),
+    )
     monkeypatch.setattr(cli.torch, "compile", lambda fn, **kw: fn)  # the wiring, not Inductor, is under test
-    prompt = "The history of the Roman Empire begins with the founding of the city, and over many centuries it grew into"
+    prompt = (
+        "The history of the Roman Empire begins with the founding of the city, and over many centuries it grew into"
+    )
     settings = ["--prompt", prompt, "--cache_strategy", "heavy_hitter", "--recent_window", "4", "--max_new_tokens", "4"]
     cli.main([*settings, "--compile_prefill"])
     cli.main(settings)

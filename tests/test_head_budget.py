@@ -26,7 +26,8 @@ class FixedScores(PromptCompressor):
 
 
 def reference_adakv(scores: torch.Tensor, budget: int, floor: float) -> list[float]:
-    """The rule as published: top H x budget scores over all heads, counted per head; cap = count x (1 - floor) + budget x floor."""
+    """The rule as published: top H x budget scores over all heads, counted per head; cap = count x (1 - floor) + budget
+    x floor."""
     H, T = scores.shape
     winners = scores.flatten().topk(H * budget).indices // T
     counts = torch.bincount(winners, minlength=H)
@@ -35,17 +36,33 @@ def reference_adakv(scores: torch.Tensor, budget: int, floor: float) -> list[flo
 
 def split_of(cache: HeavyHitterCache, scores: torch.Tensor, T: int) -> torch.Tensor:
     """The cache's per-head split of a T-token prompt's scores, as its prefill computes it."""
-    return adakv_capacities(scores, torch.tensor([[[T]]]), cache.row_budget, cache.decode_room, cache.capacity, cache.head_budget, cache.adakv_floor)
+    return adakv_capacities(
+        scores,
+        torch.tensor([[[T]]]),
+        cache.row_budget,
+        cache.decode_room,
+        cache.capacity,
+        cache.head_budget,
+        cache.adakv_floor,
+    )
 
 
 def adakv_cache(H: int, budget: int, T: int, floor: float = 0.2, **options) -> HeavyHitterCache:
-    cache = HeavyHitterCache(1, H, adakv_slots(budget, H, floor), 4, torch.float32, head_budget="adakv", adakv_floor=floor, **options)
+    cache = HeavyHitterCache(
+        1, H, adakv_slots(budget, H, floor), 4, torch.float32, head_budget="adakv", adakv_floor=floor, **options
+    )
     cache.limit_rows(torch.tensor([budget]))
     return cache
 
 
 @settings(max_examples=60, deadline=None)
-@given(H=st.integers(1, 6), budget=st.integers(4, 20), extra=st.integers(0, 40), floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]), seed=st.integers(0, 99))
+@given(
+    H=st.integers(1, 6),
+    budget=st.integers(4, 20),
+    extra=st.integers(0, 40),
+    floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    seed=st.integers(0, 99),
+)
 def test_adakv_split_matches_the_reference_and_sums_exactly(H, budget, extra, floor, seed):
     T = budget + extra
     scores = torch.rand(1, H, T, generator=torch.Generator().manual_seed(seed))
@@ -68,7 +85,13 @@ def reference_kvpress_adakv(scores: torch.Tensor, n_kept: int, alpha: float) -> 
 
 
 @settings(max_examples=60, deadline=None)
-@given(H=st.integers(1, 6), budget=st.integers(4, 20), extra=st.integers(0, 40), floor=st.sampled_from([0.2, 0.5, 1.0]), seed=st.integers(0, 99))
+@given(
+    H=st.integers(1, 6),
+    budget=st.integers(4, 20),
+    extra=st.integers(0, 40),
+    floor=st.sampled_from([0.2, 0.5, 1.0]),
+    seed=st.integers(0, 99),
+)
 def test_adakv_safeguard_split_is_kvpress_adakv(H, budget, extra, floor, seed):
     """Exactly the tokens per head that kvpress's AdaKVPress keeps, within the widened buffer."""
     T = budget + extra
@@ -122,7 +145,11 @@ def test_adakv_share_beyond_the_buffer_goes_to_the_other_heads():
 
 
 def test_make_caches_rejects_a_bad_head_budget():
-    with pytest.raises(ValueError, match="head_budget must be one of uniform, adakv, adakv_safeguard, global and adakv_floor in \\[0, 1\\]; got 'ada'"):
+    with pytest.raises(
+        ValueError,
+        match="head_budget must be one of uniform, adakv, adakv_safeguard, global and adakv_floor in \\[0, "
+        "1\\]; got 'ada'",
+    ):
         make_caches("heavy_hitter", 1, 1, 2, 16, 4, torch.float32, head_budget="ada")
     with pytest.raises(ValueError, match="cache strategy 'hybrid' does not take head_budget"):
         make_caches("hybrid", 1, 1, 2, 16, 4, torch.float32, head_budget="adakv")
@@ -131,12 +158,20 @@ def test_make_caches_rejects_a_bad_head_budget():
 def test_generate_with_adakv_keeps_each_layer_total_batches_and_compiles(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
     spec = spec_for(
-        tiny_model, "heavy_hitter", 0.5, global_tokens=1, recent_window=2, prompt_compression_strategy="snapkv", snapkv_window=4, head_budget="adakv"
+        tiny_model,
+        "heavy_hitter",
+        0.5,
+        global_tokens=1,
+        recent_window=2,
+        prompt_compression_strategy="snapkv",
+        snapkv_window=4,
+        head_budget="adakv",
     )
     eager = generate(tiny_model, prompts, 16, spec)
     cfg = tiny_model.config
     caches = [layer.attention.kv_cache for layer in tiny_model.layers]
-    assert {c.capacity for c in caches} == {adakv_slots(round(0.5 * 36), cfg.n_local_heads)}  # widened for the largest share
+    # widened for the largest share
+    assert {c.capacity for c in caches} == {adakv_slots(round(0.5 * 36), cfg.n_local_heads)}
     for row, prompt in enumerate(prompts):
         budget = round(0.5 * (len(prompt) + 16))
         assert [sum(heads) for heads in eager.head_budgets[row]] == [cfg.n_local_heads * budget] * cfg.n_layer
@@ -150,7 +185,11 @@ def test_generate_with_adakv_keeps_each_layer_total_batches_and_compiles(tiny_mo
 def test_ada_pyramidkv_combines_layer_and_head_budgets(smollm):
     model, tokenizer, _ = smollm
     prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 12)
-    spec = spec_for(model, "heavy_hitter", 0.25, layer_budget="pyramid", prompt_compression_strategy="snapkv", head_budget="adakv")
+    spec = spec_for(
+        model, "heavy_hitter", 0.25, layer_budget="pyramid", prompt_compression_strategy="snapkv", head_budget="adakv"
+    )
     result = generate(model, [prompt], 6, spec)
-    assert [sum(heads) for heads in result.head_budgets[0]] == [model.config.n_local_heads * b for b in result.layer_budgets[0]]
+    assert [sum(heads) for heads in result.head_budgets[0]] == [
+        model.config.n_local_heads * b for b in result.layer_budgets[0]
+    ]
     assert len(set(result.layer_budgets[0])) > 1

@@ -51,7 +51,9 @@ def test_decoding_keeps_what_each_policy_covers_and_attends_the_incoming_token_o
     cache = handmade_cache()
     kv = torch.zeros(1, 3, 1, 2)
     for position, token in [(12, PUNCT), (13, WORD)]:
-        _, _, pos = cache.update(torch.tensor([[position]]), kv, kv, torch.zeros(1, 3, 1, 2), tokens=torch.tensor([[token]]))
+        _, _, pos = cache.update(
+            torch.tensor([[position]]), kv, kv, torch.zeros(1, 3, 1, 2), tokens=torch.tensor([[token]])
+        )
     assert held(cache, 0) == [0, 13]  # the punctuation at 12 was attended once, then dropped
     assert held(cache, 1) == [0, 4, 8, 12, 13]
     assert held(cache, 2) == list(range(14))
@@ -67,14 +69,17 @@ def test_heavy_and_window_policies_keep_their_share_of_the_sequence():
     heavy = cache._covered(torch.full((1, 1, 1), 2), pos, classes, scores, n)
     assert heavy[0, 0].nonzero().flatten().tolist() == [2, 5, 7, 9, 17]  # the top 25% of 20 tokens
     windowed = cache._covered(torch.full((1, 1, 1), 3), pos, classes, scores, n)
-    assert windowed[0, 0].nonzero().flatten().tolist() == [2, 5, 7, 9, 11, 15, 16, 17, 18, 19]  # newest 5, then the top 5 of the rest
+    # newest 5, then the top 5 of the rest
+    assert windowed[0, 0].nonzero().flatten().tolist() == [2, 5, 7, 9, 11, 15, 16, 17, 18, 19]
 
 
 def test_hybrid_generates_with_a_model_and_stronger_recovery_keeps_more(tiny_model):
     prompts = [[1, 9, 27, 17, 2, 25, 11, 33, 5, 40, 2, 6, 9, 12, 2, 30], [1, 21, 63, 2, 8, 7]]
     held_tokens = []
     for frac in (0.5, 0.99):
-        spec = spec_for(tiny_model, "hybrid", token_classes=dict(special_ids=(1,), punctuation_ids=(2,)), min_recovery_frac=frac)
+        spec = spec_for(
+            tiny_model, "hybrid", token_classes=dict(special_ids=(1,), punctuation_ids=(2,)), min_recovery_frac=frac
+        )
         result = generate(tiny_model, prompts, 12, spec)
         assert sum(result.cache_stats.values()) == 2 * 2 * 2  # layers x sequences x KV heads
         held_tokens.append(sum(result.tokens_held))
@@ -89,7 +94,9 @@ def test_decoded_tokens_accumulate_the_attention_they_receive_under_a_heavy_poli
     kv = torch.zeros(1, 3, 1, 2)
     received = {}  # decoded position -> attention mass it received, per head
     for step, position in enumerate(range(12, 16)):
-        _, _, pos = cache.update(torch.tensor([[position]]), kv, kv, torch.zeros(1, 3, 1, 2), tokens=torch.tensor([[WORD]]))
+        _, _, pos = cache.update(
+            torch.tensor([[position]]), kv, kv, torch.zeros(1, 3, 1, 2), tokens=torch.tensor([[WORD]])
+        )
         # Attention that favours newer slots: weight 1 + step + position/10 on every held slot, normalised.
         weights = torch.where(cache.pos >= 0, 1.0 + step + cache.pos.float() / 10, 0.0)
         probs = (weights / weights.sum(dim=-1, keepdim=True))[:, :, None, None, :]  # [B, H_kv, group, 1, S]

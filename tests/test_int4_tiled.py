@@ -43,9 +43,13 @@ def test_tiled_int4_linear_equals_the_product_of_its_dequantized_weights(rows, g
     atol = reordering_atol(2 * codes.shape[1], magnitude)
     tiled = torch.ops.kvlab.int4_tile(codes)
     assert tiled.shape == (-(-n // 16), codes.shape[1] * 16)
-    got = torch.ops.kvlab.linear_int4_tiled(x, tiled, kernels.tile_rows(scales), kernels.tile_rows(offsets), n, groupsize, b)
+    got = torch.ops.kvlab.linear_int4_tiled(
+        x, tiled, kernels.tile_rows(scales), kernels.tile_rows(offsets), n, groupsize, b
+    )
     assert ((got - want - b).abs() <= int4_rounding_bound(x, codes, scales, 16) + atol).all()
-    torch.testing.assert_close(got, torch.ops.kvlab.linear_int4(x, codes, scales, offsets, groupsize, b, 16), rtol=0, atol=atol)
+    torch.testing.assert_close(
+        got, torch.ops.kvlab.linear_int4(x, codes, scales, offsets, groupsize, b, 16), rtol=0, atol=atol
+    )
 
 
 @native
@@ -55,7 +59,11 @@ def test_tiled_int4_operands_that_do_not_fit_are_one_line_errors():
     x, vectors = torch.randn(1, 32), torch.zeros(2, 1, 16)
     with pytest.raises(RuntimeError, match="2 tiles do not hold 40 rows"):
         torch.ops.kvlab.linear_int4_tiled(x, codes, vectors, vectors, 40, 32, None)
-    with pytest.raises(RuntimeError, match=r"scales and offsets must be contiguous float16 \[2, 1, 16\] \(kvlab.kernels.tile_rows.\), got Float \[20, 1\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"scales and offsets must be contiguous float16 \[2, 1, 16\] \(kvlab.kernels.tile_rows.\), got "
+        r"Float \[20, 1\]",
+    ):
         torch.ops.kvlab.linear_int4_tiled(x, codes, torch.zeros(20, 1), vectors, 20, 32, None)
     with pytest.raises(RuntimeError, match=r"takes contiguous uint8 \[tiles, blocks \* 256\] codes"):
         torch.ops.kvlab.linear_int4_tiled(x, torch.zeros(20, 16, dtype=torch.uint8), vectors, vectors, 20, 32, None)

@@ -18,7 +18,16 @@ from kvlab.engine import generate
 from kvlab.kernels import reordering_atol
 from kvlab.kernels.__main__ import attention_reference, int4_reference, int4_rounding_bound
 from kvlab.model import Linear
-from kvlab.quantize import GROUPSIZES, Int4Linear, Int8Linear, Quantization, quantize_int4, quantize_int8, quantize_linear, quantize_model
+from kvlab.quantize import (
+    GROUPSIZES,
+    Int4Linear,
+    Int8Linear,
+    Quantization,
+    quantize_int4,
+    quantize_int8,
+    quantize_linear,
+    quantize_model,
+)
 from tolerance import assert_reordered_close
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
@@ -31,7 +40,9 @@ def cpu_isas() -> list[str]:
 
 def run_module(isa: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVLAB_KERNEL_ISA": isa}
-    return subprocess.run([sys.executable, "-m", "kvlab.kernels"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "kvlab.kernels"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @native
@@ -45,7 +56,12 @@ def test_linear_equals_torch_to_summation_order(rows, k, n):
     got = torch.ops.kvlab.linear_fp32(x, w, b)
     magnitude = (x.abs() @ w.abs().T).max().item()
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=reordering_atol(k, magnitude))
-    torch.testing.assert_close(torch.ops.kvlab.linear_fp32(x[:, None], w, None), F.linear(x[:, None], w), rtol=0, atol=reordering_atol(k, magnitude))
+    torch.testing.assert_close(
+        torch.ops.kvlab.linear_fp32(x[:, None], w, None),
+        F.linear(x[:, None], w),
+        rtol=0,
+        atol=reordering_atol(k, magnitude),
+    )
 
 
 @native
@@ -55,7 +71,9 @@ def test_a_wrong_weight_row_is_caught():
     x, w = torch.randn(1, 577, generator=g), torch.randn(9, 577, generator=g)
     shifted = torch.ops.kvlab.linear_fp32(x, w.roll(1, dims=0).contiguous(), None)
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(shifted, F.linear(x, w), rtol=0, atol=reordering_atol(577, (x.abs() @ w.abs().T).max().item()))
+        torch.testing.assert_close(
+            shifted, F.linear(x, w), rtol=0, atol=reordering_atol(577, (x.abs() @ w.abs().T).max().item())
+        )
 
 
 @native
@@ -69,7 +87,12 @@ def test_every_instruction_set_path_matches_torch(isa):
 
 def test_without_native_kernels_torch_runs_and_says_so():
     result = subprocess.run(
-        [sys.executable, "-c", "from kvlab import kernels; import torch; print(kernels.load(), kernels.linear(torch.ones(1, 3), torch.ones(2, 3)).tolist())"],
+        [
+            sys.executable,
+            "-c",
+            "from kvlab import kernels; import torch; print(kernels.load(), kernels.linear(torch.ones(1, 3), "
+            "torch.ones(2, 3)).tolist())",
+        ],
         cwd=ROOT,
         env={**os.environ, "KVLAB_KERNELS": "torch"},
         capture_output=True,
@@ -88,7 +111,13 @@ def test_linear_takes_the_native_kernel_only_for_float32_outside_autograd(monkey
     op = torch.ops.kvlab.linear_fp32
     monkeypatch.setattr(torch.ops.kvlab, "linear_fp32", lambda *a: calls.append(a[0].shape) or op(*a))
     w = torch.randn(6, 4)
-    for x in (torch.randn(2, 1, 4), torch.randn(1, 8, 4), torch.randn(9, 4), torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 4, requires_grad=True)):
+    for x in (
+        torch.randn(2, 1, 4),
+        torch.randn(1, 8, 4),
+        torch.randn(9, 4),
+        torch.randn(1, 4, dtype=torch.float64),
+        torch.randn(1, 4, requires_grad=True),
+    ):
         kernels.linear(x, w.to(x.dtype))
     kernels.linear(torch.randn(1, 4), w.t().contiguous().t())  # column-major: torch's kernel
     assert calls == [(2, 1, 4), (1, 8, 4), (9, 4)]
@@ -106,7 +135,8 @@ def test_compiled_graph_keeps_the_native_op_and_equals_eager():
         return gm
 
     int8, int4, int4_x8 = (
-        quantize_model(make_tiny_model(), q).layers[0].feed_forward for q in (Quantization("int8"), Quantization("int4", 32), Quantization("int4", 32))
+        quantize_model(make_tiny_model(), q).layers[0].feed_forward
+        for q in (Quantization("int8"), Quantization("int4", 32), Quantization("int4", 32))
     )
     for module in int4_x8.modules():
         if isinstance(module, Int4Linear):
@@ -120,8 +150,17 @@ def test_compiled_graph_keeps_the_native_op_and_equals_eager():
         h = kernels.linear(x, linear.weight, linear.bias)[..., :32]
         h = h + torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos).reshape(3, 1, 32)
         int4_products = int4.w1(h) + int4.w1.gated(int4.w3, h) + int4_x8.w1(h) + int4_x8.w1.gated(int4_x8.w3, h)
-        bf16_products = kernels.linear(h.bfloat16(), bf16.weight, bf16.bias).float() + kernels.gated(h.bfloat16(), bf16.weight, bf16.weight).float()
-        return int8.w1(h).relu() + int8.w1.gated(int8.w3, h) + int4_products + kernels.gated(h, gate.weight, up.weight)[..., :1] + bf16_products[..., :1]
+        bf16_products = (
+            kernels.linear(h.bfloat16(), bf16.weight, bf16.bias).float()
+            + kernels.gated(h.bfloat16(), bf16.weight, bf16.weight).float()
+        )
+        return (
+            int8.w1(h).relu()
+            + int8.w1.gated(int8.w3, h)
+            + int4_products
+            + kernels.gated(h, gate.weight, up.weight)[..., :1]
+            + bf16_products[..., :1]
+        )
 
     with torch.no_grad():
         torch._dynamo.reset()
@@ -158,7 +197,9 @@ def test_int8_linear_equals_the_float_product_of_its_codes(rows, k, n):
     q, scales = quantize_int8(w)
     want = F.linear(x, q.float()) * scales + b
     magnitude = (x.abs() @ q.float().abs().T).max().item() * scales.max().item()
-    torch.testing.assert_close(torch.ops.kvlab.linear_int8(x, q, scales, b), want, rtol=0, atol=reordering_atol(k, magnitude))
+    torch.testing.assert_close(
+        torch.ops.kvlab.linear_int8(x, q, scales, b), want, rtol=0, atol=reordering_atol(k, magnitude)
+    )
 
 
 @native
@@ -195,7 +236,10 @@ def test_int4_codes_in_the_wrong_nibble_are_caught(x_bits):
     want, magnitude = int4_reference(x, codes, scales, zeros)
     bound = reordering_atol(576, magnitude) + (int4_rounding_bound(x, codes, scales, x_bits) if x_bits < 32 else 0)
     swapped = (codes << 4 | codes >> 4).contiguous()
-    errors = [(torch.ops.kvlab.linear_int4(x, c, scales, zeros - 8 * scales, 32, None, x_bits) - want).abs() for c in (codes, swapped)]
+    errors = [
+        (torch.ops.kvlab.linear_int4(x, c, scales, zeros - 8 * scales, 32, None, x_bits) - want).abs()
+        for c in (codes, swapped)
+    ]
     assert (errors[0] <= bound).all() and not (errors[1] <= bound).all()
 
 
@@ -246,7 +290,9 @@ def test_gated_projection_equals_silu_of_gate_times_up(rows, mode, k, n, monkeyp
     with torch.no_grad():
         got = gate.gated(up, x)
     assert calls == [1]
-    torch.testing.assert_close(got, F.silu(gate_y) * up_y, rtol=0, atol=reordering_atol(terms, 2.1 * max(gate_m, up_m) ** 2))
+    torch.testing.assert_close(
+        got, F.silu(gate_y) * up_y, rtol=0, atol=reordering_atol(terms, 2.1 * max(gate_m, up_m) ** 2)
+    )
 
 
 def torch_product(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -258,7 +304,11 @@ def torch_product(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 @native
-@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 128)], ids=["int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize(
+    "quant",
+    [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 128)],
+    ids=["int8", "int4-g32", "int4-g128"],
+)
 def test_quantized_decode_step_matches_dequantize_then_matmul(quant, monkeypatch):
     """A quantized model's decode step on the native kernels (every Linear and the gated projection)
     against the same model dequantizing its weights to float32 (torch's kernels): logits to summation
@@ -281,7 +331,9 @@ def test_quantized_decode_step_matches_dequantize_then_matmul(quant, monkeypatch
     assert_reordered_close(logits[True], logits[False], terms=128, chain=4 * model.config.n_layer + 1)
 
 
-def attention_inputs(batch: int, heads: int, kv_heads: int, steps: int, slots: int, dim: int, per_head: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def attention_inputs(
+    batch: int, heads: int, kv_heads: int, steps: int, slots: int, dim: int, per_head: bool, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     """Random q, k, v and positions: some slots empty (-1), some later than the earliest query (masked)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (
@@ -328,7 +380,9 @@ def test_attention_that_ignores_the_mask_is_caught():
     q, k, v, key_pos, query_pos = attention_inputs(1, 9, 3, 1, 300, 64, True)
     want, atol = attention_reference(q, k, v, key_pos, query_pos)
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(torch.ops.kvlab.attend_fp32(q, k, v, torch.zeros_like(key_pos), query_pos), want, rtol=0, atol=atol)
+        torch.testing.assert_close(
+            torch.ops.kvlab.attend_fp32(q, k, v, torch.zeros_like(key_pos), query_pos), want, rtol=0, atol=atol
+        )
 
 
 @native
@@ -356,9 +410,12 @@ def test_attention_refuses_positions_past_int32():
 @native
 def test_a_query_that_sees_no_slot_gets_zeros_as_in_torch():
     q, k, v, _, _ = attention_inputs(1, 4, 2, 2, 3, 16, False)
-    key_pos, query_pos = torch.tensor([[2, -1, 3]]), torch.tensor([[1, 2]])  # the first query sees none, the second one slot
+    # the first query sees none, the second one slot
+    key_pos, query_pos = torch.tensor([[2, -1, 3]]), torch.tensor([[1, 2]])
     y = torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos)
-    assert torch.equal(y[:, :, 0], torch.zeros_like(y[:, :, 0])) and torch.allclose(y[:, :, 1], v[:, :, [0]].repeat_interleave(2, 1)[:, :, 0], atol=1e-6)
+    assert torch.equal(y[:, :, 0], torch.zeros_like(y[:, :, 0])) and torch.allclose(
+        y[:, :, 1], v[:, :, [0]].repeat_interleave(2, 1)[:, :, 0], atol=1e-6
+    )
 
 
 @native

@@ -28,13 +28,19 @@ def write_records(side, method, agnostic, ratio, records):
 
 
 def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_finished(tmp_path):
-    ours = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.0, prediction="b"), dict(id="vt/1024/2", score=1.0, prediction="c")]
-    theirs = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.5, prediction="x")]  # example 2 not run yet
+    ours = [
+        dict(id="vt/1024/0", score=1.0, prediction="a"),
+        dict(id="vt/1024/1", score=0.0, prediction="b"),
+        dict(id="vt/1024/2", score=1.0, prediction="c"),
+    ]
+    # example 2 not run yet
+    theirs = [dict(id="vt/1024/0", score=1.0, prediction="a"), dict(id="vt/1024/1", score=0.5, prediction="x")]
     write_records(tmp_path / "kvlab", "tova", True, 0.5, ours)
     write_records(tmp_path / "kvpress", "tova", True, 0.5, theirs)
     write_records(tmp_path / "kvpress", "tova", False, 0.5, theirs)  # no kvlab side: no row
     write_records(tmp_path / "kvlab", "full", False, 0.0, ours)  # no kvpress side: no row
-    for side in ("kvlab", "kvpress"):  # DuoAttention's ratio is the share of its streaming heads: a config of its own per ratio
+    # DuoAttention's ratio is the share of its streaming heads: a config of its own per ratio
+    for side in ("kvlab", "kvpress"):
         write_records(tmp_path / side, "duo_attention", False, 0.875, ours[:1])
     config_dir, run = parity.run_of(tmp_path, "duo_attention", False, 0.875)
     assert str(config_dir).endswith("SmolLM2-135M-Instruct/duo_attention_0.875") and run == "1.0"
@@ -45,7 +51,9 @@ def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_fi
     }
     args = argparse.Namespace(tasks=["ruler"], context_length=1024, num_samples=2)
     report = parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
-    assert "| tova | query_agnostic | 0.5 | 2 | 1 | 50.0 | 75.0 |" in report and "13 RULER tasks at 1024 tokens" in report
+    assert (
+        "| tova | query_agnostic | 0.5 | 2 | 1 | 50.0 | 75.0 |" in report and "13 RULER tasks at 1024 tokens" in report
+    )
     config_dir, run = parity.run_of(tmp_path, "full", True, 0.5)
     assert str(config_dir).endswith("SmolLM2-135M-Instruct/full") and run == "full"  # one full-cache run for every cell
 
@@ -62,8 +70,12 @@ def test_the_report_lists_where_the_texts_part_when_margins_were_measured():
     table = {"kvzip": {"query_agnostic": {"0.875": {"examples": 2, "same_text": 1, "kvlab": 50.0, "kvpress": 50.0}}}}
     args = argparse.Namespace(tasks=["ruler"], context_length=1024, num_samples=2)
     assert "margin" not in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
-    table["kvzip"]["query_agnostic"]["0.875"]["splits"] = [{"id": "vt/1024/1", "token": 13, "margin": 0.0137, "rank": 2}]
-    assert "| kvzip | query_agnostic | 0.875 | vt/1024/1 | 13 | 0.0137 | 2 |" in parity.markdown(table, {"same_token_ids": 2, "prompts": 2}, args)
+    table["kvzip"]["query_agnostic"]["0.875"]["splits"] = [
+        {"id": "vt/1024/1", "token": 13, "margin": 0.0137, "rank": 2}
+    ]
+    assert "| kvzip | query_agnostic | 0.875 | vt/1024/1 | 13 | 0.0137 | 2 |" in parity.markdown(
+        table, {"same_token_ids": 2, "prompts": 2}, args
+    )
 
 
 def test_duo_attention_runs_its_shipped_config_with_that_share_of_heads_streaming(tmp_path):
@@ -74,7 +86,9 @@ def test_duo_attention_runs_its_shipped_config_with_that_share_of_heads_streamin
 def test_bad_ratios_and_methods_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
         parity.main(["--ratios", "1.5"])
-    assert "--ratios 1.5: a compression ratio is the share removed, between 0 and 1 exclusive" in capsys.readouterr().err
+    assert (
+        "--ratios 1.5: a compression ratio is the share removed, between 0 and 1 exclusive" in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         parity.main(["--methods", "quest"])
     assert "invalid choice: 'quest'" in capsys.readouterr().err
@@ -91,12 +105,18 @@ def test_kvpress_side_without_a_press_gives_kvlabs_full_cache_answer(smollm):
 
     model, tokenizer, _ = smollm
     gguf = default_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    prompt = tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    )
     split = len(prompt) - 6  # the context, then the end of the question, the turn's end and the answer's header
     theirs = parity.press_answer(hf, None, prompt[:split], prompt[split:], 16, tokenizer.stop_ids)
     ours = generate(model, [prompt], 16, stop_ids=tokenizer.stop_ids).tokens[0]
-    assert cut_at_stop(theirs, tokenizer.stop_ids)[0] == ours and tokenizer.decode(ours).startswith("The capital of France is Paris")
+    assert cut_at_stop(theirs, tokenizer.stop_ids)[0] == ours and tokenizer.decode(ours).startswith(
+        "The capital of France is Paris"
+    )
 
 
 @pytest.fixture
@@ -124,11 +144,20 @@ def test_kvlabs_kept_tokens_are_the_context_positions_its_caches_hold_and_differ
     from conftest import spec_for
 
     prompt = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    generate(tiny_model, [prompt], 3, spec_for(tiny_model, "heavy_hitter", 12, global_tokens=2, recent_window=2, prompt_compression_strategy="snapkv"))
+    generate(
+        tiny_model,
+        [prompt],
+        3,
+        spec_for(
+            tiny_model, "heavy_hitter", 12, global_tokens=2, recent_window=2, prompt_compression_strategy="snapkv"
+        ),
+    )
     ours = kept.kvlab_kept(tiny_model, 20)
     for layer, held in zip(tiny_model.layers, ours, strict=True):
         pos = layer.attention.kv_cache.pos[0]
-        assert [row.nonzero().flatten().tolist() for row in held] == [sorted(p for p in r.tolist() if 0 <= p < 20) for r in pos]
+        assert [row.nonzero().flatten().tolist() for row in held] == [
+            sorted(p for p in r.tolist() if 0 <= p < 20) for r in pos
+        ]
     theirs = [h.clone() for h in ours]
     theirs[1][0, 5], theirs[1][1, 3] = ~theirs[1][0, 5], ~theirs[1][1, 3]
     rows = kept.differences(theirs, ours)

@@ -78,7 +78,11 @@ def long_functions(path: Path, most: int) -> list[str]:
     """'file:function (n lines)' for every function or method in the file longer than `most` lines."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return [f"{path.name}:{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in functions if f.end_lineno - f.lineno + 1 > most]
+    return [
+        f"{path.name}:{f.name} ({f.end_lineno - f.lineno + 1} lines)"
+        for f in functions
+        if f.end_lineno - f.lineno + 1 > most
+    ]
 
 
 def test_long_functions_finds_the_one_over_the_limit(tmp_path):
@@ -88,12 +92,19 @@ def test_long_functions_finds_the_one_over_the_limit(tmp_path):
 
 
 def test_functions_fit_a_screen_and_files_stay_short():
-    sources = [*(ROOT / "kvlab").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), ROOT / "generate.py", ROOT / "eval.py"]
+    sources = [
+        *(ROOT / "kvlab").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.py"),
+        ROOT / "generate.py",
+        ROOT / "eval.py",
+    ]
     assert len(sources) > 60
     too_long = [entry for path in sources for entry in long_functions(path, 60)]
     assert not too_long, too_long
     lines = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in sources}
-    long_files = [f"{p.relative_to(ROOT)} ({n} lines)" for p, n in lines.items() if n > (150 if p.parent == ROOT else 400)]
+    long_files = [
+        f"{p.relative_to(ROOT)} ({n} lines)" for p, n in lines.items() if n > (150 if p.parent == ROOT else 400)
+    ]
     assert not long_files, long_files
 
 
@@ -102,10 +113,24 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|root|Users|tmp|mnt|srv|opt
 
 def test_committed_records_and_docs_hold_no_machines_paths():
     """Records (runs.json, summaries), docs and code name checkpoints and files by name or relative path."""
-    roots = [ROOT / d for d in ("docs", "configs", "bench", "scripts", "kvlab", "tests/data")] + list(ROOT.glob("*.md")) + list(ROOT.glob("*.py"))
-    files = [p for r in roots for p in ([r] if r.is_file() else r.rglob("*")) if p.is_file() and p.suffix in (".json", ".jsonl", ".md", ".csv", ".yaml", ".py")]
+    roots = (
+        [ROOT / d for d in ("docs", "configs", "bench", "scripts", "kvlab", "tests/data")]
+        + list(ROOT.glob("*.md"))
+        + list(ROOT.glob("*.py"))
+    )
+    files = [
+        p
+        for r in roots
+        for p in ([r] if r.is_file() else r.rglob("*"))
+        if p.is_file() and p.suffix in (".json", ".jsonl", ".md", ".csv", ".yaml", ".py")
+    ]
     assert len(files) > 250  # every committed record, doc, config and source file
-    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in [MACHINE_PATH.search(p.read_text(encoding="utf-8", errors="replace"))] if m]
+    found = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in files
+        for m in [MACHINE_PATH.search(p.read_text(encoding="utf-8", errors="replace"))]
+        if m
+    ]
     assert not found, found[:5]
 
 
@@ -115,7 +140,9 @@ def test_committed_sweeps_keep_their_records_compactly():
     files = [p for p in sweeps.rglob("*") if p.is_file()]
     assert 100 < len(files) < 300
     assert not [p for p in files if p.name.endswith(".jsonl") and p.name != "records.jsonl"]
-    assert sorted(p.parent for p in sweeps.glob("*/*/*/records.jsonl")) == sorted(p.parent for p in sweeps.glob("*/*/*/runs.json"))
+    assert sorted(p.parent for p in sweeps.glob("*/*/*/records.jsonl")) == sorted(
+        p.parent for p in sweeps.glob("*/*/*/runs.json")
+    )
 
 
 def test_results_are_an_index_of_pages_by_question_without_work_history():

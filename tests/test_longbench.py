@@ -43,7 +43,15 @@ EXPECTED = {
 TREC_CLASSES = ["Abbreviation", "Expression abbreviated", "City", "Country", "Other location", "Individual"]
 
 
-def record(subset: str, i: int, context: str, input: str, answers: list[str], language: str = "en", all_classes: list[str] | None = None) -> dict:
+def record(
+    subset: str,
+    i: int,
+    context: str,
+    input: str,
+    answers: list[str],
+    language: str = "en",
+    all_classes: list[str] | None = None,
+) -> dict:
     """One line of a LongBench jsonl file, with all its fields."""
     return {
         "input": input,
@@ -71,9 +79,22 @@ def data_dir(tmp_path: Path) -> Path:
     write_jsonl(
         d,
         "hotpotqa",
-        [record("hotpotqa", i, f"Passage {i}: The Eiffel Tower is in Paris.", f"Question {i}: where is the tower?", ["Paris", "in Paris"]) for i in range(4)],
+        [
+            record(
+                "hotpotqa",
+                i,
+                f"Passage {i}: The Eiffel Tower is in Paris.",
+                f"Question {i}: where is the tower?",
+                ["Paris", "in Paris"],
+            )
+            for i in range(4)
+        ],
     )
-    write_jsonl(d, "multifieldqa_zh", [record("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？", ["北京"], language="zh")])
+    write_jsonl(
+        d,
+        "multifieldqa_zh",
+        [record("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？", ["北京"], language="zh")],
+    )
     write_jsonl(
         d,
         "trec",
@@ -92,10 +113,26 @@ def data_dir(tmp_path: Path) -> Path:
     write_jsonl(
         d,
         "passage_retrieval_en",
-        [record("passage_retrieval_en", 0, "Paragraph 1: Cats purr.\n\nParagraph 2: Dogs bark.", "Dogs make a noise.", ["Paragraph 2"])],
+        [
+            record(
+                "passage_retrieval_en",
+                0,
+                "Paragraph 1: Cats purr.\n\nParagraph 2: Dogs bark.",
+                "Dogs make a noise.",
+                ["Paragraph 2"],
+            )
+        ],
     )
-    write_jsonl(d, "passage_count", [record("passage_count", 0, "Paragraph 1: A.\n\nParagraph 2: B.\n\nParagraph 3: A.", "", ["2"])])
-    write_jsonl(d, "lcc", [record("lcc", 0, "def add(a, b):\n    return a + b\n\nx = ", "", ["x = add(1, 2)"], language="python")])
+    write_jsonl(
+        d,
+        "passage_count",
+        [record("passage_count", 0, "Paragraph 1: A.\n\nParagraph 2: B.\n\nParagraph 3: A.", "", ["2"])],
+    )
+    write_jsonl(
+        d,
+        "lcc",
+        [record("lcc", 0, "def add(a, b):\n    return a + b\n\nx = ", "", ["x = add(1, 2)"], language="python")],
+    )
     return d
 
 
@@ -118,7 +155,11 @@ def test_tasks_cover_the_21_subsets_with_longbench_metrics_and_budgets():
 
 
 def test_unknown_subset_lists_the_valid_names(data_dir):
-    for call in (lambda: load_longbench("hotpot_qa", data_dir), lambda: LongBenchTask("passage_retrieval"), lambda: lb.score_prediction("nq", "x", ["x"])):
+    for call in (
+        lambda: load_longbench("hotpot_qa", data_dir),
+        lambda: LongBenchTask("passage_retrieval"),
+        lambda: lb.score_prediction("nq", "x", ["x"]),
+    ):
         with pytest.raises(ValueError, match="unknown LongBench subset") as info:
             call()
         assert all(name in str(info.value) for name in EXPECTED)
@@ -143,22 +184,31 @@ def test_qa_prompt_is_the_official_template_in_the_chat_template(tok, data_dir):
     task = LongBenchTask("hotpotqa", data_dir)
     (ex,) = task.examples(tok, 1)
     prompt = (
-        "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\n"
-        "The following are given passages.\nPassage 0: The Eiffel Tower is in Paris.\n\n"
-        "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\n"
-        "Question: Question 0: where is the tower?\nAnswer:"
+        "Answer the question based on the given passages. Only give me the answer and do not output any other "
+        "words.\n\nThe following are given passages.\nPassage 0: The Eiffel Tower is in Paris.\n\nAnswer the "
+        "question based on the given passages. Only give me the answer and do not output any other "
+        "words.\n\nQuestion: Question 0: where is the tower?\nAnswer:"
     )
     assert ex.input_ids == render_prompt(tok, prompt, chat=True)
     assert f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n" in tok.decode(ex.input_ids)
     assert (ex.id, ex.answers, ex.max_new_tokens) == ("hotpotqa/hotpotqa-id-0", ["Paris", "in Paris"], 32)
-    assert ex.info["dataset"] == "hotpotqa" and ex.info["length"] == 8 and ex.info["all_classes"] is None and not ex.info["truncated"]
+    assert (
+        ex.info["dataset"] == "hotpotqa"
+        and ex.info["length"] == 8
+        and ex.info["all_classes"] is None
+        and not ex.info["truncated"]
+    )
     (plain,) = task.examples(tok, 1, chat=False)
     assert plain.input_ids == tok.encode(prompt, bos=tok.add_bos) and tok.decode(plain.input_ids) == prompt
 
 
 def test_chinese_prompt(tok, data_dir):
     (ex,) = LongBenchTask("multifieldqa_zh", data_dir).examples(tok, 5)
-    prompt = "阅读以下文字并用中文简短回答：\n\n北京是中国的首都。\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：中国的首都是哪里？\n回答："
+    prompt = (
+        "阅读以下文字并用中文简短回答：\n\n北京是中国的首都。\n\n"
+        "现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：中国的首都是哪里？\n"
+        "回答："
+    )
     assert ex.input_ids == render_prompt(tok, prompt, chat=True) and prompt in tok.decode(ex.input_ids)
     assert ex.info["language"] == "zh" and ex.max_new_tokens == 64
 
@@ -168,7 +218,8 @@ def test_chinese_prompt(tok, data_dir):
     [
         (
             "trec",
-            "Please determine the type of the question below. Here are some examples of questions.\n\nQuestion: What is the capital of France?\nType: City\n\nQuestion: Who wrote Hamlet 0?\nType:",
+            "Please determine the type of the question below. Here are some examples of questions.\n\nQuestion: "
+            "What is the capital of France?\nType: City\n\nQuestion: Who wrote Hamlet 0?\nType:",
         ),
         ("lcc", "Please complete the code given below. \ndef add(a, b):\n    return a + b\n\nx = Next line of code:\n"),
     ],
@@ -208,7 +259,8 @@ def test_truncate_middle_keeps_both_ends(tok):
     n = len(ids)
     assert n > 2000
     text, cut = truncate_middle(tok, prompt, 300)
-    assert cut and text == tok.decode(ids[:150]) + tok.decode(ids[-150:])  # pred.py: first and last max_length // 2 tokens
+    # pred.py: first and last max_length // 2 tokens
+    assert cut and text == tok.decode(ids[:150]) + tok.decode(ids[-150:])
     assert 296 <= len(tok.encode(text)) <= 300
     assert text.startswith("START of the prompt. w0 w1 w2") and text.endswith("w1998 w1999 the END.")
     assert "MIDDLE-MARKER" not in text and "w1000" not in text
@@ -243,7 +295,11 @@ def test_truncate_middle_takes_half_from_each_end_and_shrinks_past_seam_growth()
 
 def test_examples_truncate_the_prompt_before_the_chat_template(tok, tmp_path):
     words = " ".join(f"w{i}" for i in range(1500))
-    write_jsonl(tmp_path, "passage_retrieval_en", [record("passage_retrieval_en", 0, f"Paragraph 1: {words}", "An abstract.", ["Paragraph 1"])])
+    write_jsonl(
+        tmp_path,
+        "passage_retrieval_en",
+        [record("passage_retrieval_en", 0, f"Paragraph 1: {words}", "An abstract.", ["Paragraph 1"])],
+    )
     task = LongBenchTask("passage_retrieval_en", tmp_path)
     (full,) = task.examples(tok, 1)
     (ex,) = task.examples(tok, 1, context_length=256)
@@ -253,7 +309,8 @@ def test_examples_truncate_the_prompt_before_the_chat_template(tok, tmp_path):
     assert ex.input_ids == render_prompt(tok, text, chat=True) and len(ex.input_ids) < len(full.input_ids) // 4
     decoded = tok.decode(ex.input_ids)
     assert "user\nHere are 30 paragraphs from Wikipedia" in decoded  # the start survives, inside the user turn
-    assert 'like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: <|im_end|>\n<|im_start|>assistant\n' in decoded  # so does the end
+    # so does the end
+    assert 'like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: <|im_end|>\n<|im_start|>assistant\n' in decoded
     assert task.examples(tok, 1, context_length=10**6) == [full]
     with pytest.raises(ValueError, match="context_length"):
         task.examples(tok, 1, context_length=0)
@@ -289,7 +346,18 @@ def test_rouge_l_follows_the_rouge_package_longbench_uses():
 
 def test_chinese_metrics_fall_back_to_characters_without_jieba(monkeypatch):
     monkeypatch.setattr(metrics, "jieba", None)
-    assert metrics.zh_tokens("我在2023年去了abc公司。") == ["我", "在", "2023", "年", "去", "了", "abc", "公", "司", "。"]
+    assert metrics.zh_tokens("我在2023年去了abc公司。") == [
+        "我",
+        "在",
+        "2023",
+        "年",
+        "去",
+        "了",
+        "abc",
+        "公",
+        "司",
+        "。",
+    ]
     assert metrics.zh_tokens(" a  b ") == ["a", "b"]
     # 北 京 (。 dropped) vs 北 京 市: P 1, R 2/3 -> F1 4/5
     assert metrics.qa_f1_zh_score("北京。", "北京市") == pytest.approx(0.8)
@@ -316,8 +384,14 @@ def test_classification_uses_longbench_partial_credit_rule():
 def test_retrieval_count_and_code_scores():
     assert metrics.retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
     assert metrics.retrieval_score("Paragraph 12, or maybe Paragraph 3", "Paragraph 12") == 0.5
-    assert metrics.retrieval_score("Paragraph 1", "Paragraph 12") == 0.0 and metrics.retrieval_score("no idea", "Paragraph 12") == 0.0
-    assert metrics.retrieval_zh_score("段落3", "段落3") == 1.0 and metrics.retrieval_zh_score("答案是段落3和段落30", "段落3") == 0.5
+    assert (
+        metrics.retrieval_score("Paragraph 1", "Paragraph 12") == 0.0
+        and metrics.retrieval_score("no idea", "Paragraph 12") == 0.0
+    )
+    assert (
+        metrics.retrieval_zh_score("段落3", "段落3") == 1.0
+        and metrics.retrieval_zh_score("答案是段落3和段落30", "段落3") == 0.5
+    )
     assert metrics.count_score("There are 7 unique paragraphs", "7") == 1.0
     assert metrics.count_score("7 or 8", "7") == 0.5 and metrics.count_score("none", "7") == 0.0
     assert metrics.code_sim_score("\nx = foo(1)\nmore code", "x = foo(1)") == 1.0
@@ -354,7 +428,9 @@ def make_data_zip(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("data/", "")
-        zf.writestr("data/trec.jsonl", json.dumps(record("trec", 0, "ctx", "q", ["City"], all_classes=TREC_CLASSES)) + "\n")
+        zf.writestr(
+            "data/trec.jsonl", json.dumps(record("trec", 0, "ctx", "q", ["City"], all_classes=TREC_CLASSES)) + "\n"
+        )
         zf.writestr("data/lcc.jsonl", json.dumps(record("lcc", 0, "x = 1\n", "", ["y = 2"])) + "\n")
         zf.writestr("../../escape.jsonl", "{}\n")
     return path
@@ -374,7 +450,8 @@ def test_download_extracts_data_zip_into_the_cache_dir(tmp_path, monkeypatch):
     rows = load_longbench("trec")
     assert calls == [{"repo_id": "THUDM/LongBench", "filename": "data.zip", "repo_type": "dataset"}]
     assert rows[0]["_id"] == "trec-id-0" and rows[0]["answers"] == ["City"]
-    assert sorted(p.name for p in cache.iterdir()) == ["escape.jsonl", "lcc.jsonl", "trec.jsonl"]  # flattened, nothing outside
+    # flattened, nothing outside
+    assert sorted(p.name for p in cache.iterdir()) == ["escape.jsonl", "lcc.jsonl", "trec.jsonl"]
     assert not (tmp_path / "escape.jsonl").exists() and not (tmp_path / "cache" / "escape.jsonl").exists()
     assert load_longbench("lcc")[0]["answers"] == ["y = 2"] and len(calls) == 1  # already extracted: no second download
 
@@ -389,7 +466,16 @@ def test_offline_download_failure_says_how_to_provide_the_data(tmp_path, monkeyp
     with pytest.raises(ValueError) as info:
         load_longbench("qasper")
     message = str(info.value)
-    for part in ["'qasper'", "qasper.jsonl", "THUDM/LongBench", "data.zip", "LocalEntryNotFoundError", "unzip", "KVLAB_LONGBENCH_DIR", "data_dir"]:
+    for part in [
+        "'qasper'",
+        "qasper.jsonl",
+        "THUDM/LongBench",
+        "data.zip",
+        "LocalEntryNotFoundError",
+        "unzip",
+        "KVLAB_LONGBENCH_DIR",
+        "data_dir",
+    ]:
         assert part in message, part
     assert isinstance(info.value.__cause__, LocalEntryNotFoundError)
 

@@ -18,7 +18,14 @@ from kvlab.cache import FullCache
 from kvlab.checkpoint import KNOWN_MODELS, known_model_name
 from kvlab.convert import default_gguf_path, hf_model_args
 from kvlab.engine import generate
-from kvlab.model import ModelArgs, attention_mask, chunk_attention, grouped_attention, lay_out_for_matvec, split_chunk_attention
+from kvlab.model import (
+    ModelArgs,
+    attention_mask,
+    chunk_attention,
+    grouped_attention,
+    lay_out_for_matvec,
+    split_chunk_attention,
+)
 from tolerance import assert_reordered_close
 
 
@@ -50,7 +57,9 @@ def test_logits_match_transformers_on_the_same_gguf(smollm, essay_ids):
     model, _, _ = smollm
     ids = essay_ids[:300]
     gguf_path = default_gguf_path()
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
     del ref_model
@@ -156,7 +165,9 @@ def test_either_weight_layout_gives_the_same_logits_and_tokens(native, monkeypat
         m.setup_caches(make_caches("full", 2, 2, 2, 64, 8, torch.float32))
     input_pos = torch.arange(40).expand(2, 40)
     expected = reference(tokens, input_pos, prefill=True)
-    assert_reordered_close(model(tokens, input_pos, prefill=True), expected, terms=64, chain=2 * model.config.n_layer + 1)
+    assert_reordered_close(
+        model(tokens, input_pos, prefill=True), expected, terms=64, chain=2 * model.config.n_layer + 1
+    )
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     monkeypatch.setattr(kernels, "NATIVE", False)
     reference_tokens = generate(reference, prompts, 20).tokens
@@ -193,7 +204,9 @@ def test_full_cache_stores_tokens_at_their_positions():
     k = torch.arange(8.0).view(2, 1, 4, 1)
     cache.prefill(torch.tensor([[0, 1, 2, 3], [0, 1, -1, -1]]), k, k, None)
     assert cache.pos.tolist() == [[0, 1, 2, 3, -1, -1], [0, 1, -1, -1, -1, -1]]
-    keys, _, pos = cache.update(torch.tensor([[4], [2]]), torch.tensor([[[[40.0]]], [[[20.0]]]]), torch.zeros(2, 1, 1, 1), None)
+    keys, _, pos = cache.update(
+        torch.tensor([[4], [2]]), torch.tensor([[[[40.0]]], [[[20.0]]]]), torch.zeros(2, 1, 1, 1), None
+    )
     assert pos.tolist() == [[0, 1, 2, 3, 4, -1], [0, 1, 2, -1, -1, -1]]
     assert keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 40, 0], [4, 5, 20, 7, 0, 0]]
     assert cache.nbytes() == 2 * 2 * 6 * 4
@@ -226,7 +239,13 @@ def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072,
         "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         "tie_word_embeddings": False,
         "hidden_act": "silu",
     }
@@ -250,12 +269,31 @@ def test_hf_config_of_llama_3_1_8b_maps_to_table_entry():
 @pytest.mark.parametrize(
     "name, shape",
     [
-        ("Qwen3-0.6B", dict(num_hidden_layers=28, num_attention_heads=16, hidden_size=1024, intermediate_size=3072, tie_word_embeddings=True)),
-        ("Qwen3-8B", dict(num_hidden_layers=36, num_attention_heads=32, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)),
+        (
+            "Qwen3-0.6B",
+            dict(
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                hidden_size=1024,
+                intermediate_size=3072,
+                tie_word_embeddings=True,
+            ),
+        ),
+        (
+            "Qwen3-8B",
+            dict(
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                hidden_size=4096,
+                intermediate_size=12288,
+                tie_word_embeddings=False,
+            ),
+        ),
     ],
 )
 def test_hf_config_of_qwen3_maps_to_table_entry(name, shape):
-    """The fields of the hub's config.json (transformers 4.51 names; head_dim 128 is not hidden_size // heads in 0.6B)."""
+    """The fields of the hub's config.json (transformers 4.51 names; head_dim 128 is not hidden_size // heads in
+    0.6B)."""
     hf = {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],

@@ -24,7 +24,9 @@ from kvlab.serving import serve
 from test_generate import run_cli
 
 
-def filled_pool(L=2, B=1, H=2, T=45, D=4, block_size=4, seed=0, **options) -> tuple[PagedKV, torch.Tensor, torch.Tensor]:
+def filled_pool(
+    L=2, B=1, H=2, T=45, D=4, block_size=4, seed=0, **options
+) -> tuple[PagedKV, torch.Tensor, torch.Tensor]:
     """A PagedKV holding a T-token prompt in every layer (nothing evicted yet), with random metrics.
     Keys encode (layer, head, position) so tests can tell which KV sits where."""
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +51,9 @@ def held(paged: PagedKV, row: int = 0) -> dict[tuple[int, int], dict[int, tuple[
             n = int(paged.length[layer, row, head])
             slots = paged._slot_ids(paged.table[layer, row, head])[:n]
             pos = paged.pool.pos.view(-1)[slots]
-            assert (pos >= 0).all() and (paged.pool.pos.view(-1)[paged._slot_ids(paged.table[layer, row, head])[n:]] < 0).all()
+            assert (pos >= 0).all() and (
+                paged.pool.pos.view(-1)[paged._slot_ids(paged.table[layer, row, head])[n:]] < 0
+            ).all()
             keys, metric = paged.pool.k.view(-1, paged.pool.k.shape[-1])[slots], paged.pool.metric.view(-1)[slots]
             out[layer, head] = {int(p): (keys[i], float(metric[i])) for i, p in enumerate(pos)}
     return out
@@ -62,11 +66,14 @@ def check_pool_invariants(paged: PagedKV) -> None:
     assert ids.unique().numel() == ids.numel() and paged.pool.in_use[ids].all()
     assert paged.pool.free_blocks() == paged.pool.n_blocks - ids.numel()
     blocks, bs = (paged.table >= 0).sum(dim=-1), paged.block_size
-    room_for_next = paged.active[None, :, None] & (blocks == paged.length // bs + 1)  # make_room's block for the next token
+    # make_room's block for the next token
+    room_for_next = paged.active[None, :, None] & (blocks == paged.length // bs + 1)
     assert ((blocks == (paged.length + bs - 1) // bs) | room_for_next).all()
 
 
-def reference_eviction(paged: PagedKV, metrics: dict, budget_blocks: int, protect_from: int) -> set[tuple[int, int, int]]:
+def reference_eviction(
+    paged: PagedKV, metrics: dict, budget_blocks: int, protect_from: int
+) -> set[tuple[int, int, int]]:
     """KV-Compress eviction written out plainly: per head, sort by metric (protected last), cut into
     chunks from the bottom (the first one partial), evict the chunks with the lowest maxima over all
     heads until the blocks fit. Returns the kept (layer, head, position)."""
@@ -87,7 +94,12 @@ def reference_eviction(paged: PagedKV, metrics: dict, budget_blocks: int, protec
     for top, layer, head, _, members in chunks[: max(held_blocks - budget_blocks, 0)]:
         if top < math.inf:
             evicted[layer, head] = members
-    return {(layer, head, p) for (layer, head), kvs in metrics.items() for p in kvs if p not in evicted.get((layer, head), [])}
+    return {
+        (layer, head, p)
+        for (layer, head), kvs in metrics.items()
+        for p in kvs
+        if p not in evicted.get((layer, head), [])
+    }
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
@@ -102,7 +114,8 @@ def test_compression_keeps_exactly_the_intended_kvs_with_positions_and_metrics(b
     assert {(layer, head, p) for (layer, head), kvs in after.items() for p in kvs} == expected
     for (layer, head), kvs in after.items():
         for p, (key, metric) in kvs.items():
-            assert key.tolist() == [layer, head, p, 0.0] and metric == before[layer, head][p][1]  # each KV moved with its position and metric
+            # each KV moved with its position and metric
+            assert key.tolist() == [layer, head, p, 0.0] and metric == before[layer, head][p][1]
         assert list(kvs) == sorted(kvs)  # survivors keep their order
     assert paged.blocks_in_use() <= 2 * 2 * 10 // block_size
     assert freed == blocks_before - paged.blocks_in_use() == paged.pool.free_blocks() - free_before
@@ -115,7 +128,9 @@ def test_block_size_one_keeps_the_top_k_over_all_layers_and_heads():
     before = held(paged)
     paged.budget[0] = 7
     paged.compress_row(0)
-    everything = sorted(((m, layer, head, p) for (layer, head), kvs in before.items() for p, (_, m) in kvs.items()), reverse=True)
+    everything = sorted(
+        ((m, layer, head, p) for (layer, head), kvs in before.items() for p, (_, m) in kvs.items()), reverse=True
+    )
     top_k = {(layer, head, p) for _, layer, head, p in everything[: 3 * 3 * 7]}
     assert {(layer, head, p) for (layer, head), kvs in held(paged).items() for p in kvs} == top_k
     lengths = paged.length[:, 0].flatten().tolist()
@@ -149,21 +164,29 @@ def test_pool_invariants_hold_through_prefill_compression_and_decoding(block_siz
     paged.budget.fill_(budget)
     for layer in range(L):
         paged.write_prompt(
-            layer, input_pos, torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g), torch.randn(B, 2 * H, T, D, generator=g)
+            layer,
+            input_pos,
+            torch.randn(B, H, T, D, generator=g),
+            torch.randn(B, H, T, D, generator=g),
+            torch.randn(B, 2 * H, T, D, generator=g),
         )
     check_pool_invariants(paged)
     for step in range(6):
         current = torch.tensor(lengths)[:, None] + step
         for layer in range(L):
-            keys, values, pos = paged.append(layer, current, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+            keys, values, pos = paged.append(
+                layer, current, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+            )
             assert (pos == current[:, :, None]).sum(dim=-1).eq(1).all()  # the new token is attended, once per head
             probs = torch.rand(B, H, 2, 1, pos.shape[-1], generator=g).masked_fill(pos[:, :, None, None] < 0, 0.0)
             paged.observe(layer, probs)
         paged.maintain()
         check_pool_invariants(paged)
         blocks = (paged.table >= 0).sum(dim=(0, 2, 3))
-        least = L * H * -(-(paged.protect + block_size - 1) // block_size)  # the chunks holding a head's protected KVs stay
-        assert (blocks <= max(budget * L * H // block_size, least) + L * H).all()  # + a block per head for the next token
+        # the chunks holding a head's protected KVs stay
+        least = L * H * -(-(paged.protect + block_size - 1) // block_size)
+        # + a block per head for the next token
+        assert (blocks <= max(budget * L * H // block_size, least) + L * H).all()
 
 
 def test_paged_view_attends_like_a_contiguous_cache_of_each_heads_kvs():
@@ -194,7 +217,11 @@ def test_prompt_metrics_agree_with_a_direct_computation():
     B, H, group, T, D = 1, 2, 2, 30, 8
     k, q = torch.randn(B, H, T, D), torch.randn(B, H * group, T, D)
     input_pos = torch.arange(T)[None]
-    probs = (q.view(B, H, group, T, D) @ k[:, :, None].transpose(-1, -2) / D**0.5).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf")).softmax(dim=-1)
+    probs = (
+        (q.view(B, H, group, T, D) @ k[:, :, None].transpose(-1, -2) / D**0.5)
+        .masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        .softmax(dim=-1)
+    )
     window = PagedKV(1, B, H, D, torch.float32, None, history=T, window=8, kernel=7)
     squared = probs[..., -8:, :].square().sum(dim=(2, 3))
     pooled = torch.nn.functional.max_pool1d(squared.view(H, 1, T), 7, stride=1, padding=3).view(B, H, T)
@@ -220,13 +247,17 @@ def test_decode_attention_accumulates_squared_probabilities():
 def test_an_exhausted_pool_says_so():
     paged = PagedKV(1, 1, 2, 4, torch.float32, None, history=64, block_size=4, pool_blocks=5)
     with pytest.raises(PoolExhausted, match="the pool has 5 free blocks of 5, 6 needed"):
-        paged.write_prompt(0, torch.arange(10)[None], torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 4, 10, 4))
+        paged.write_prompt(
+            0, torch.arange(10)[None], torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 4, 10, 4)
+        )
 
 
 def test_kvcompress_without_eviction_equals_the_full_cache(tiny_model):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
     full = generate(tiny_model, prompts, 16, spec_for(tiny_model, "full"), max_seq_length=40)
-    paged = generate(tiny_model, prompts, 16, spec_for(tiny_model, "kvcompress", 40, kvc_block_size=4), max_seq_length=40)
+    paged = generate(
+        tiny_model, prompts, 16, spec_for(tiny_model, "kvcompress", 40, kvc_block_size=4), max_seq_length=40
+    )
     assert paged.tokens == full.tokens and paged.cache_stats["kvcompress: blocks freed"] == 0
 
 
@@ -238,21 +269,30 @@ def test_kvcompress_batch_equals_one_by_one_and_compiled_equals_eager(tiny_model
     alone = [generate(tiny_model, [p], 24, spec, **kwargs) for p in prompts]
     assert [a.tokens[0] for a in alone] == batch.tokens
     assert batch.cache_stats["kvcompress: blocks freed"] > 0
-    assert batch.tokens != generate(tiny_model, prompts, 24, spec_for(tiny_model, "full"), max_seq_length=44).tokens  # compression changed something
+    # compression changed something
+    assert batch.tokens != generate(tiny_model, prompts, 24, spec_for(tiny_model, "full"), max_seq_length=44).tokens
     torch._dynamo.reset()
     compiled = generate(tiny_model, prompts, 24, spec, decode_step=compile_decode_step(torch.device("cpu")), **kwargs)
     assert compiled.tokens == batch.tokens and compiled.cache_stats == batch.cache_stats
 
 
-SERVED = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12], [5, 5, 19, 44, 2, 61, 38, 20, 16, 9, 3, 27]]
+SERVED = [
+    [3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1],
+    [7, 21, 63, 1, 8, 30, 45, 12],
+    [5, 5, 19, 44, 2, 61, 38, 20, 16, 9, 3, 27],
+]
 
 
 def test_continuous_batching_equals_one_by_one_and_frees_every_block(tiny_model):
     options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3)
-    alone = [generate(tiny_model, [p], 20, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40).tokens[0] for p in SERVED]
+    alone = [
+        generate(tiny_model, [p], 20, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40).tokens[0]
+        for p in SERVED
+    ]
     result = serve(tiny_model, SERVED, 20, 2, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40)
     assert result.tokens == alone and result.preemptions == 0
-    assert max(result.rows_in_flight) == 2 and result.rows_in_flight[-1] == 1  # the third request joined when a row freed
+    # the third request joined when a row freed
+    assert max(result.rows_in_flight) == 2 and result.rows_in_flight[-1] == 1
     paged = tiny_model.layers[0].attention.kv_cache.paged
     assert paged.pool.free_blocks() == paged.pool.n_blocks and not paged.active.any()
 
@@ -260,26 +300,57 @@ def test_continuous_batching_equals_one_by_one_and_frees_every_block(tiny_model)
 def test_a_fixed_pool_holds_more_compressed_sequences_and_preempts_when_it_runs_out(tiny_model):
     prompts = SERVED * 2
     options = dict(kvc_block_size=2, kvc_window=4, kvc_protect=3, kvc_pool_blocks=120)
-    full, compressed = (serve(tiny_model, prompts, 16, 6, spec_for(tiny_model, "kvcompress", length, **options), max_seq_length=40) for length in (1.0, 0.25))
-    assert max(compressed.rows_in_flight) > max(full.rows_in_flight) and full.peak_blocks <= 120 >= compressed.peak_blocks
+    full, compressed = (
+        serve(tiny_model, prompts, 16, 6, spec_for(tiny_model, "kvcompress", length, **options), max_seq_length=40)
+        for length in (1.0, 0.25)
+    )
+    assert (
+        max(compressed.rows_in_flight) > max(full.rows_in_flight) and full.peak_blocks <= 120 >= compressed.peak_blocks
+    )
     heads = 2 * 2  # layers x KV heads
-    uncompressed = sum(heads * -(-(len(p) + 16) // 2) for p in prompts)  # blocks the six sequences need uncompressed: 352
-    budgets = sum(heads * round(0.25 * (len(p) + 16)) // 2 + heads for p in prompts)  # in blocks, + a growing block per head: 112
-    assert full.peak_blocks == 72 + 48 == 120  # two sequences uncompressed (prompts of 20 and 8 tokens + 16) fill the pool
-    assert compressed.peak_blocks == budgets < uncompressed and max(compressed.rows_in_flight) == 6  # all six at their budgets at once
+    # blocks the six sequences need uncompressed: 352
+    uncompressed = sum(heads * -(-(len(p) + 16) // 2) for p in prompts)
+    # in blocks, + a growing block per head: 112
+    budgets = sum(heads * round(0.25 * (len(p) + 16)) // 2 + heads for p in prompts)
+    # two sequences uncompressed (prompts of 20 and 8 tokens + 16) fill the pool
+    assert full.peak_blocks == 72 + 48 == 120
+    # all six at their budgets at once
+    assert compressed.peak_blocks == budgets < uncompressed and max(compressed.rows_in_flight) == 6
     protected = spec_for(tiny_model, "kvcompress", 0.25, **{**options, "kvc_protect": 40, "kvc_pool_blocks": 90})
     uncompressible = serve(tiny_model, prompts, 16, 6, protected, max_seq_length=40)
-    assert uncompressible.preemptions > 0 and [len(t) for t in uncompressible.tokens] == [16] * len(prompts)  # every KV protected: they outgrow the pool
+    # every KV protected: they outgrow the pool
+    assert uncompressible.preemptions > 0 and [len(t) for t in uncompressible.tokens] == [16] * len(prompts)
     with pytest.raises(ValueError, match=r"request 0 \(20 prompt tokens\) needs 48 blocks; the pool has 30"):
-        serve(tiny_model, prompts, 4, 2, spec_for(tiny_model, "kvcompress", 1.0, **{**options, "kvc_pool_blocks": 30}), max_seq_length=40)
+        serve(
+            tiny_model,
+            prompts,
+            4,
+            2,
+            spec_for(tiny_model, "kvcompress", 1.0, **{**options, "kvc_pool_blocks": 30}),
+            max_seq_length=40,
+        )
 
 
 def test_cli_serves_a_prompts_file(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("The capital of France is\n\nWater boils at\nThe largest planet is\n")
-    proc = run_cli("--cache_strategy", "kvcompress", "--prompts_file", str(path), "--batch_size", "2", "--max_new_tokens", "5", "--ignore_eos")
+    proc = run_cli(
+        "--cache_strategy",
+        "kvcompress",
+        "--prompts_file",
+        str(path),
+        "--batch_size",
+        "2",
+        "--max_new_tokens",
+        "5",
+        "--ignore_eos",
+    )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(line.split("]")[0] for line in proc.stdout.splitlines() if line.startswith("--- [")) == ["--- [0", "--- [1", "--- [2"]
+    assert sorted(line.split("]")[0] for line in proc.stdout.splitlines() if line.startswith("--- [")) == [
+        "--- [0",
+        "--- [1",
+        "--- [2",
+    ]
     assert "served 3 requests" in proc.stderr and "15 tokens generated" in proc.stderr and "at most 2)" in proc.stderr
 
 
@@ -292,7 +363,9 @@ def test_compiled_decode_compiles_a_log_bounded_number_of_view_widths(tiny_model
     eager = generate(tiny_model, prompt, 110, spec, max_seq_length=120)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # graphs compiled by earlier tests do not count
-    compiled = generate(tiny_model, prompt, 110, spec, max_seq_length=120, decode_step=compile_decode_step(torch.device("cpu")))
+    compiled = generate(
+        tiny_model, prompt, 110, spec, max_seq_length=120, decode_step=compile_decode_step(torch.device("cpu"))
+    )
     assert compiled.tokens == eager.tokens
     paged = tiny_model.layers[0].attention.kv_cache.paged
     widths = {min(paged.max_blocks, VIEW_ROUND << i) for i in range(paged.max_blocks.bit_length())}
@@ -310,27 +383,48 @@ def test_the_default_pool_is_sized_from_the_budget_and_allocates_less_than_a_ful
     paged = tiny_model.layers[0].attention.kv_cache.paged
     assert paged.pool.n_blocks < paged.full_pool
     assert sized.kv_cache_bytes == paged.pool.n_blocks * paged.pool.block_bytes() < sized.full_cache_bytes
-    assert sized.cache_stats["kvcompress: bytes in use"] == sized.cache_stats["kvcompress: blocks in use"] * paged.pool.block_bytes() <= sized.kv_cache_bytes
-    old = generate(tiny_model, prompts, 40, spec_for(tiny_model, "kvcompress", 0.25, **options, kvc_pool_blocks=paged.full_pool), max_seq_length=60)
+    assert (
+        sized.cache_stats["kvcompress: bytes in use"]
+        == sized.cache_stats["kvcompress: blocks in use"] * paged.pool.block_bytes()
+        <= sized.kv_cache_bytes
+    )
+    old = generate(
+        tiny_model,
+        prompts,
+        40,
+        spec_for(tiny_model, "kvcompress", 0.25, **options, kvc_pool_blocks=paged.full_pool),
+        max_seq_length=60,
+    )
     assert old.tokens == sized.tokens and old.kv_cache_bytes > sized.full_cache_bytes
     text = cache_report("kvcompress", sized)
     mib = sized.kv_cache_bytes / 2**20
-    assert f"{mib:.1f} MiB allocated (a block pool; {sized.cache_stats['kvcompress: bytes in use'] / 2**20:.1f} MiB in blocks in use)" in text
-    assert f"{sized.kv_cache_bytes / sized.full_cache_bytes:.2f}x the" in text and "bytes in use" not in text.split("\n", 1)[1]
+    assert (
+        f"{mib:.1f} MiB allocated (a block pool; {sized.cache_stats['kvcompress: bytes in use'] / 2**20:.1f} "
+        "MiB in blocks in use)" in text
+    )
+    assert (
+        f"{sized.kv_cache_bytes / sized.full_cache_bytes:.2f}x the" in text
+        and "bytes in use" not in text.split("\n", 1)[1]
+    )
     dense = generate(tiny_model, prompts, 4, spec_for(tiny_model, "full"), max_seq_length=60)
     assert "MiB allocated (buffers sized by max_seq_length), " in cache_report("full", dense)
 
 
 def test_an_exhausted_pool_is_a_user_error_naming_the_blocks_and_the_flag(tiny_model):
     spec = spec_for(tiny_model, "kvcompress", 0.5, kvc_block_size=2, kvc_pool_blocks=1)
-    with pytest.raises(ValueError, match=r"the pool has 1 free blocks of 1, 10 needed; raise --kvc_pool_blocks to at least 10"):
+    with pytest.raises(
+        ValueError, match=r"the pool has 1 free blocks of 1, 10 needed; raise --kvc_pool_blocks to at least 10"
+    ):
         generate(tiny_model, [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40]], 4, spec)
 
 
 def test_cli_reports_an_exhausted_pool_in_one_line():
     proc = run_cli("--cache_strategy", "kvcompress", "--kvc_pool_blocks", "1", "--max_new_tokens", "2")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: kvcompress: the pool has 1 free blocks of 1") and "--kvc_pool_blocks" in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("error: kvcompress: the pool has 1 free blocks of 1")
+        and "--kvc_pool_blocks" in proc.stderr
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -350,13 +444,19 @@ def test_flex_attention_over_the_pool_equals_attention_over_the_gathered_view(co
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
     input_pos = torch.tensor([[45], [45], [-1]])
     keys, values, pos = gathered.append(0, input_pos, k, v)
-    expected, _ = grouped_attention(q, keys, values, (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= input_pos[:, None, :, None]), False)
+    expected, _ = grouped_attention(
+        q, keys, values, (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= input_pos[:, None, :, None]), False
+    )
     attend = torch.compile(paged.attend) if compiled else paged.attend
     y = attend(0, input_pos, k, v, q)
     assert (paged.length[0, 0] != paged.length[0, 1]).any() and (paged.length[0, :2] % 4 != 0).all()
     torch.testing.assert_close(y[:2], expected[:2])
     assert (y[2] == 0).all()
-    assert torch.equal(paged.length, gathered.length) and torch.equal(paged.pool.k, gathered.pool.k) and torch.equal(paged.pool.pos, gathered.pool.pos)
+    assert (
+        torch.equal(paged.length, gathered.length)
+        and torch.equal(paged.pool.k, gathered.pool.k)
+        and torch.equal(paged.pool.pos, gathered.pool.pos)
+    )
 
 
 def test_kvcompress_with_flex_attention_generates_the_gathered_paths_tokens_eager_compiled_and_served(tiny_model):
@@ -366,18 +466,30 @@ def test_kvcompress_with_flex_attention_generates_the_gathered_paths_tokens_eage
     spec = spec_for(tiny_model, "kvcompress", 0.4, kvc_attention="flex", **options)
     flex = generate(tiny_model, prompts, 24, spec, max_seq_length=44)
     assert tiny_model.layers[0].attention.kv_cache.attends_itself
-    assert flex.tokens == gathered.tokens and flex.cache_stats == gathered.cache_stats and flex.cache_stats["kvcompress: blocks freed"] > 0
+    assert (
+        flex.tokens == gathered.tokens
+        and flex.cache_stats == gathered.cache_stats
+        and flex.cache_stats["kvcompress: blocks freed"] > 0
+    )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step = compile_decode_step(torch.device("cpu"))
     compiled = generate(tiny_model, prompts, 24, spec, max_seq_length=44, decode_step=step)
-    assert compiled.tokens == gathered.tokens and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one block-mask shape: no recompiles
+    # one block-mask shape: no recompiles
+    assert compiled.tokens == gathered.tokens and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     other = [SERVED[2], SERVED[1][:3]]  # a batch whose pool is sized differently: one more graph, at that size
-    gathered_other = generate(tiny_model, other, 24, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=44)
+    gathered_other = generate(
+        tiny_model, other, 24, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=44
+    )
     assert generate(tiny_model, other, 24, spec, max_seq_length=44, decode_step=step).tokens == gathered_other.tokens
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     served = serve(tiny_model, SERVED, 12, 2, spec, max_seq_length=40)
-    assert served.tokens == serve(tiny_model, SERVED, 12, 2, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40).tokens
+    assert (
+        served.tokens
+        == serve(
+            tiny_model, SERVED, 12, 2, spec_for(tiny_model, "kvcompress", 0.4, **options), max_seq_length=40
+        ).tokens
+    )
 
 
 def test_flex_attention_with_continual_compression_is_refused_naming_both_settings():
@@ -398,7 +510,8 @@ def test_a_pool_sized_for_a_batch_is_refused_before_allocating_more_than_is_free
     assert pool.n_blocks == 14
     with pytest.raises(
         ValueError,
-        match=r"the pool needs 25 blocks of 16 slots \(--kvc_block_size\).*lower --kvc_block_size or --batch_size.*at most 24 blocks of this size fit",
+        match=r"the pool needs 25 blocks of 16 slots \(--kvc_block_size\).*lower --kvc_block_size or "
+        r"--batch_size.*at most 24 blocks of this size fit",
     ):
         getattr(pool, how)(25)
     assert pool.n_blocks == 14

@@ -26,10 +26,19 @@ RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
 # compression (SnapKV, per query head too), layer budgets planned from hooked attention outputs (squeeze),
 # mixed per-layer strategies, token ids (hybrid). `random` is checked by sampling (see tp_worker.py).
 CORE = (
-    "full heavy_hitter snapkv snapkv_per_query_head ada_snapkv kvcompress kvc_ada_snapkv kvc_ada_pyramidkv clusterkv quest squeeze_heavy_hitter "
-    "quantized_4bit hybrid keydiff l2 tova tova_per_head window local_global expected_attention lagkv rkv duo_attention"
+    "full heavy_hitter snapkv snapkv_per_query_head ada_snapkv kvcompress kvc_ada_snapkv kvc_ada_pyramidkv "
+    "clusterkv quest squeeze_heavy_hitter quantized_4bit hybrid keydiff l2 tova tova_per_head window "
+    "local_global expected_attention lagkv rkv duo_attention"
 ).split()
-ACROSS_HEADS = {"ada_snapkv", "kvcompress", "kvc_ada_snapkv", "kvc_ada_pyramidkv", "ada_pyramidkv", "ada_expected_attention", "kvzip"}
+ACROSS_HEADS = {
+    "ada_snapkv",
+    "kvcompress",
+    "kvc_ada_snapkv",
+    "kvc_ada_pyramidkv",
+    "ada_pyramidkv",
+    "ada_expected_attention",
+    "kvzip",
+}
 # A sharded matmul sums in another order (differences of ~1e-6); 4-bit codes round those into different
 # codes now and then, so after a few tokens the text may part from one process's: the first 8 must agree.
 ROUNDING_SENSITIVE = {"quantized_4bit"}
@@ -39,8 +48,21 @@ OTHERS = sorted(set(RECORDED["configs"]) - set(CORE) - {"random"})
 
 def torchrun(tmp_path, *args: str) -> list[dict]:
     """Run tests/tp_worker.py on 2 ranks; what each rank saw."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "tests/tp_worker.py"), str(tmp_path), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "KVLAB_KERNELS": "torch"})  # as recorded: conftest.torch_kernels
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests/tp_worker.py"),
+        str(tmp_path),
+        *args,
+    ]
+    # as recorded: conftest.torch_kernels
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "KVLAB_KERNELS": "torch"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -70,8 +92,13 @@ def check_against_one_process(ranks: list[dict], names: list[str], smollm) -> No
                 assert seen[name]["tokens"] == expected, name
         if name in ACROSS_HEADS:
             torch.manual_seed(0)
-            alone = one_process_slots(model, cache_spec(load_cache_config(name), model.config.n_layer, tokenizer), prompts)
-            sharded = [[r0 + r1 for r0, r1 in zip(l0, l1, strict=True)] for l0, l1 in zip(ranks[0][name]["slots"], ranks[1][name]["slots"], strict=True)]
+            alone = one_process_slots(
+                model, cache_spec(load_cache_config(name), model.config.n_layer, tokenizer), prompts
+            )
+            sharded = [
+                [r0 + r1 for r0, r1 in zip(l0, l1, strict=True)]
+                for l0, l1 in zip(ranks[0][name]["slots"], ranks[1][name]["slots"], strict=True)
+            ]
             assert sharded == alone, name
 
 
@@ -108,7 +135,11 @@ def test_torchrun_generate_prints_the_text_of_one_process():
     flags = ["generate.py", "--cache_strategy", "heavy_hitter", "--max_new_tokens", "24"]
     alone = subprocess.run([sys.executable, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     sharded = subprocess.run(
-        [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert alone.returncode == sharded.returncode == 0, sharded.stderr[-2000:]
     assert sharded.stdout == alone.stdout and len(alone.stdout) > 50
@@ -137,7 +168,11 @@ def test_heads_split_unevenly_and_a_rank_finds_its_own(monkeypatch):
     assert parallel.local_heads(x) is x and parallel.all_heads(3) == 3  # one process: the identity
     monkeypatch.setattr(parallel, "_shard", parallel.HeadShard(1, (2, 1)))  # rank 1 of 2: KV head 2
     assert parallel.local_heads(x).flatten().tolist() == [6.0, 7.0, 8.0]  # its query heads
-    assert parallel.local_heads(x[:, :3]).flatten().tolist() == [2.0] and parallel.all_heads(1) == 3 and parallel.all_heads(3) == 9
+    assert (
+        parallel.local_heads(x[:, :3]).flatten().tolist() == [2.0]
+        and parallel.all_heads(1) == 3
+        and parallel.all_heads(3) == 9
+    )
     assert parallel.first_head() == 2
 
 

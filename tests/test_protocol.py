@@ -22,11 +22,13 @@ from kvlab.strategies import CACHE_STRATEGIES
 from kvlab.tasks import resolve_tasks
 
 PROMPTS = [
-    "The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, and the birds that rested on the rail. "
-    "One winter a storm broke the lamp, and for three nights he kept a lantern burning by hand. Question: what broke the lamp?",
-    "Rivers carry sand to the sea, and the sea sorts it by size, so that beaches of fine sand lie where the water is calm and "
-    "pebbles where the waves break hard. Over centuries a storm can move a whole beach along the coast, and towns have built walls "
-    "and groynes to hold it in place. Question: where do beaches of fine sand lie?",
+    "The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, and the birds "
+    "that rested on the rail. One winter a storm broke the lamp, and for three nights he kept a lantern burning "
+    "by hand. Question: what broke the lamp?",
+    "Rivers carry sand to the sea, and the sea sorts it by size, so that beaches of fine sand lie where the "
+    "water is calm and pebbles where the waves break hard. Over centuries a storm can move a whole beach along "
+    "the coast, and towns have built walls and groynes to hold it in place. Question: where do beaches of fine "
+    "sand lie?",
 ]
 
 
@@ -72,7 +74,10 @@ def test_rows_decoding_different_question_lengths_equal_each_alone(smollm):
     decoded = [len(ids) - q for ids, q in encoded]
     assert decoded[0] != decoded[1]
     batch = generate(model, [ids for ids, _ in encoded], 8, spec, decoded_prompt_tokens=decoded).tokens
-    alone = [generate(model, [ids], 8, spec, decoded_prompt_tokens=[d]).tokens[0] for (ids, _), d in zip(encoded, decoded, strict=True)]
+    alone = [
+        generate(model, [ids], 8, spec, decoded_prompt_tokens=[d]).tokens[0]
+        for (ids, _), d in zip(encoded, decoded, strict=True)
+    ]
     assert batch == alone
 
 
@@ -80,7 +85,10 @@ def test_a_full_cache_gives_the_same_answer_whichever_protocol(smollm):
     model, tokenizer, _ = smollm
     ids, question = encode(tokenizer, PROMPTS[1])
     spec = cache_spec({}, model.config.n_layer)
-    assert generate(model, [ids], 8, spec, decoded_prompt_tokens=[len(ids) - question]).tokens == generate(model, [ids], 8, spec).tokens
+    assert (
+        generate(model, [ids], 8, spec, decoded_prompt_tokens=[len(ids) - question]).tokens
+        == generate(model, [ids], 8, spec).tokens
+    )
 
 
 @pytest.mark.parametrize("head_budget", ["uniform", "adakv"])
@@ -154,8 +162,12 @@ def test_a_ratio_with_chunks_keeps_chunkkv_press_whole_chunks(smollm):
     the same chunks in every head of a layer."""
     model, tokenizer, _ = smollm
     ids, question = encode(tokenizer, PROMPTS[1])
-    settings = dict(prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1)
-    build_caches(model, ratio_spec(model, "heavy_hitter", 0.5, **settings), [len(ids)], 4, len(ids) + 4, prefilled=[question])
+    settings = dict(
+        prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1
+    )
+    build_caches(
+        model, ratio_spec(model, "heavy_hitter", 0.5, **settings), [len(ids)], 4, len(ids) + 4, prefilled=[question]
+    )
     with torch.no_grad():
         model(torch.tensor([ids[:question]]), torch.arange(question)[None], prefill=True)
     newest = question // 5
@@ -208,15 +220,24 @@ def test_a_ratio_decode_skips_the_eviction_score_and_generates_the_same(smollm, 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "max_cache_length": 0.5}, "give --compression_ratio or --max_cache_length"),
-        ({"cache_strategy": "hybrid", "compression_ratio": 0.5}, "applies to strategies that rank the prompt or recall it .*quest.*, not hybrid"),
+        (
+            {"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "max_cache_length": 0.5},
+            "give --compression_ratio or --max_cache_length",
+        ),
+        (
+            {"cache_strategy": "hybrid", "compression_ratio": 0.5},
+            "applies to strategies that rank the prompt or recall it .*quest.*, not hybrid",
+        ),
         ({"cache_strategy": "kvcompress", "compression_ratio": 0.5}, "not kvcompress"),
         (
             {"cache_strategy": "heavy_hitter", "compression_ratio": 0.5, "layer_budget": "squeeze"},
             "takes --layer_budget uniform, pyramid or funnel .*not squeeze",
         ),
         ({"cache_strategy": "full", "compression_ratio": 0.5}, "needs a compressing --cache_strategy"),
-        ({"cache_strategy": "heavy_hitter", "compression_ratio": 1.0}, r"compression_ratio must be a fraction in \[0, 1\), got 1.0"),
+        (
+            {"cache_strategy": "heavy_hitter", "compression_ratio": 1.0},
+            r"compression_ratio must be a fraction in \[0, 1\), got 1.0",
+        ),
     ],
 )
 def test_bad_ratio_settings_are_named(settings, message):
@@ -228,34 +249,59 @@ def test_ruler_prompts_split_before_their_question(smollm):
     _, tokenizer, _ = smollm
     for task in resolve_tasks(["ruler"]):
         for example in task.examples(tokenizer, 2, 0, 1024):
-            context, rest = tokenizer.decode(example.input_ids[: example.question_start]), tokenizer.decode(example.input_ids[example.question_start :])
+            context, rest = (
+                tokenizer.decode(example.input_ids[: example.question_start]),
+                tokenizer.decode(example.input_ids[example.question_start :]),
+            )
             assert rest.lstrip("\n").startswith(task.question.lstrip("\n")[:10]), (task.name, rest[:40])
-            assert task.question not in context[-len(task.question) - 20 :]  # the split is at the last question: vt and cwe repeat it in their example
+            # the split is at the last question: vt and cwe repeat it in their example
+            assert task.question not in context[-len(task.question) - 20 :]
             assert 20 <= len(example.input_ids) - example.question_start <= 150  # question, end of turn, answer prefix
 
 
 def test_query_agnostic_ratio_sweep_writes_its_own_runs(tmp_path):
-    common = ["--out_dir", str(tmp_path), "--tasks", "niah_single_1", "--context_lengths", "400", "--num_samples", "2", "--batch_size", "2"]
+    common = [
+        "--out_dir",
+        str(tmp_path),
+        "--tasks",
+        "niah_single_1",
+        "--context_lengths",
+        "400",
+        "--num_samples",
+        "2",
+        "--batch_size",
+        "2",
+    ]
     kv_eval.main([*common, "--cache_config", "full", "snapkv", "--compression_ratios", "0.5", "--query_agnostic"])
     kv_eval.main([*common, "--cache_config", "snapkv", "--compression_ratios", "0.5"])
-    runs = sorted((p.parent.relative_to(tmp_path).as_posix(), run) for p in tmp_path.glob("*/*/runs.json") for run in read_runs(p.parent))
+    runs = sorted(
+        (p.parent.relative_to(tmp_path).as_posix(), run)
+        for p in tmp_path.glob("*/*/runs.json")
+        for run in read_runs(p.parent)
+    )
     assert runs == [
         ("SmolLM2-135M-Instruct/full", "full"),
         ("SmolLM2-135M-Instruct/snapkv", "ratio0.5"),
         ("SmolLM2-135M-Instruct/snapkv", "ratio0.5+query_agnostic"),
     ]
-    assert read_runs(tmp_path / "SmolLM2-135M-Instruct/snapkv")["ratio0.5+query_agnostic"]["args"]["key"]["query_agnostic"] is True
+    assert (
+        read_runs(tmp_path / "SmolLM2-135M-Instruct/snapkv")["ratio0.5+query_agnostic"]["args"]["key"]["query_agnostic"]
+        is True
+    )
     rows = {(r["config"], r["size"], r["query_agnostic"]) for r in csv.DictReader((tmp_path / "summary.csv").open())}
     assert rows == {("full", "full", "False"), ("snapkv", "ratio0.5", "False"), ("snapkv", "ratio0.5", "True")}
     records = read_config_records(tmp_path / "SmolLM2-135M-Instruct/snapkv")
     aware, agnostic = (list(records[run, "niah_single_1@400"].values()) for _, run in runs[1:])
-    for a, b in zip(aware, agnostic, strict=True):  # half the prompt removed, or half the context only; the answer kept in both
+    # half the prompt removed, or half the context only; the answer kept in both
+    for a, b in zip(aware, agnostic, strict=True):
         assert 1.0 < b["compression"] < a["compression"] < 2.0
 
 
 def test_query_agnostic_needs_a_context_question_split(tmp_path):
     with pytest.raises(SystemExit):
-        kv_eval.main(["--out_dir", str(tmp_path), "--tasks", "book_kjv", "--cache_config", "snapkv", "--query_agnostic"])
+        kv_eval.main(
+            ["--out_dir", str(tmp_path), "--tasks", "book_kjv", "--cache_config", "snapkv", "--query_agnostic"]
+        )
 
 
 def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monkeypatch):
@@ -299,11 +345,13 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         ("query_aware", "kvzip", 0.5, 70.0, 1),
     ]
     assert (
-        "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |\n| quest ‡ | 70.0 |\n\n‡ recallable" in (tmp_path / "leaderboard.md").read_text()
+        "| kvzip | 60.0 |\n| snapkv | 20.0 (1/2 tasks) |\n| quest ‡ | 70.0 |\n\n‡ recallable"
+        in (tmp_path / "leaderboard.md").read_text()
     )  # a sweep still running
     assert "| kvzip | 70.0 (1/2 tasks) |" in (tmp_path / "leaderboard.md").read_text()
     assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "leaderboard.json").read_text()) == {  # the cells over every task, as a script reads them
+    # the cells over every task, as a script reads them
+    assert json.loads((tmp_path / "leaderboard.json").read_text()) == {
         "full": {"query_agnostic": {"0": 70.0}, "query_aware": {"0": 70.0}},
         "kvzip": {"query_agnostic": {"0.5": 60.0}},
         "quest": {"query_agnostic": {"0.5": 70.0}},
@@ -312,10 +360,23 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: figures.append(fig))
     leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024"])
     plotted = [{line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} for ax in figures[0].axes]
-    assert plotted == [{"kvzip": [70.0, 60.0], "quest": [70.0, 70.0]}]  # the cells over fewer tasks than the full cache are left out of the plot
-    leaderboard.main(["--table_only", "--out_dir", str(tmp_path), "--context_length", "1024", "--methods", "kvzip", "docs/ablations/ea_epsilon.yaml"])
+    # the cells over fewer tasks than the full cache are left out of the plot
+    assert plotted == [{"kvzip": [70.0, 60.0], "quest": [70.0, 70.0]}]
+    leaderboard.main(
+        [
+            "--table_only",
+            "--out_dir",
+            str(tmp_path),
+            "--context_length",
+            "1024",
+            "--methods",
+            "kvzip",
+            "docs/ablations/ea_epsilon.yaml",
+        ]
+    )
     assert (
-        "| kvzip | 60.0 |\n| ea_epsilon | 20.0 |\n" in (tmp_path / "leaderboard.md").read_text() and "snapkv" not in (tmp_path / "leaderboard.md").read_text()
+        "| kvzip | 60.0 |\n| ea_epsilon | 20.0 |\n" in (tmp_path / "leaderboard.md").read_text()
+        and "snapkv" not in (tmp_path / "leaderboard.md").read_text()
     )
     figures.clear()
     points = [
@@ -325,14 +386,28 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         ("query_aware", "full", 0.0),
         ("query_aware", "kvzip", 0.5),
     ]
-    leaderboard.plot([dict(mode=mode, method=method, ratio=ratio, score=50.0) for mode, method, ratio in points], tmp_path / "again.png")
+    leaderboard.plot(
+        [dict(mode=mode, method=method, ratio=ratio, score=50.0) for mode, method, ratio in points],
+        tmp_path / "again.png",
+    )
     colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in figures[0].axes]
     assert set(colours[0]) == {"ablation", "kvzip"} and set(colours[1]) == {"kvzip"}
     assert colours[0]["kvzip"] == colours[1]["kvzip"]  # a method keeps its colour when another panel has fewer methods
     args = leaderboard.build_parser().parse_args(["--methods", "kvzip", "--ratios", "0.5", "--num_samples", "3"])
-    assert leaderboard.sweep_args(args, True)[-1] == "--query_agnostic" and "--compression_ratios" in leaderboard.sweep_args(args, False)
+    assert leaderboard.sweep_args(args, True)[
+        -1
+    ] == "--query_agnostic" and "--compression_ratios" in leaderboard.sweep_args(args, False)
     eval_py = str(ROOT / "eval.py")
     assert leaderboard.sweep_command(args, True) == [sys.executable, eval_py, *leaderboard.sweep_args(args, True)]
     args.processes = 2
-    launched = [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", eval_py, *leaderboard.sweep_args(args, False)]
+    launched = [
+        sys.executable,
+        "-m",
+        "kvlab.launch",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        eval_py,
+        *leaderboard.sweep_args(args, False),
+    ]
     assert leaderboard.sweep_command(args, False) == launched

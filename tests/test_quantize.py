@@ -119,7 +119,9 @@ def test_int4_top1_agrees_with_float32(smollm, float_logits, essay_ids):
 
 
 @pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
-@pytest.mark.parametrize("x_bits,top1,ppl", [(32, 0.95, 0.02), (16, 0.95, 0.02), (8, 0.90, 0.05)], ids=["x-float32", "x-int16", "x-int8"])
+@pytest.mark.parametrize(
+    "x_bits,top1,ppl", [(32, 0.95, 0.02), (16, 0.95, 0.02), (8, 0.90, 0.05)], ids=["x-float32", "x-int16", "x-int8"]
+)
 def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, x_bits, top1, ppl, monkeypatch, request):
     """int4 g=32 decode steps on the native kernels, the essay's positions fed one token per step. x in
     float32 or rounded to int16 per block of 32 (the default, on the tiled layout), 256 positions: the
@@ -134,7 +136,8 @@ def test_int4_decode_steps_agree_with_float32(smollm, float_logits, essay_ids, x
     the most)."""
     if x_bits == 8:
         essay_ids, float_logits = request.getfixturevalue("long_essay")
-    monkeypatch.setenv("KVLAB_INT4_X", {32: "float32", 16: "int16", 8: "int8"}[x_bits])  # read as each Linear is prepared
+    # read as each Linear is prepared
+    monkeypatch.setenv("KVLAB_INT4_X", {32: "float32", 16: "int16", 8: "int8"}[x_bits])
     model = quantize_model(copy.deepcopy(smollm[0]), Quantization("int4", 32))
     assert all(module.x_bits == x_bits for module in model.modules() if isinstance(module, Int4Linear))
     name = "gated_int4_tiled" if x_bits == 16 else "gated_int4"  # int16 x reads the tiled layout
@@ -176,7 +179,11 @@ def test_quantized_checkpoint_round_trips(smollm, smollm_dir, essay_ids, tmp_pat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("quant", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64)], ids=["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize(
+    "quant",
+    [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64)],
+    ids=["int8", "int4-g32", "int4-g64"],
+)
 def test_fused_kernel_equals_dequantize_then_matmul(quant, dtype, monkeypatch):
     """torch's fused CPU kernel and the plain path give the same product (K=96 is padded to 128 for g=64).
     In bfloat16 (the CPU's fast path) the inputs, scales and product are rounded to 8-bit mantissas: the
@@ -245,7 +252,9 @@ def test_compiled_step_equals_eager(tiny_model, quant, fused, monkeypatch):
             monkeypatch.delitem(FUSED, ("cpu", mode))
     model = quantize_model(copy.deepcopy(tiny_model), quant)
     assert all(
-        (m.kernel is not None) == fused for m in model.modules() if isinstance(m, Int8Linear | Int4Linear) and m.mode == quant.mode and m.out_features % 16 == 0
+        (m.kernel is not None) == fused
+        for m in model.modules()
+        if isinstance(m, Int8Linear | Int4Linear) and m.mode == quant.mode and m.out_features % 16 == 0
     )
     a = model.config
     model.setup_caches(make_caches("full", a.n_layer, 2, a.n_local_heads, 16, a.head_dim, torch.float32))
@@ -263,7 +272,10 @@ def test_compiled_step_equals_eager(tiny_model, quant, fused, monkeypatch):
     [
         (["--mode", "int3"], "error: unknown quantization mode 'int3'; valid modes: int8, int4"),
         (["--mode", "int4", "--groupsize", "48"], "error: int4 group size must be one of 32, 64, 128, got 48"),
-        (["--mode", "int8", "--groupsize", "64"], "error: int8 is quantized per output channel and takes no group size; group sizes are for int4"),
+        (
+            ["--mode", "int8", "--groupsize", "64"],
+            "error: int8 is quantized per output channel and takes no group size; group sizes are for int4",
+        ),
     ],
 )
 def test_bad_mode_or_groupsize_is_one_clear_error(argv, message, capsys):

@@ -25,7 +25,8 @@ def test_kmeans_assigns_every_key_to_its_most_similar_centroid_and_finds_the_gro
     g = torch.Generator().manual_seed(0)
     directions = F.normalize(torch.randn(3, 16, generator=g), dim=-1)
     group = torch.arange(90) % 3
-    x = (directions[group] + 0.05 * torch.randn(90, 16, generator=g)) * torch.rand(90, 1, generator=g).add(0.5)  # lengths vary: cosine ignores them
+    # lengths vary: cosine ignores them
+    x = (directions[group] + 0.05 * torch.randn(90, 16, generator=g)) * torch.rand(90, 1, generator=g).add(0.5)
     x = torch.stack([x, x.flip(0)])[:, None]  # [2 rows, 1 head, 90, 16]
     valid = torch.ones(2, 1, 90, dtype=torch.bool)
     centroids, labels = cosine_kmeans(x, valid, 3)
@@ -37,7 +38,8 @@ def test_kmeans_assigns_every_key_to_its_most_similar_centroid_and_finds_the_gro
 
 
 def test_kmeans_handles_empty_clusters_and_invalid_points():
-    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])[None]  # two distinct directions among valid points, asked for 3
+    # two distinct directions among valid points, asked for 3
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])[None]
     valid = torch.tensor([[True, True, True, False]])
     centroids, labels = cosine_kmeans(x, valid, 3)
     assert centroids.isfinite().all() and labels[0, 3] == -1
@@ -49,15 +51,30 @@ def test_kmeans_handles_empty_clusters_and_invalid_points():
 def test_each_step_attends_exactly_the_budget_with_sinks_and_recent_tokens(strategy, select):
     torch.manual_seed(0)
     B, H_kv, group, T, D, budget = 2, 2, 2, 100, 8, 40
-    options = dict(cluster_every=6, new_clusters=2, tokens_per_cluster=10) if strategy == "clusterkv" else dict(page_size=8)
-    cache = RECALLABLE[strategy](B, H_kv, budget, D, torch.float32, history=120, n_heads=H_kv * group, sink_tokens=4, recall_select=select, **options)
+    options = (
+        dict(cluster_every=6, new_clusters=2, tokens_per_cluster=10) if strategy == "clusterkv" else dict(page_size=8)
+    )
+    cache = RECALLABLE[strategy](
+        B,
+        H_kv,
+        budget,
+        D,
+        torch.float32,
+        history=120,
+        n_heads=H_kv * group,
+        sink_tokens=4,
+        recall_select=select,
+        **options,
+    )
     lengths = torch.tensor([100, 70])
     input_pos = torch.where(torch.arange(T) < lengths[:, None], torch.arange(T), -1)
     cache.prefill(input_pos, torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv * group, T, D))
     heads = H_kv if select == "kv_head" else H_kv * group
     for step in range(14):
         current = (lengths + step)[:, None]
-        keys, values, pos = cache.update(current, torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv * group, 1, D))
+        keys, values, pos = cache.update(
+            current, torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv, 1, D), torch.randn(B, H_kv * group, 1, D)
+        )
         cache.maintain()
         assert keys.shape == (B, heads, budget, D) and pos.shape == (B, heads, budget)
         for row in range(B):
@@ -67,7 +84,10 @@ def test_each_step_attends_exactly_the_budget_with_sinks_and_recent_tokens(strat
                 attended = pos[row, head].tolist()
                 assert len(set(attended)) == budget and all(0 <= p < n for p in attended)
                 assert set(range(4)) | set(recent) <= set(attended)
-        assert torch.equal(keys, cache.storage.k.repeat_interleave(heads // H_kv, dim=1).gather(2, pos[..., None].expand(-1, -1, -1, D)))
+        assert torch.equal(
+            keys,
+            cache.storage.k.repeat_interleave(heads // H_kv, dim=1).gather(2, pos[..., None].expand(-1, -1, -1, D)),
+        )
     if strategy == "clusterkv":  # 14 steps: clustered twice (every 6), 2 tokens still unclustered
         assert cache.n_clusters == 10 + 2 * 2 and cache.indexed_upto.view(-1).tolist() == [112, 82]
         assert cache.labels[0, :, 100:112].min() >= 10 and cache.labels[0, :, 100:112].max() < 14
@@ -94,8 +114,11 @@ def test_a_budget_covering_the_sequence_equals_the_full_cache(smollm, strategy, 
     prompt = tokenizer.encode("The history of the printing press begins in the fifteenth century, in Mainz. " * 6)
     full = generate(model, [prompt], 12, spec_for(model, "full")).tokens
     n = len(prompt) + 12
-    clustering = dict(cluster_every=5) if strategy == "clusterkv" else {}  # quest takes no cluster_every (old generate() dropped it for quest)
-    assert generate(model, [prompt], 12, spec_for(model, strategy, n, recall_select=select, **clustering)).tokens == full
+    # quest takes no cluster_every (old generate() dropped it for quest)
+    clustering = dict(cluster_every=5) if strategy == "clusterkv" else {}
+    assert (
+        generate(model, [prompt], 12, spec_for(model, strategy, n, recall_select=select, **clustering)).tokens == full
+    )
 
 
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))
@@ -116,7 +139,9 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
     generate(model, [prompt + generated[:19]], 1, spec_for(model, "full"))
     full = [layer.attention.kv_cache.storage.k for layer in model.layers]
     for layer, (s, f) in enumerate(zip(slow, full, strict=True)):
-        assert_reordered_close(s[:, :, : len(prompt)], f[:, :, : len(prompt)], terms=a.intermediate_size, chain=layer + 1)
+        assert_reordered_close(
+            s[:, :, : len(prompt)], f[:, :, : len(prompt)], terms=a.intermediate_size, chain=layer + 1
+        )
     assert_reordered_close(slow[0][:, :, :n], full[0][:, :, :n], terms=a.dim)
     with pytest.raises(AssertionError):
         assert_reordered_close(slow[0][:, :, :n].half().float(), full[0][:, :, :n], terms=a.dim)
@@ -126,7 +151,11 @@ def test_slow_tier_keeps_every_token(smollm, strategy):
 @pytest.mark.parametrize("strategy", sorted(RECALLABLE))
 def test_recallable_compiled_equals_eager_and_batch_equals_alone(tiny_model, strategy):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
-    options = dict(sink_tokens=2, tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(sink_tokens=2, page_size=4)
+    options = (
+        dict(sink_tokens=2, tokens_per_cluster=4, cluster_every=5, new_clusters=2)
+        if strategy == "clusterkv"
+        else dict(sink_tokens=2, page_size=4)
+    )
     spec = spec_for(tiny_model, strategy, 10, **options)
     kwargs = dict(max_seq_length=44)
     eager = generate(tiny_model, prompts, 24, spec, **kwargs)
@@ -158,12 +187,24 @@ def test_full_layers_and_recallable_settings(smollm):
     tokenizer = smollm[1]
     spec = cache_spec(resolve_settings({}, load_cache_config("clusterkv")), 30, tokenizer)
     assert spec.strategies == ["full"] * 2 + ["clusterkv"] * 28 and spec.lengths == [None, None] + [512] * 28
-    assert spec.options == dict(sink_tokens=16, recall_select="kv_head", tokens_per_cluster=80, cluster_every=320, new_clusters=8, kmeans_iterations=20)
+    assert spec.options == dict(
+        sink_tokens=16,
+        recall_select="kv_head",
+        tokens_per_cluster=80,
+        cluster_every=320,
+        new_clusters=8,
+        kmeans_iterations=20,
+    )
     with pytest.raises(ValueError, match="--full_layers 30 leaves none of the model's 30 layers to compress"):
         cache_spec(dict(cache_strategy="quest", full_layers=30), 30, tokenizer)
-    with pytest.raises(ValueError, match="--layer_budget squeeze splits an evicting cache's budget; clusterkv and quest keep every token"):
+    with pytest.raises(
+        ValueError,
+        match="--layer_budget squeeze splits an evicting cache's budget; clusterkv and quest keep every token",
+    ):
         cache_spec(dict(cache_strategy="quest", layer_budget="squeeze"), 30, tokenizer)
-    with pytest.raises(ValueError, match="--page_size does not apply to --cache_strategy clusterkv; it applies to: quest"):
+    with pytest.raises(
+        ValueError, match="--page_size does not apply to --cache_strategy clusterkv; it applies to: quest"
+    ):
         cache_spec(dict(cache_strategy="clusterkv", page_size=8), 30, tokenizer)
     with pytest.raises(ValueError, match="recall_select in kv_head, query_head"):
         ClusterKVCache(1, 1, 8, 4, torch.float32, history=16, sink_tokens=2, recall_select="head")
@@ -174,11 +215,19 @@ def test_full_layers_and_recallable_settings(smollm):
 def test_host_tier_copies_only_the_missing_tokens_and_decodes_like_the_device_tier(tiny_model, strategy, select):
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6, 14, 60, 31, 22, 9, 48, 13, 1], [7, 21, 63, 1, 8, 30, 45, 12]]
     options = dict(
-        sink_tokens=2, recall_select=select, **(dict(tokens_per_cluster=4, cluster_every=5, new_clusters=2) if strategy == "clusterkv" else dict(page_size=4))
+        sink_tokens=2,
+        recall_select=select,
+        **(
+            dict(tokens_per_cluster=4, cluster_every=5, new_clusters=2)
+            if strategy == "clusterkv"
+            else dict(page_size=4)
+        ),
     )
     kwargs = dict(max_seq_length=44)
     device = generate(tiny_model, prompts, 24, spec_for(tiny_model, strategy, 10, **options), **kwargs)
-    host = generate(tiny_model, prompts, 24, spec_for(tiny_model, strategy, 10, **{**options, "slow_tier": "host"}), **kwargs)
+    host = generate(
+        tiny_model, prompts, 24, spec_for(tiny_model, strategy, 10, **{**options, "slow_tier": "host"}), **kwargs
+    )
     assert host.tokens == device.tokens
     stats = host.cache_stats
     copied, selected, reused = (
@@ -188,7 +237,8 @@ def test_host_tier_copies_only_the_missing_tokens_and_decodes_like_the_device_ti
     )
     assert 0 < copied == selected - reused < selected  # exactly the tokens the last step did not attend
     cache = tiny_model.layers[1].attention.kv_cache
-    assert cache.storage.k.shape[2] == 44 and cache.fast_k.shape[2] == 10  # the whole history in the host store, one step's budget on the device
+    # the whole history in the host store, one step's budget on the device
+    assert cache.storage.k.shape[2] == 44 and cache.fast_k.shape[2] == 10
     held = cache.fast_slots >= 0
     kv_head = torch.arange(cache.fast_slots.shape[1]) // (cache.fast_slots.shape[1] // cache.storage.k.shape[1])
     expected = cache.storage.k[torch.arange(2)[:, None, None], kv_head[None, :, None], cache.fast_slots.clamp(min=0)]

@@ -30,11 +30,18 @@ def direct(model, prompt: list[int], passes: list[Pass], reduce: str) -> list[to
         cols = [*range(min(KVZIP_SINKS, start) if p.window else 0), *range(start, end), *range(n, sequence.shape[1])]
         per_layer = []
         for k, _, q in recorded.recorder.layers:
-            probs = prompt_attention(q[:, :, n + p.skip :], k[:, :, cols], positions[:, cols], positions[:, n + p.skip :])[0]  # [H_kv, group, t, cols]
+            # [H_kv, group, t, cols]
+            probs = prompt_attention(
+                q[:, :, n + p.skip :], k[:, :, cols], positions[:, cols], positions[:, n + p.skip :]
+            )[0]
             scored = torch.zeros(*probs.shape[:3], n)
             scored[..., start:end] = probs[..., cols.index(start) : cols.index(start) + end - start]
             per_layer.append(scored.amax(dim=(1, 2)) if reduce == "max" else scored.sum(dim=(1, 2)))
-        total = per_layer if total is None else [torch.maximum(a, b) if reduce == "max" else a + b for a, b in zip(total, per_layer, strict=True)]
+        total = (
+            per_layer
+            if total is None
+            else [torch.maximum(a, b) if reduce == "max" else a + b for a, b in zip(total, per_layer, strict=True)]
+        )
     return total
 
 
@@ -62,7 +69,13 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(tiny_model, 
     if chunk == 10:
         assert passes[1].ids == [7, *prompt[4:12], 13, 2, *prompt[12:22]]
     if chunk == 7:  # a previous chunk shorter than the hint is quoted whole
-        assert passes[1].ids == [7, *prompt[2:9], 13, 2, *prompt[9:16]] and passes[2].ids == [7, *prompt[9:16], 13, 2, *prompt[16:23]]
+        assert passes[1].ids == [7, *prompt[2:9], 13, 2, *prompt[9:16]] and passes[2].ids == [
+            7,
+            *prompt[9:16],
+            13,
+            2,
+            *prompt[16:23],
+        ]
     got = prompt_attention_from(tiny_model, prompt_kv(tiny_model, prompt), passes, "max")
     for ours, reference in zip(got, direct(tiny_model, prompt, passes, "max"), strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -99,9 +112,20 @@ def test_generation_keeps_the_prompt_tokens_the_model_scores_highest(tiny_model,
     """Through generate: each head keeps exactly the top int((1 - ratio) x prompt) tokens by the model-pass
     scores (sinks and the recent window protected), and batch rows equal each alone."""
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 33)]
-    spec = cache_spec({"cache_strategy": "recent_global", "prompt_compression_strategy": compressor, "compression_ratio": 0.5, "recent_window": 2}, 2)
+    spec = cache_spec(
+        {
+            "cache_strategy": "recent_global",
+            "prompt_compression_strategy": compressor,
+            "compression_ratio": 0.5,
+            "recent_window": 2,
+        },
+        2,
+    )
     batch = generate(tiny_model, prompts, 5, spec, decoded_prompt_tokens=[4, 6])
-    alone = [generate(tiny_model, [p], 5, spec, decoded_prompt_tokens=[d]).tokens[0] for p, d in zip(prompts, [4, 6], strict=True)]
+    alone = [
+        generate(tiny_model, [p], 5, spec, decoded_prompt_tokens=[d]).tokens[0]
+        for p, d in zip(prompts, [4, 6], strict=True)
+    ]
     assert batch.tokens == alone
     prompt, decoded = prompts[1], 6
     generate(tiny_model, [prompt], 5, spec, decoded_prompt_tokens=[decoded])
@@ -124,7 +148,12 @@ def test_generation_keeps_the_prompt_tokens_the_model_scores_highest(tiny_model,
 
 def test_a_model_scored_compressor_cannot_score_alone():
     with pytest.raises(RuntimeError, match="scores come from a pass of the model"):
-        make_prompt_compressor("kvzip")(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
+        make_prompt_compressor("kvzip")(
+            torch.zeros(1, 4, dtype=torch.long),
+            torch.zeros(1, 1, 4, 2),
+            torch.zeros(1, 1, 4, 2),
+            torch.zeros(1, 1, 4, 2),
+        )
 
 
 def test_global_head_budget_keeps_the_top_scores_of_every_layer_and_head_ranked_together(tiny_model):
@@ -135,9 +164,12 @@ def test_global_head_budget_keeps_the_top_scores_of_every_layer_and_head_ranked_
     this reference round differently)."""
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     n, ratio = 36, 0.5
-    settings = {key: value for key, value in load_cache_config("kvzip").items() if key != "max_cache_length"} | {"compression_ratio": ratio}
+    settings = {key: value for key, value in load_cache_config("kvzip").items() if key != "max_cache_length"} | {
+        "compression_ratio": ratio
+    }
     generate(tiny_model, [prompt], 3, cache_spec(settings, 2), decoded_prompt_tokens=[len(prompt) - n])
-    scores = torch.stack(direct(tiny_model, prompt[:n], KVzip().queries(prompt[:n], [], repeat_request(None)), "max"))  # [L, H, n]
+    # [L, H, n]
+    scores = torch.stack(direct(tiny_model, prompt[:n], KVzip().queries(prompt[:n], [], repeat_request(None)), "max"))
     scores[..., [0, 1, 2, 3]] = float("inf")  # the 4 sinks
     kept = scores.numel() - int(scores.numel() * ratio)
     cut = scores.flatten().sort(descending=True).values[kept - 1]
@@ -173,11 +205,18 @@ def test_a_prefill_recorded_in_chunks_holds_the_one_shot_recording(tiny_model, c
 
 def test_a_recording_for_kvzip_keeps_no_queries_and_one_in_chunks_holds_the_caches_float16(tiny_model):
     half = RecordedPrefill(queries=False, chunk_dtype=torch.float16)
-    tokens, positions = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(8)), torch.arange(30)[None]
+    tokens, positions = (
+        torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(8)),
+        torch.arange(30)[None],
+    )
     half.record(tiny_model, tokens, positions, positions[:, -1:], 8)
     k, v, q = half.recorder.layers[0]
     assert k.dtype == v.dtype == torch.float16 and k.shape[2] == 30 and q.shape[2] == 0
     assert reads_recorded_queries(cache_spec(load_cache_config("kvzip"), 2)) is False
     for name in ("snapkv", "expected_attention", "kvzip_think"):
-        settings = load_cache_config(name) if name != "kvzip_think" else {**load_cache_config("kvzip"), "key_channel_pruning": 0.5}
+        settings = (
+            load_cache_config(name)
+            if name != "kvzip_think"
+            else {**load_cache_config("kvzip"), "key_channel_pruning": 0.5}
+        )
         assert reads_recorded_queries(cache_spec(settings, 2)) is True

@@ -33,7 +33,9 @@ def test_every_shipped_config_is_recorded():
     assert sorted(RECORDED["configs"]) == sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 
 
-@pytest.mark.parametrize("name", fast_few(sorted(RECORDED["configs"]), ["heavy_hitter", "snapkv", "ada_snapkv", "kvcompress"]))
+@pytest.mark.parametrize(
+    "name", fast_few(sorted(RECORDED["configs"]), ["heavy_hitter", "snapkv", "ada_snapkv", "kvcompress"])
+)
 def test_shipped_config_tokens_are_unchanged(smollm, name):
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode(p) for p in RECORDED["prompts"]]
@@ -50,4 +52,6 @@ def test_served_kvcompress_tokens_are_unchanged(smollm):
     model, tokenizer, _ = smollm
     prompts = [tokenizer.encode(p) for p in RECORDED["prompts"]]
     spec = cache_spec(load_cache_config("kvcompress"), model.config.n_layer, tokenizer)
-    assert serve(model, prompts + prompts[:1], RECORDED["max_new_tokens"], 2, spec).tokens == RECORDED["serve_kvcompress"]
+    assert (
+        serve(model, prompts + prompts[:1], RECORDED["max_new_tokens"], 2, spec).tokens == RECORDED["serve_kvcompress"]
+    )

@@ -34,7 +34,11 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def generated(tokenizer):
     """Three chat examples of every task at each of LENGTHS, built once."""
-    return {(name, length): task.examples(tokenizer, 3, context_length=length) for name, task in TASKS.items() for length in LENGTHS}
+    return {
+        (name, length): task.examples(tokenizer, 3, context_length=length)
+        for name, task in TASKS.items()
+        for length in LENGTHS
+    }
 
 
 def assert_fills_budget(tokenizer, name: str, example: Example, context_length: int) -> None:
@@ -43,11 +47,17 @@ def assert_fills_budget(tokenizer, name: str, example: Example, context_length: 
     gap = context_length - example.max_new_tokens - len(example.input_ids)
     assert gap >= 0, f"{example.id} is {-gap} tokens over budget"
     if name in NEEDLE_HAYSTACK:
-        lines = [line for line in tokenizer.decode(example.input_ids).split("\n") if line.startswith("One of the special magic")]
+        lines = [
+            line
+            for line in tokenizer.decode(example.input_ids).split("\n")
+            if line.startswith("One of the special magic")
+        ]
         assert len(lines) > len(example.info["needles"])  # distractors, not just needles
         assert gap < max(len(tokenizer.encode("\n" + line)) for line in lines), example.id
     else:
-        assert gap <= (QA_TOLERANCE if name.startswith("qa") else TOLERANCE), f"{example.id} is {gap} tokens short of its budget"
+        assert gap <= (QA_TOLERANCE if name.startswith("qa") else TOLERANCE), (
+            f"{example.id} is {gap} tokens short of its budget"
+        )
 
 
 def test_task_list_matches_ruler():
@@ -71,9 +81,21 @@ def test_task_list_matches_ruler():
     assert {t.family for t in TASKS.values()} == {"ruler"}
     assert {name for name, t in TASKS.items() if t.metric == "string_match_part"} == {"qa_1", "qa_2"}
     assert {t.metric for t in TASKS.values()} == {"string_match_all", "string_match_part"}
-    assert (TASKS["niah_single_1"].haystack, TASKS["niah_single_2"].haystack, TASKS["niah_multikey_2"].haystack) == ("noise", "essay", "needle")
-    assert (TASKS["niah_multikey_3"].key_type, TASKS["niah_multikey_3"].value_type, TASKS["niah_single_3"].value_type) == ("uuids", "uuids", "uuids")
-    assert (TASKS["niah_multikey_1"].num_keys, TASKS["niah_multivalue"].num_values, TASKS["niah_multiquery"].num_queries) == (4, 4, 4)
+    assert (TASKS["niah_single_1"].haystack, TASKS["niah_single_2"].haystack, TASKS["niah_multikey_2"].haystack) == (
+        "noise",
+        "essay",
+        "needle",
+    )
+    assert (
+        TASKS["niah_multikey_3"].key_type,
+        TASKS["niah_multikey_3"].value_type,
+        TASKS["niah_single_3"].value_type,
+    ) == ("uuids", "uuids", "uuids")
+    assert (
+        TASKS["niah_multikey_1"].num_keys,
+        TASKS["niah_multivalue"].num_values,
+        TASKS["niah_multiquery"].num_queries,
+    ) == (4, 4, 4)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -106,7 +128,8 @@ def test_niah_needles_are_where_info_says(tokenizer, generated, name):
                 position = needle["token_position"]
                 assert text.count(needle["text"]) == 1
                 assert tokenizer.decode(ids[position:]).lstrip().startswith(needle["text"])
-                assert not tokenizer.decode(ids[position + 1 :]).lstrip().startswith(needle["text"])  # the first token of the needle
+                # the first token of the needle
+                assert not tokenizer.decode(ids[position + 1 :]).lstrip().startswith(needle["text"])
                 assert abs(position / len(ids) - needle["depth"]) < 0.15, (example.id, position, needle["depth"])
             valued = {n["text"].split(" is: ")[1].rstrip(".") for n in needles}
             assert set(example.answers) <= valued
@@ -135,7 +158,10 @@ def test_vt_chain_is_hidden_in_order(tokenizer, generated):
             positions = [text.index(statement, task_start) for statement in chain]
             assert positions == sorted(positions)
             assert [s.split()[1] for s in chain] == example.answers
-            assert all(f"VAR {b} = VAR {a}" in statement for a, b, statement in zip(example.answers, example.answers[1:], chain[1:], strict=False))
+            assert all(
+                f"VAR {b} = VAR {a}" in statement
+                for a, b, statement in zip(example.answers, example.answers[1:], chain[1:], strict=False)
+            )
             assert text.endswith(f"5 variables are assgined the value {value}, they are: ")
             icl = text[:task_start]
             assert all(statement in icl for statement in example.info["icl_chain"])
@@ -149,7 +175,8 @@ def test_cwe_answers_are_the_most_common_words(tokenizer, generated):
             items = re.findall(r"(\d+)\. ([a-z]+)", listing)
             assert [int(i) for i, _ in items] == list(range(1, example.info["listed"] + 1))
             counts = Counter(word for _, word in items)
-            assert {counts[w] for w in example.answers} == {example.info["freq_cw"]} == {6}  # RULER's count below 4096 tokens
+            # RULER's count below 4096 tokens
+            assert {counts[w] for w in example.answers} == {example.info["freq_cw"]} == {6}
             assert max(c for w, c in counts.items() if w not in example.answers) <= example.info["freq_ucw"]
             assert len(example.answers) == 10
 
@@ -250,14 +277,17 @@ def test_needle_digits_share_of_leading_digits():
     assert needle_digits(" 9294967295", needle) == 4 / 7  # a prefix, however long the number goes on
     assert needle_digits(" 1929418", needle) == 0.0  # the digits must lead: a shifted copy scores nothing
     assert needle_digits(' "9294187". This is', needle) == 1.0  # wrapped in quotes
-    assert needle_digits(":\n\nThe special magic number for bees-ashtrays is: 92941", needle) == 5 / 7  # restated, then answered
+    # restated, then answered
+    assert needle_digits(":\n\nThe special magic number for bees-ashtrays is: 92941", needle) == 5 / 7
     assert needle_digits(" The 4th edition of 9294187", needle) == 1.0  # found whole: never below string_match_all
-    assert needle_digits(" The 9th of the 9294100th", needle) == 1 / 7  # the first number is the answer, not the best one
+    # the first number is the answer, not the best one
+    assert needle_digits(" The 9th of the 9294100th", needle) == 1 / 7
     assert needle_digits(" no number at all", needle) == 0.0
     # k needles: each against the answer's first k numbers, mean over needles
     assert needle_digits("7654000, 1200000", ["1234567", "7654321"]) == (2 / 7 + 4 / 7) / 2
     assert needle_digits(" 11, 22, 7654321", ["7654321", "2299999"]) == (1.0 + 2 / 7) / 2  # 7654321 found whole
-    assert needle_digits(" 11, 22, 7654000", ["7654321", "2299999"]) == (0 + 2 / 7) / 2  # a third number is not an answer
+    # a third number is not an answer
+    assert needle_digits(" 11, 22, 7654000", ["7654321", "2299999"]) == (0 + 2 / 7) / 2
 
     example = Example("x", [1], needle, 128)
     assert TASKS["niah_single_2"].extra_scores(" 92.", example) == {"needle_digits": 2 / 7}

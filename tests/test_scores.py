@@ -13,8 +13,25 @@ from kvlab.build import make_caches
 from kvlab.config import CACHE_KEYS, options_table
 from kvlab.model import ModelArgs, apply_rope, causal_attention_lse, rope_tables
 from kvlab.prompt_compression import RKV, ExpectedAttention, KeyScores
-from kvlab.scores import attention_mass, chunk_mean, keydiff, lagkv, pool_keys, prompt_attention, received_attention, rkv, window_attention
-from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS, ExpectedAttentionCache, KeyDiffCache, RKVCache, make_prompt_compressor
+from kvlab.scores import (
+    attention_mass,
+    chunk_mean,
+    keydiff,
+    lagkv,
+    pool_keys,
+    prompt_attention,
+    received_attention,
+    rkv,
+    window_attention,
+)
+from kvlab.strategies import (
+    CACHE_STRATEGIES,
+    PROMPT_COMPRESSORS,
+    ExpectedAttentionCache,
+    KeyDiffCache,
+    RKVCache,
+    make_prompt_compressor,
+)
 
 
 def test_keydiff_is_minus_the_cosine_to_the_mean_of_held_unit_keys():
@@ -29,7 +46,9 @@ def test_keydiff_is_minus_the_cosine_to_the_mean_of_held_unit_keys():
         keys = k[b, :, :held]
         anchor = (keys / keys.norm(dim=-1, keepdim=True)).mean(dim=1, keepdim=True)
         torch.testing.assert_close(scores[b, :, :held], -F.cosine_similarity(keys, anchor, dim=-1))
-        assert not torch.allclose(scores[b, :, :held], -F.cosine_similarity(keys, keys.mean(dim=1, keepdim=True), dim=-1), atol=1e-3)
+        assert not torch.allclose(
+            scores[b, :, :held], -F.cosine_similarity(keys, keys.mean(dim=1, keepdim=True), dim=-1), atol=1e-3
+        )
 
 
 def test_keydiff_prompt_and_cache_share_one_score():
@@ -74,7 +93,18 @@ def test_pool_keys_matches_max_and_avg_pooling():
         torch.testing.assert_close(pool_keys(scores, 5, kind), expected)
 
 
-ROPE = rope_tables(ModelArgs(vocab_size=1, n_layer=1, n_head=4, n_local_heads=2, dim=32, intermediate_size=1, rope_base=100.0, block_size=1024))
+ROPE = rope_tables(
+    ModelArgs(
+        vocab_size=1,
+        n_layer=1,
+        n_head=4,
+        n_local_heads=2,
+        dim=32,
+        intermediate_size=1,
+        rope_base=100.0,
+        block_size=1024,
+    )
+)
 
 
 def rotated(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -92,7 +122,8 @@ def brute_force_logits(x: torch.Tensor, keys: torch.Tensor, observed: slice, now
     cov = torch.stack([(o - m).T @ (o - m) / o.shape[0] for o, m in zip(obs, mean, strict=True)])
     positions = torch.arange(now, now + future)
     mean_future = torch.stack([rotated(mean[:, None], positions[j : j + 1])[:, 0] for j in range(future)]).mean(dim=0)
-    rotation = torch.stack([rotated(torch.eye(D), torch.full((D,), int(p))).T for p in positions]).mean(dim=0)  # mean of R(p)
+    # mean of R(p)
+    rotation = torch.stack([rotated(torch.eye(D), torch.full((D,), int(p))).T for p in positions]).mean(dim=0)
     cov_future = rotation @ cov @ rotation.T
     k = keys.repeat_interleave(H // keys.shape[0], dim=0)  # [H, S, D]
     quadratic = torch.einsum("hsd,hde,hse->hs", k, cov_future, k)
@@ -112,7 +143,8 @@ def test_expected_attention_matches_explicitly_rotated_queries():
     probs = logits[:, 4:].softmax(dim=-1).view(2, 2, -1).mean(dim=1)
     scores = compressor(torch.arange(T)[None], k, v, q)[0]
     torch.testing.assert_close(scores[:, 4:], probs)
-    torch.testing.assert_close(scores[:, :4], probs.max(dim=-1, keepdim=True).values.expand(2, 4) + 1)  # sinks first, as kvpress
+    # sinks first, as kvpress
+    torch.testing.assert_close(scores[:, :4], probs.max(dim=-1, keepdim=True).values.expand(2, 4) + 1)
     whole = ExpectedAttention(future=future).with_rope(ROPE)  # every query but the 4 sinks
     expected = brute_force_logits(x[0], k[0], slice(4, T), T, future)[:, 4:].softmax(dim=-1).view(2, 2, -1).mean(dim=1)
     torch.testing.assert_close(whole(torch.arange(T)[None], k, v, q)[0, :, 4:], expected)
@@ -147,16 +179,22 @@ def test_chunk_mean_gives_each_token_its_chunks_mean_and_a_cache_keeps_whole_chu
     for row, length in ((0, 23), (1, 17)):
         for start in range(0, length, 5):
             chunk = slice(start, min(start + 5, length))
-            torch.testing.assert_close(chunked[row, :, chunk], scores[row, :, chunk].mean(dim=-1, keepdim=True).expand(3, chunk.stop - start))
+            torch.testing.assert_close(
+                chunked[row, :, chunk], scores[row, :, chunk].mean(dim=-1, keepdim=True).expand(3, chunk.stop - start)
+            )
     q, k = torch.randn(1, 6, 40, 8), torch.randn(1, 2, 40, 8)
-    options = dict(prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1)
+    options = dict(
+        prompt_compression_strategy="snapkv", snapkv_window=4, chunk_size=5, global_tokens=0, recent_window=1
+    )
     cache = make_caches("heavy_hitter", 1, 1, 2, 15, 8, torch.float32, **options)[0]
     cache.prefill(torch.arange(40)[None], k, k, q)
     snapkv = make_prompt_compressor("snapkv", snapkv_window=4)(torch.arange(40)[None], k, k, q)[:, :, :35]
     per_head = chunk_mean(snapkv, torch.arange(35)[None], 5)[0, :, ::5]  # [head, chunk]
-    best = sorted(per_head.mean(dim=0).topk(2).indices.tolist())  # ChunkKVPress: chunks ranked by their mean over the heads
+    # ChunkKVPress: chunks ranked by their mean over the heads
+    best = sorted(per_head.mean(dim=0).topk(2).indices.tolist())
     assert per_head[0].topk(2).indices.sort().values.tolist() != per_head[1].topk(2).indices.sort().values.tolist()
-    for head in cache.pos[0].tolist():  # the window's chunk (35..39) and the two best others, whole, the same in every head
+    # the window's chunk (35..39) and the two best others, whole, the same in every head
+    for head in cache.pos[0].tolist():
         assert sorted(head) == [p for c in (*best, 7) for p in range(5 * c, 5 * c + 5)]
 
 
@@ -166,9 +204,12 @@ def test_value_weight_ranks_prompt_tokens_by_score_times_value_norm():
     options = dict(prompt_compression_strategy="heavy_hitter", global_tokens=0, recent_window=1)
     weighted = make_caches("tova", 1, 1, 1, 10, 8, torch.float32, value_weight="norm", value_epsilon=0.01, **options)[0]
     weighted.prefill(torch.arange(30)[None], k, v, q)
-    scores = (PROMPT_COMPRESSORS["heavy_hitter"](torch.arange(30)[None], k, v, q)[0, 0, :29] + 0.01) * v[0, 0, :29].norm(dim=-1)
+    scores = (PROMPT_COMPRESSORS["heavy_hitter"](torch.arange(30)[None], k, v, q)[0, 0, :29] + 0.01) * v[
+        0, 0, :29
+    ].norm(dim=-1)
     assert sorted(weighted.pos[0, 0].tolist()) == sorted([29, *scores.topk(9).indices.tolist()])
-    assert CACHE_STRATEGIES["expected_attention"](1, 1, 16, 4, torch.float32).value_weight == "norm"  # kvpress's default for it
+    # kvpress's default for it
+    assert CACHE_STRATEGIES["expected_attention"](1, 1, 16, 4, torch.float32).value_weight == "norm"
     assert CACHE_STRATEGIES["heavy_hitter"](1, 1, 16, 4, torch.float32).value_weight == "none"
 
 
@@ -197,14 +238,17 @@ def test_lagkv_normalises_each_partition_by_the_next_ones_range():
     scored = shuffled < 8
     torch.testing.assert_close(padded[:12][scored], scores[shuffled][scored])
     assert torch.equal(padded[:12].argsort(), scores[shuffled].argsort())  # the kept ones too, in recency order
-    assert (lagkv(k[..., :7, :], v[..., :7, :], pos[..., :7], 3, 2)[0, 0] >= 3).all()  # no complete successor: recency alone
+    # no complete successor: recency alone
+    assert (lagkv(k[..., :7, :], v[..., :7, :], pos[..., :7], 3, 2)[0, 0] >= 3).all()
 
 
 def rkv_direct(importance: torch.Tensor, keys: torch.Tensor, positions: list[int], mix: float) -> torch.Tensor:
     """R-KV's score of one head's held keys [S, D], entry by entry: each key's cosine similarity to the newest other
     key it resembles (> 0.5) left out, the mean similarity per key softmaxed into redundancy."""
     S = len(keys)
-    sim = torch.tensor([[F.cosine_similarity(keys[i], keys[j], dim=0).item() if i != j else 0.0 for j in range(S)] for i in range(S)])
+    sim = torch.tensor(
+        [[F.cosine_similarity(keys[i], keys[j], dim=0).item() if i != j else 0.0 for j in range(S)] for i in range(S)]
+    )
     newest = [max((j for j in range(S) if sim[i, j] > 0.5), key=lambda j: positions[j], default=None) for i in range(S)]
     for i, j in enumerate(newest):
         if j is not None:
@@ -220,7 +264,12 @@ def test_rkv_evicts_the_older_of_two_near_duplicate_keys():
     T, D, w = 7, 8, 4
     k, v, q = torch.randn(1, 1, T, D), torch.randn(1, 1, T, D), torch.randn(1, 2, T, D)
     k[0, 0, 4] = k[0, 0, 1] + 0.05 * torch.randn(D)
-    probs = (q[0] @ k[0].transpose(-1, -2) / D**0.5).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1).mean(0)
+    probs = (
+        (q[0] @ k[0].transpose(-1, -2) / D**0.5)
+        .masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        .softmax(-1)
+        .mean(0)
+    )
     importance = F.max_pool1d(probs[-w:].sum(dim=0)[None, None] / w, 7, stride=1, padding=3)[0, 0]
     expected = rkv_direct(importance, k[0, 0], list(range(T)), 0.1)
     torch.testing.assert_close(RKV(window=w)(torch.arange(T)[None], k, v, q)[0, 0], expected)
@@ -228,13 +277,19 @@ def test_rkv_evicts_the_older_of_two_near_duplicate_keys():
     cache.prefill(torch.arange(T)[None], k, v, q)
     torch.testing.assert_close(cache._token_importances()[0, 0], expected)  # the ring holds the prompt's last 4 queries
     cache.update(torch.tensor([[T]]), torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D), torch.randn(1, 2, 1, D))
-    assert int(expected.argmin()) == 1 and int(importance.argmin()) == 4 and cache.pos[0, 0].tolist() == [0, T, 2, 3, 4, 5, 6]
+    assert (
+        int(expected.argmin()) == 1
+        and int(importance.argmin()) == 4
+        and cache.pos[0, 0].tolist() == [0, T, 2, 3, 4, 5, 6]
+    )
     for slot in range(w):  # w decoded queries, each all on one slot, push the prompt's out of the ring
         cache.observe(F.one_hot(torch.tensor(slot), T).float().expand(1, 1, 2, 1, T))
     assert cache.recent.sum(dim=-1)[0, 0].tolist() == [1.0] * w + [0.0] * (T - w)
     shuffled = torch.randperm(T)  # any slot order, empty slots anywhere
     held = F.pad(torch.arange(T)[shuffled], (0, 2), value=-1).view(1, 1, -1)
-    scores = rkv(F.pad(importance[shuffled], (0, 2)).view(1, 1, -1), F.pad(k[:, :, shuffled], (0, 0, 0, 2)), held, 0.1)[0, 0]
+    scores = rkv(F.pad(importance[shuffled], (0, 2)).view(1, 1, -1), F.pad(k[:, :, shuffled], (0, 0, 0, 2)), held, 0.1)[
+        0, 0
+    ]
     torch.testing.assert_close(scores[:T], expected[shuffled])
 
 
@@ -263,12 +318,16 @@ def test_received_attention_equals_the_whole_matrix_summed_without_building_it()
     input_pos = torch.arange(300).expand(2, 300).clone()
     input_pos[1, 170:] = -1  # a shorter row, right-padded
     whole = prompt_attention(q, k, input_pos, input_pos)
-    torch.testing.assert_close(received_attention(q, k, input_pos, chunk=64), attention_mass(whole), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        received_attention(q, k, input_pos, chunk=64), attention_mass(whole), atol=1e-5, rtol=1e-5
+    )
     squared = received_attention(q, k, input_pos, lambda probs, query_pos: probs.square().sum(dim=(2, 3)), chunk=100)
     torch.testing.assert_close(squared, whole.square().sum(dim=(2, 3)), atol=1e-5, rtol=1e-5)
     input_pos[0, 40:50] = -1  # padding inside a row: later chunks must mask it, not only their own diagonal
     holes = received_attention(q, k, input_pos, chunk=64)
-    torch.testing.assert_close(holes, attention_mass(prompt_attention(q, k, input_pos, input_pos)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        holes, attention_mass(prompt_attention(q, k, input_pos, input_pos)), atol=1e-5, rtol=1e-5
+    )
     assert (holes[0, :, 40:50] == 0).all() and (holes[1, :, 170:] == 0).all()
 
 
@@ -278,16 +337,24 @@ def test_received_attention_from_the_prefills_log_sum_exp_equals_the_softmax_pat
     equal those from normalising the softmax again (1e-5 of the largest score), right-padded rows
     included; padding inside a row falls back to the softmax path, where that log-sum-exp would be wrong."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 6, 300, 16, dtype=dtype), torch.randn(2, 2, 300, 16, dtype=dtype), torch.randn(2, 2, 300, 16, dtype=dtype)
+    q, k, v = (
+        torch.randn(2, 6, 300, 16, dtype=dtype),
+        torch.randn(2, 2, 300, 16, dtype=dtype),
+        torch.randn(2, 2, 300, 16, dtype=dtype),
+    )
     input_pos = torch.arange(300).expand(2, 300).clone()
     input_pos[1, 170:] = -1
     _, lse = causal_attention_lse(q, k, v)
     expected = received_attention(q.float(), k.float(), input_pos, chunk=64)
     got = received_attention(q, k, input_pos, chunk=64, lse=lse)
-    torch.testing.assert_close(got, expected, atol=1e-5 * expected.max().item(), rtol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(
+        got, expected, atol=1e-5 * expected.max().item(), rtol=1e-3 if dtype == torch.bfloat16 else 1e-5
+    )
     assert (got[1, :, 170:] == 0).all() and got.isfinite().all()
     input_pos[0, 40:50] = -1
-    assert torch.equal(received_attention(q, k, input_pos, chunk=64, lse=lse), received_attention(q, k, input_pos, chunk=64))
+    assert torch.equal(
+        received_attention(q, k, input_pos, chunk=64, lse=lse), received_attention(q, k, input_pos, chunk=64)
+    )
 
 
 def test_prompt_attention_equals_textbook_softmax():

@@ -43,7 +43,8 @@ def test_writes_go_to_their_slots_only():
     after = storage.read()[0]
     assert torch.equal(after[:, :, [0, 1, 3]], before[:, :, [0, 1, 3]]) and torch.equal(after[:, :, 2], before[:, :, 3])
     low, high = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
-    float16_rounding = (high - low + low.abs()) * 2**-11  # each row on its own 4-bit grid, up to its float16 scale's and zero point's rounding
+    # each row on its own 4-bit grid, up to its float16 scale's and zero point's rounding
+    float16_rounding = (high - low + low.abs()) * 2**-11
     assert ((before - rows).abs() <= float16_rounding).all()
 
 
@@ -63,7 +64,10 @@ def test_float16_storage_rounds_to_nearest_in_its_slots_and_takes_half_the_bytes
     float16 buffers themselves, everything else the model's dtype; the bytes are half of float32's."""
     torch.manual_seed(0)
     storage = make_storage((2, 3, 6, 8), torch.float32, None, 16)
-    assert isinstance(storage, HalfKVStorage) and storage.nbytes() == make_storage((2, 3, 6, 8), torch.float32, None, None).nbytes() // 2
+    assert (
+        isinstance(storage, HalfKVStorage)
+        and storage.nbytes() == make_storage((2, 3, 6, 8), torch.float32, None, None).nbytes() // 2
+    )
     k, v = torch.randn(2, 3, 6, 8) * 100, torch.randn(2, 3, 6, 8)
     storage.write(torch.arange(6).expand(2, 3, 6), k, v, prompt=True)
     storage.write(torch.tensor([4, 1]).view(2, 1, 1).expand(2, 3, 1), k[:, :, :1] + 1, v[:, :, :1] + 1)
@@ -72,7 +76,10 @@ def test_float16_storage_rounds_to_nearest_in_its_slots_and_takes_half_the_bytes
     want_k[1, :, 1], want_v[1, :, 1] = (k[1, :, 0] + 1).half().float(), (v[1, :, 0] + 1).half().float()
     keys, values = storage.read()
     assert keys.dtype == values.dtype == torch.float32 and torch.equal(keys, want_k) and torch.equal(values, want_v)
-    assert all(t.dtype == torch.float16 and t.data_ptr() == b.data_ptr() for t, b in zip(storage.read_for_attention(), (storage.k, storage.v), strict=True))
+    assert all(
+        t.dtype == torch.float16 and t.data_ptr() == b.data_ptr()
+        for t, b in zip(storage.read_for_attention(), (storage.k, storage.v), strict=True)
+    )
     for bits in (16, None):  # per-token or per-channel key scales belong to the packed integer storage alone
         with pytest.raises(ValueError, match=f"key_quant_axis='channel' needs cache_bits 8, 4, 2, got {bits}"):
             make_storage((2, 3, 6, 8), torch.float32, None, bits, key_axis="channel")
@@ -97,10 +104,23 @@ def test_a_float16_cache_decodes_as_torch_over_its_widened_keys_and_values(tiny_
     logits = {}
     for native_path in (True, False):
         monkeypatch.setattr(kernels, "NATIVE", native_path and kernels.load(quiet=True))
-        tiny_model.setup_caches(make_caches(strategy, 2, 2, tiny_model.config.n_local_heads, 16, tiny_model.config.head_dim, torch.float32, cache_bits=16))
+        tiny_model.setup_caches(
+            make_caches(
+                strategy,
+                2,
+                2,
+                tiny_model.config.n_local_heads,
+                16,
+                tiny_model.config.head_dim,
+                torch.float32,
+                cache_bits=16,
+            )
+        )
         with torch.no_grad():
             tiny_model(torch.tensor([[3, 9, 27, 17, 5], [7, 21, 63, 1, 8]]), torch.arange(5).expand(2, 5), prefill=True)
-            logits[native_path] = torch.cat([tiny_model(torch.tensor([[4], [6]]), torch.full((2, 1), p)) for p in range(5, 9)])
+            logits[native_path] = torch.cat(
+                [tiny_model(torch.tensor([[4], [6]]), torch.full((2, 1), p)) for p in range(5, 9)]
+            )
     assert_reordered_close(logits[True], logits[False], terms=128, chain=4 * tiny_model.config.n_layer + 1)
 
 
@@ -115,7 +135,9 @@ def test_compiled_decode_over_a_float16_full_cache_equals_eager(tiny_model):
 
 def teacher_forced_logits(model, ids, n_prompt, caches=None, **options):
     a = model.config
-    model.setup_caches(caches or make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32, **options))
+    model.setup_caches(
+        caches or make_caches("full", a.n_layer, 1, a.n_local_heads, len(ids), a.head_dim, torch.float32, **options)
+    )
     model.cache_key = None
     with torch.no_grad():
         model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], prefill=True)
@@ -132,12 +154,20 @@ def logit_errors_within_8bit_bounds(logits: torch.Tensor, reference: torch.Tenso
     from each other by as much (0.37). So the percentile's bound sits above that spread, and the mean, steady
     to 10%, is what separates a biased cache (codes rounded down: mean 0.091)."""
     errors = (logits - reference).abs().flatten()
-    tail = torch.quantile(errors[:: errors.numel() // 2**24 + 1], 0.999).item()  # torch.quantile takes at most 2^24 values
+    # torch.quantile takes at most 2^24 values
+    tail = torch.quantile(errors[:: errors.numel() // 2**24 + 1], 0.999).item()
     loss = F.cross_entropy(logits[:-1], targets).item() - F.cross_entropy(reference[:-1], targets).item()
-    return errors.mean().item() < 0.06 and tail < 0.5 and torch.equal(logits.argmax(-1), reference.argmax(-1)) and abs(loss) < 0.01
+    return (
+        errors.mean().item() < 0.06
+        and tail < 0.5
+        and torch.equal(logits.argmax(-1), reference.argmax(-1))
+        and abs(loss) < 0.01
+    )
 
 
-def truncating_encode(storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def truncating_encode(
+    storage: QuantizedKVStorage, x: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """QuantizedKVStorage._encode with codes rounded down instead of to the nearest level: a half-step bias."""
     codes = ((x.float() - zero.float()) / scale.float()).floor().clamp(0, 2**storage.bits - 1).to(torch.uint8)
     return (codes.view(*codes.shape[:-1], -1, 8 // storage.bits) << storage.shifts).sum(dim=-1, dtype=torch.uint8)
@@ -154,17 +184,23 @@ def test_quantized_caches_stay_close_to_full_precision(smollm, monkeypatch):
     n_prompt = 300
     targets = torch.tensor(ids[n_prompt + 1 :])
     reference = teacher_forced_logits(model, ids, n_prompt)
-    assert logit_errors_within_8bit_bounds(teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets)
+    assert logit_errors_within_8bit_bounds(
+        teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets
+    )
     nll = {"full": F.cross_entropy(reference[:-1], targets).item()}
     for bits in (4, 2):
         for axis in ("token", "channel"):
-            nll[bits, axis] = F.cross_entropy(teacher_forced_logits(model, ids, n_prompt, cache_bits=bits, key_quant_axis=axis)[:-1], targets).item()
+            nll[bits, axis] = F.cross_entropy(
+                teacher_forced_logits(model, ids, n_prompt, cache_bits=bits, key_quant_axis=axis)[:-1], targets
+            ).item()
     assert abs(nll[4, "token"] - nll["full"]) < 0.2 and abs(nll[4, "channel"] - nll["full"]) < 0.2
     half = teacher_forced_logits(model, ids, n_prompt, cache_bits=16)
     assert logit_errors_within_8bit_bounds(half, reference, targets) and (half - reference).abs().mean() < 0.006
     assert nll["full"] < nll[2, "channel"] < nll[2, "token"]
     monkeypatch.setattr(QuantizedKVStorage, "_encode", truncating_encode)
-    assert not logit_errors_within_8bit_bounds(teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets)
+    assert not logit_errors_within_8bit_bounds(
+        teacher_forced_logits(model, ids, n_prompt, cache_bits=8), reference, targets
+    )
 
 
 def channel_scores_direct(input_pos: torch.Tensor, k: torch.Tensor, q: torch.Tensor, window: int) -> torch.Tensor:
@@ -177,7 +213,10 @@ def channel_scores_direct(input_pos: torch.Tensor, k: torch.Tensor, q: torch.Ten
         n = int((input_pos[b] >= 0).sum())
         for h in range(H):
             for c in range(D):
-                scores[b, h, c] = sum(q[b, h * group + g, max(0, n - window) : n, c].norm() for g in range(group)) * k[b, h, :n, c].norm()
+                scores[b, h, c] = (
+                    sum(q[b, h * group + g, max(0, n - window) : n, c].norm() for g in range(group))
+                    * k[b, h, :n, c].norm()
+                )
     return scores
 
 
@@ -201,7 +240,9 @@ def test_pruned_keys_take_the_pruned_share_fewer_bytes(options):
     B, H, C, D = 2, 3, 64, 64
     plain = make_caches("heavy_hitter", 1, B, H, C, D, torch.float32, kv_store="dense", **options)[0]  # allocated now
     pruned = make_caches("heavy_hitter", 1, B, H, C, D, torch.float32, key_channel_pruning=0.25, **options)[0]
-    key_bytes, pruned_key_bytes = (s.k_codes.nbytes if options else s.k.nbytes for s in (plain.storage, pruned.storage.inner))
+    key_bytes, pruned_key_bytes = (
+        s.k_codes.nbytes if options else s.k.nbytes for s in (plain.storage, pruned.storage.inner)
+    )
     assert pruned_key_bytes * 4 == key_bytes * 3
     assert pruned.nbytes() == plain.nbytes() - key_bytes // 4 + B * H * 48 * 8  # + the kept channels' indices (int64)
 
@@ -226,18 +267,29 @@ class ZeroedChannelsCache(FullCache):
 def test_attention_through_pruned_keys_equals_a_dense_reference_with_those_channels_zeroed(tiny_model):
     a = tiny_model.config
     ids = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    reference = [ZeroedChannelsCache(1, a.n_local_heads, len(ids), a.head_dim, torch.float32, pruned=3, window=8) for _ in range(a.n_layer)]
+    reference = [
+        ZeroedChannelsCache(1, a.n_local_heads, len(ids), a.head_dim, torch.float32, pruned=3, window=8)
+        for _ in range(a.n_layer)
+    ]
     expected = teacher_forced_logits(tiny_model, ids, 30, caches=reference)
     pruned = teacher_forced_logits(tiny_model, ids, 30, key_channel_pruning=0.4, think_window=8)  # 3 of 8 channels
     torch.testing.assert_close(pruned, expected)
-    assert not torch.allclose(pruned, teacher_forced_logits(tiny_model, ids, 30), atol=1e-3)  # pruning does change attention
+    # pruning does change attention
+    assert not torch.allclose(pruned, teacher_forced_logits(tiny_model, ids, 30), atol=1e-3)
 
 
 def test_pruning_nothing_gives_the_plain_caches_outputs_exactly(tiny_model):
     a = tiny_model.config
     ids = torch.randint(0, a.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert torch.equal(teacher_forced_logits(tiny_model, ids, 30, key_channel_pruning=0.0), teacher_forced_logits(tiny_model, ids, 30))
+    assert torch.equal(
+        teacher_forced_logits(tiny_model, ids, 30, key_channel_pruning=0.0), teacher_forced_logits(tiny_model, ids, 30)
+    )
     prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6], [7, 21, 63, 1, 8]]
     spec = dict(global_tokens=2, recent_window=3, prompt_compression_strategy="snapkv")
     plain = generate(tiny_model, prompts, 16, spec_for(tiny_model, "heavy_hitter", 10, **spec)).tokens
-    assert generate(tiny_model, prompts, 16, spec_for(tiny_model, "heavy_hitter", 10, key_channel_pruning=0.0, **spec)).tokens == plain
+    assert (
+        generate(
+            tiny_model, prompts, 16, spec_for(tiny_model, "heavy_hitter", 10, key_channel_pruning=0.0, **spec)
+        ).tokens
+        == plain
+    )

@@ -16,7 +16,8 @@ from kvlab.model import apply_rope
 
 
 def test_repositioned_keys_are_the_keys_rotated_at_their_new_positions(tiny_model):
-    """Held tokens at positions 0, 3, 7, 20 move to 0, 1, 2, 3: each stored key becomes the raw key rotated at its rank."""
+    """Held tokens at positions 0, 3, 7, 20 move to 0, 1, 2, 3: each stored key becomes the raw key rotated at its
+    rank."""
     cache = EvictionCache(1, 2, 6, 8, torch.float32, global_tokens=1, recent_window=1)  # the tiny model's head_dim
     cos, sin = tiny_model.rope_cos, tiny_model.rope_sin
     raw = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(0))
@@ -29,11 +30,13 @@ def test_repositioned_keys_are_the_keys_rotated_at_their_new_positions(tiny_mode
     assert torch.equal(cache.pos, rank)
     held = rank >= 0
     expected = apply_rope(raw, cos[rank.clamp(min=0)], sin[rank.clamp(min=0)])
-    torch.testing.assert_close(cache.storage.read()[0][held], expected[held], atol=1e-5, rtol=1e-5)  # float32 RoPE products, |k| ~ 4
+    # float32 RoPE products, |k| ~ 4
+    torch.testing.assert_close(cache.storage.read()[0][held], expected[held], atol=1e-5, rtol=1e-5)
 
 
 def test_streaming_that_evicts_nothing_gives_the_one_shot_losses(smollm):
-    """A budget the text fits: chunks attend over every earlier token at their own positions, as one forward pass does."""
+    """A budget the text fits: chunks attend over every earlier token at their own positions, as one forward pass
+    does."""
     model, tokenizer, _ = smollm
     ids = tokenizer.encode(paul_graham_text())[:700]
     spec = cache_spec({"cache_strategy": "keydiff", "max_cache_length": 800}, model.config.n_layer)
@@ -67,7 +70,10 @@ def test_a_text_beyond_the_context_streams_with_flat_memory_and_bounded_position
 def test_streaming_refuses_budgets_it_cannot_hold_flat(tiny_model):
     for settings, error in [
         ({"cache_strategy": "keydiff", "max_cache_length": 0.5}, "one slot count for every head"),
-        ({"cache_strategy": "keydiff", "max_cache_length": 24, "head_budget": "adakv"}, "one slot count for every head"),
+        (
+            {"cache_strategy": "keydiff", "max_cache_length": 24, "head_budget": "adakv"},
+            "one slot count for every head",
+        ),
         ({"cache_strategy": "quest", "max_cache_length": 24}, "quest cannot"),
     ]:
         with pytest.raises(ValueError, match=error):

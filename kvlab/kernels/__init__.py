@@ -39,7 +39,16 @@ INT4_X_BITS = {"int16": 16, "float32": 32, "int8": 8}
 INT4_TILE = 16  # weight rows per tile of the int16-x products' layout (csrc/gemv_int4_tiled.cpp)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("gemv_fp32.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "gemv_int4_xq.cpp", "gemv_int4_tiled.cpp", "gemv_int8_tiled.cpp", "attention.cpp", "attention_prefill.cpp")
+    for name in (
+        "gemv_fp32.cpp",
+        "gemv_int8.cpp",
+        "gemv_int4.cpp",
+        "gemv_int4_xq.cpp",
+        "gemv_int4_tiled.cpp",
+        "gemv_int8_tiled.cpp",
+        "attention.cpp",
+        "attention_prefill.cpp",
+    )
 ]
 
 NATIVE = False  # set by load(): whether torch.ops.kvlab.* are registered and taken
@@ -76,7 +85,10 @@ def load(quiet: bool = False) -> bool:
             register_fakes()
             REASON, NATIVE = torch.ops.kvlab.isa(), True
         except Exception as e:  # no compiler, a failed build, an unknown KVLAB_KERNEL_ISA: torch's kernels still run
-            REASON = f"native kernels unavailable ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+            REASON = (
+                "native kernels unavailable "
+                f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+            )
     if not NATIVE and not quiet:
         print(f"kvlab: {REASON}; running torch's kernels", file=sys.stderr)
     return NATIVE
@@ -132,7 +144,9 @@ def register_product_fakes() -> None:
         return x.new_empty(*x.shape[:-1], q_gate.shape[0])
 
     @torch.library.register_fake("kvlab::linear_int4")
-    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, x_bits: int = 32) -> Tensor:
+    def _(
+        x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, groupsize: int, bias: Tensor | None, x_bits: int = 32
+    ) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
     @torch.library.register_fake("kvlab::int4_tile")
@@ -140,11 +154,23 @@ def register_product_fakes() -> None:
         return codes.new_empty(-(-codes.shape[0] // INT4_TILE), codes.shape[1] * INT4_TILE)
 
     @torch.library.register_fake("kvlab::linear_int4_tiled")
-    def _(x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, n: int, groupsize: int, bias: Tensor | None) -> Tensor:
+    def _(
+        x: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, n: int, groupsize: int, bias: Tensor | None
+    ) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("kvlab::gated_int4_tiled")
-    def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, n: int, groupsize: int) -> Tensor:
+    def _(
+        x: Tensor,
+        c_gate: Tensor,
+        s_gate: Tensor,
+        o_gate: Tensor,
+        c_up: Tensor,
+        s_up: Tensor,
+        o_up: Tensor,
+        n: int,
+        groupsize: int,
+    ) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("kvlab::gated_fp32")
@@ -156,7 +182,17 @@ def register_product_fakes() -> None:
         return x.new_empty(*x.shape[:-1], q_gate.shape[0])
 
     @torch.library.register_fake("kvlab::gated_int4")
-    def _(x: Tensor, c_gate: Tensor, s_gate: Tensor, o_gate: Tensor, c_up: Tensor, s_up: Tensor, o_up: Tensor, groupsize: int, x_bits: int = 32) -> Tensor:
+    def _(
+        x: Tensor,
+        c_gate: Tensor,
+        s_gate: Tensor,
+        o_gate: Tensor,
+        c_up: Tensor,
+        s_up: Tensor,
+        o_up: Tensor,
+        groupsize: int,
+        x_bits: int = 32,
+    ) -> Tensor:
         return x.new_empty(*x.shape[:-1], c_gate.shape[0])
 
 
@@ -173,7 +209,13 @@ def tile_rows(t: Tensor) -> Tensor:
     float16 [ceil(N / 16), G, 16], rows past N zero. kvlab.quantize's values are float16 already (exact here)."""
     n, g = t.shape
     tiles = -(-n // INT4_TILE)
-    return F.pad(t, (0, 0, 0, tiles * INT4_TILE - n)).view(tiles, INT4_TILE, g).transpose(1, 2).to(torch.float16).contiguous()
+    return (
+        F.pad(t, (0, 0, 0, tiles * INT4_TILE - n))
+        .view(tiles, INT4_TILE, g)
+        .transpose(1, 2)
+        .to(torch.float16)
+        .contiguous()
+    )
 
 
 def untile_int4(tiled: Tensor, rows: int) -> Tensor:
@@ -219,7 +261,10 @@ def takes_weight(x: Tensor, *tensors: Tensor, dtype: torch.dtype = torch.float32
     """Whether the native kernels run x against a weight stored as `tensors`: `takes(x, dtype, any_rows)`, and every
     one of them a contiguous tensor on the CPU (float ones in `dtype`: float32, or bfloat16 for the bfloat16 products),
     as the ops read them."""
-    return takes(x, dtype, any_rows) and all(t.device.type == "cpu" and t.is_contiguous() and (t.dtype == dtype or not t.is_floating_point()) for t in tensors)
+    return takes(x, dtype, any_rows) and all(
+        t.device.type == "cpu" and t.is_contiguous() and (t.dtype == dtype or not t.is_floating_point())
+        for t in tensors
+    )
 
 
 def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -230,7 +275,11 @@ def takes_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
 def takes_prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the native prefill attention (`attend_prefill`) runs: CPU tensors outside autograd, float32 or bfloat16
     q (a bfloat16 one widened) with k and v both float32, float16 or bfloat16, any number of query positions."""
-    dtypes = q.dtype in (torch.float32, torch.bfloat16) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    dtypes = (
+        q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype
+        and k.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
     return NATIVE and dtypes and all(t.device.type == "cpu" and not t.requires_grad for t in (q, k, v))
 
 

@@ -39,7 +39,11 @@ def x_rounding_bound(x: Tensor, weights: Tensor, x_bits: int) -> Tensor:
     (2^(bits - 1) - 1) over 32 inputs), so off by at most half that step (and a few ulps), times |weight|."""
     x = F.pad(x, (0, weights.shape[1] - x.shape[-1]))
     qmax = 2 ** (x_bits - 1) - 1
-    half_steps = (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / (2 * qmax) * (1 + 2.0**-20)).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    half_steps = (
+        (x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / (2 * qmax) * (1 + 2.0**-20))
+        .expand(*x.shape[:-1], -1, 32)
+        .flatten(-2)
+    )
     return half_steps @ weights.abs().T
 
 
@@ -62,19 +66,23 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_
     D, S = q.shape[-1], k.shape[2]
     score_error = kernels.reordering_atol(D, (q.abs().amax() * k.abs().amax() * D**0.5).item())
     v_max = v.abs().amax().item()
-    return grouped_attention(q, k, v, attention_mask(key_pos, query_pos), False)[0], v_max * (2 * score_error + 8 * 2.0**-24) + kernels.reordering_atol(
-        S, v_max
-    )
+    return grouped_attention(q, k, v, attention_mask(key_pos, query_pos), False)[0], v_max * (
+        2 * score_error + 8 * 2.0**-24
+    ) + kernels.reordering_atol(S, v_max)
 
 
-def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor, float, float]:
+def prefill_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor
+) -> tuple[Tensor, Tensor, float, float]:
     """torch's masked attention for `attend_prefill` (a padding query, -1, sees every filled slot), each query's
     log-sum-exp of its scaled scores, and the bounds on a different order's rounding: the output's as
     `attention_reference` derives it; the log-sum-exp's one score's error and a few units of roundoff of it."""
     seeing = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max)
     want, atol = attention_reference(q, k, v, key_pos, seeing)
     B, H, T, D = q.shape
-    scores = (q.reshape(B, k.shape[1], -1, D) @ k.transpose(-1, -2) / D**0.5).reshape(B, k.shape[1], H // k.shape[1], T, -1)
+    scores = (q.reshape(B, k.shape[1], -1, D) @ k.transpose(-1, -2) / D**0.5).reshape(
+        B, k.shape[1], H // k.shape[1], T, -1
+    )
     mask = attention_mask(key_pos, seeing).unsqueeze(2)
     lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1).reshape(B, H, T)
     score_error = kernels.reordering_atol(D, (q.abs().amax() * k.abs().amax() * D**0.5).item())
@@ -83,16 +91,29 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor
 
 def check_matvec(g: torch.Generator, rows: int, k: int, n: int) -> list[str]:
     """The float32, int8 and int4 products and gated projections on one shape."""
-    x, w, b, up = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(n, k, generator=g)
+    x, w, b, up = (
+        torch.randn(rows, k, generator=g),
+        torch.randn(n, k, generator=g),
+        torch.randn(n, generator=g),
+        torch.randn(n, k, generator=g),
+    )
     q, scales = quantize_int8(w)
     magnitude = (x.abs() @ w.abs().T).max().item()
     failures = mismatch("linear_fp32", torch.ops.kvlab.linear_fp32(x, w, b), F.linear(x, w, b), k, magnitude)
     codes_magnitude = (x.abs() @ q.float().abs().T).max().item() * scales.max().item()
-    failures += mismatch("linear_int8", torch.ops.kvlab.linear_int8(x, q, scales, b), F.linear(x, q.float()) * scales + b, k, codes_magnitude)
+    failures += mismatch(
+        "linear_int8",
+        torch.ops.kvlab.linear_int8(x, q, scales, b),
+        F.linear(x, q.float()) * scales + b,
+        k,
+        codes_magnitude,
+    )
     # silu(a) b: |silu'| <= 1.1, so the errors of a and b (each within the bound for its own magnitude,
     # at most the larger one's) reach the product as at most 2.1 x that magnitude squared.
     gated_magnitude = 2.1 * max(magnitude, (x.abs() @ up.abs().T).max().item()) ** 2
-    failures += mismatch("gated_fp32", torch.ops.kvlab.gated_fp32(x, w, up), F.silu(F.linear(x, w)) * F.linear(x, up), k, gated_magnitude)
+    failures += mismatch(
+        "gated_fp32", torch.ops.kvlab.gated_fp32(x, w, up), F.silu(F.linear(x, w)) * F.linear(x, up), k, gated_magnitude
+    )
     q_up, s_up = quantize_int8(up)
     want = F.silu(F.linear(x, q.float()) * scales) * (F.linear(x, q_up.float()) * s_up)
     failures += mismatch("gated_int8", torch.ops.kvlab.gated_int8(x, q, scales, q_up, s_up), want, k, gated_magnitude)
@@ -106,9 +127,15 @@ def check_int8_tiled(x: Tensor, q: Tensor, scales: Tensor, q_up: Tensor, s_up: T
     """The int8 products with x in int16 (a prefill's): within x's rounding (`int8_rounding_bound`) and summation
     order of the float products of the codes; silu(a) b moves as in `check_int4`."""
     want, want_up = F.linear(x, q.float()) * scales, F.linear(x, q_up.float()) * s_up
-    magnitude = max((x.abs() @ (q.float().abs() * scales[:, None]).T).max().item(), (x.abs() @ (q_up.float().abs() * s_up[:, None]).T).max().item())
+    magnitude = max(
+        (x.abs() @ (q.float().abs() * scales[:, None]).T).max().item(),
+        (x.abs() @ (q_up.float().abs() * s_up[:, None]).T).max().item(),
+    )
     da, db = int8_rounding_bound(x, q, scales), int8_rounding_bound(x, q_up, s_up)
-    atol, gated_atol = kernels.reordering_atol(q.shape[1], magnitude), kernels.reordering_atol(q.shape[1], 2.1 * magnitude**2)
+    atol, gated_atol = (
+        kernels.reordering_atol(q.shape[1], magnitude),
+        kernels.reordering_atol(q.shape[1], 2.1 * magnitude**2),
+    )
     bounds = {
         "linear_int8_tiled": (torch.ops.kvlab.linear_int8_tiled(x, q, scales, b), want + b, da + atol),
         "gated_int8_tiled": (
@@ -130,58 +157,120 @@ def check_bfloat16(x: Tensor, w: Tensor, b: Tensor, up: Tensor) -> list[str]:
     x, w, b, up = (t.bfloat16() for t in (x, w, b, up))
     xf, wf, uf = x.float(), w.float(), up.float()
     magnitude, k = max((xf.abs() @ wf.abs().T).max().item(), (xf.abs() @ uf.abs().T).max().item()), x.shape[-1]
-    failures = mismatch("linear_bf16", torch.ops.kvlab.linear_bf16(x, w, b), F.linear(xf, wf, b.float()), k, magnitude, 2.0**-8)
+    failures = mismatch(
+        "linear_bf16", torch.ops.kvlab.linear_bf16(x, w, b), F.linear(xf, wf, b.float()), k, magnitude, 2.0**-8
+    )
     gated_want = F.silu(F.linear(xf, wf)) * F.linear(xf, uf)
-    return failures + mismatch("gated_bf16", torch.ops.kvlab.gated_bf16(x, w, up), gated_want, k, 2.1 * magnitude**2, 2.0**-8)
+    return failures + mismatch(
+        "gated_bf16", torch.ops.kvlab.gated_bf16(x, w, up), gated_want, k, 2.1 * magnitude**2, 2.0**-8
+    )
 
 
 def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> list[str]:
     """The int4 product and gated projection, x in float32 (to summation order) and rounded to int16 and
     int8 (within `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
     (codes, scales, zeros), (c_up, s_up, z_up) = quantize_int4(w, groupsize), quantize_int4(up, groupsize)
-    (want, magnitude), (want_up, magnitude_up) = int4_reference(x, codes, scales, zeros), int4_reference(x, c_up, s_up, z_up)
-    weights, gated = (codes, scales, zeros - 8 * scales), (codes, scales, zeros - 8 * scales, c_up, s_up, z_up - 8 * s_up)
+    (want, magnitude), (want_up, magnitude_up) = (
+        int4_reference(x, codes, scales, zeros),
+        int4_reference(x, c_up, s_up, z_up),
+    )
+    weights, gated = (
+        (codes, scales, zeros - 8 * scales),
+        (codes, scales, zeros - 8 * scales, c_up, s_up, z_up - 8 * s_up),
+    )
     terms, gated_magnitude = codes.shape[1] * 2, 2.1 * max(magnitude, magnitude_up) ** 2
-    failures = mismatch(f"linear_int4 g{groupsize}", torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, 32), want + b, terms, magnitude)
+    failures = mismatch(
+        f"linear_int4 g{groupsize}",
+        torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, 32),
+        want + b,
+        terms,
+        magnitude,
+    )
     gated_want = F.silu(want) * want_up
-    failures += mismatch(f"gated_int4 g{groupsize}", torch.ops.kvlab.gated_int4(x, *gated, groupsize, 32), gated_want, terms, gated_magnitude)
+    failures += mismatch(
+        f"gated_int4 g{groupsize}",
+        torch.ops.kvlab.gated_int4(x, *gated, groupsize, 32),
+        gated_want,
+        terms,
+        gated_magnitude,
+    )
     for x_bits in (16, 8):
         da, db = int4_rounding_bound(x, codes, scales, x_bits), int4_rounding_bound(x, c_up, s_up, x_bits)
         bounds = {
-            "linear_int4": (torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, x_bits), want + b, da + kernels.reordering_atol(terms, magnitude)),
+            "linear_int4": (
+                torch.ops.kvlab.linear_int4(x, *weights, groupsize, b, x_bits),
+                want + b,
+                da + kernels.reordering_atol(terms, magnitude),
+            ),
             "gated_int4": (
                 torch.ops.kvlab.gated_int4(x, *gated, groupsize, x_bits),
                 gated_want,
-                1.1 * da * want_up.abs() + F.silu(want).abs() * db + 1.1 * da * db + kernels.reordering_atol(terms, gated_magnitude),
+                1.1 * da * want_up.abs()
+                + F.silu(want).abs() * db
+                + 1.1 * da * db
+                + kernels.reordering_atol(terms, gated_magnitude),
             ),
         }
         if x_bits == 16:  # the tiled layout's ops take x in int16 only
             n = codes.shape[0]
-            tiled = [(torch.ops.kvlab.int4_tile(c), kernels.tile_rows(s), kernels.tile_rows(o)) for c, s, o in (weights, gated[3:])]
-            bounds["linear_int4_tiled"] = (torch.ops.kvlab.linear_int4_tiled(x, *tiled[0], n, groupsize, b), *bounds["linear_int4"][1:])
-            bounds["gated_int4_tiled"] = (torch.ops.kvlab.gated_int4_tiled(x, *tiled[0], *tiled[1], n, groupsize), *bounds["gated_int4"][1:])
+            tiled = [
+                (torch.ops.kvlab.int4_tile(c), kernels.tile_rows(s), kernels.tile_rows(o))
+                for c, s, o in (weights, gated[3:])
+            ]
+            bounds["linear_int4_tiled"] = (
+                torch.ops.kvlab.linear_int4_tiled(x, *tiled[0], n, groupsize, b),
+                *bounds["linear_int4"][1:],
+            )
+            bounds["gated_int4_tiled"] = (
+                torch.ops.kvlab.gated_int4_tiled(x, *tiled[0], *tiled[1], n, groupsize),
+                *bounds["gated_int4"][1:],
+            )
         for op, (got, expected, bound) in bounds.items():
             if ((got - expected).abs() > bound).any():
-                failures.append(f"{op} g{groupsize} x int{x_bits} {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound")
+                failures.append(
+                    f"{op} g{groupsize} x int{x_bits} {tuple(got.shape)}: off by "
+                    f"{((got - expected).abs() / bound).max().item():.2f} x its bound"
+                )
     return failures
 
 
 def check_attention(
-    g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, slots: int, dim: int, per_head: bool, kv_dtype: torch.dtype
+    g: torch.Generator,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    steps: int,
+    slots: int,
+    dim: int,
+    per_head: bool,
+    kv_dtype: torch.dtype,
 ) -> list[str]:
     """Decode attention over `slots` slots, some empty (-1), positions shared or per KV head, keys and values
     float32, float16 or bfloat16 (against torch over them widened to float32, exactly)."""
-    q, (k, v) = torch.randn(batch, heads, steps, dim, generator=g), torch.randn(2, batch, kv_heads, slots, dim, generator=g).to(kv_dtype)
+    q, (k, v) = (
+        torch.randn(batch, heads, steps, dim, generator=g),
+        torch.randn(2, batch, kv_heads, slots, dim, generator=g).to(kv_dtype),
+    )
     key_pos = torch.randint(-1, slots, (batch, kv_heads, slots) if per_head else (batch, slots), generator=g)
     query_pos = torch.arange(slots - steps, slots).expand(batch, steps)
     want, atol = attention_reference(q, k.float(), v.float(), key_pos, query_pos)
     error = (torch.ops.kvlab.attend_fp32(q, k, v, key_pos, query_pos) - want).abs().max().item()
-    return [f"attend_fp32 {tuple(q.shape)} over {slots} {kv_dtype} slots: off by {error:.2e} > {atol:.2e}"] if error > atol else []
+    return (
+        [f"attend_fp32 {tuple(q.shape)} over {slots} {kv_dtype} slots: off by {error:.2e} > {atol:.2e}"]
+        if error > atol
+        else []
+    )
 
 
-def check_prefill_attention(g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, held: int, dim: int, kv_dtype: torch.dtype) -> list[str]:
-    """Prefill attention: `steps` queries (the last one padding) over `held` earlier slots, some empty, and their own."""
-    q, (k, v) = torch.randn(batch, heads, steps, dim, generator=g), torch.randn(2, batch, kv_heads, held + steps, dim, generator=g).to(kv_dtype)
+def check_prefill_attention(
+    g: torch.Generator, batch: int, heads: int, kv_heads: int, steps: int, held: int, dim: int, kv_dtype: torch.dtype
+) -> list[str]:
+    """Prefill attention: `steps` queries (the last one padding) over `held` earlier slots, some empty, and their
+    own."""
+    q, (k, v) = (
+        torch.randn(batch, heads, steps, dim, generator=g),
+        torch.randn(2, batch, kv_heads, held + steps, dim, generator=g).to(kv_dtype),
+    )
     query_pos = torch.arange(held, held + steps).repeat(batch, 1)
     query_pos[:, -1] = -1
     key_pos = torch.cat([torch.randint(-1, held, (batch, held), generator=g), query_pos], dim=1)
@@ -189,7 +278,10 @@ def check_prefill_attention(g: torch.Generator, batch: int, heads: int, kv_heads
     y, lse = torch.ops.kvlab.attend_prefill(q, k, v, key_pos, query_pos)
     error, lse_error = (y - want).abs().max().item(), (lse - want_lse).abs().max().item()
     if error > atol or lse_error > lse_atol:
-        return [f"attend_prefill {tuple(q.shape)} over {held} + {steps} {kv_dtype} slots: off by {error:.2e} > {atol:.2e} or {lse_error:.2e} > {lse_atol:.2e}"]
+        return [
+            f"attend_prefill {tuple(q.shape)} over {held} + {steps} {kv_dtype} slots: off by {error:.2e} > "
+            f"{atol:.2e} or {lse_error:.2e} > {lse_atol:.2e}"
+        ]
     return []
 
 
@@ -206,7 +298,12 @@ def check() -> list[str]:
         (1, 9, 3, 1, 300, 64, True, torch.bfloat16),
     ]:
         failures += check_attention(g, *shape)
-    for shape in [(1, 9, 3, 100, 70, 64, torch.float32), (2, 4, 2, 33, 0, 64, torch.float16), (1, 4, 4, 9, 20, 40, torch.bfloat16), (1, 2, 1, 40, 30, 32, torch.float32)]:
+    for shape in [
+        (1, 9, 3, 100, 70, 64, torch.float32),
+        (2, 4, 2, 33, 0, 64, torch.float16),
+        (1, 4, 4, 9, 20, 40, torch.bfloat16),
+        (1, 2, 1, 40, 30, 32, torch.float32),
+    ]:
         failures += check_prefill_attention(g, *shape)
     return failures
 

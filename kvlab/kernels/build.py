@@ -89,7 +89,8 @@ def build(sources: Sequence[Path], library: Path) -> None:
     from torch.utils import cpp_extension
 
     print(
-        f"kvlab: building the native kernels for this machine (once, about a minute) into {library.parent}", file=sys.stderr
+        f"kvlab: building the native kernels for this machine (once, about a minute) into {library.parent}",
+        file=sys.stderr,
     )
     scratch = Path(tempfile.mkdtemp(prefix=f".{library.parent.name}-", dir=library.parent.parent))
     try:

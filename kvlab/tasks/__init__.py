@@ -37,5 +37,8 @@ def resolve_tasks(names: list[str]) -> list[GenerationTask | PerplexityTask]:
         elif name in tasks:
             chosen[name] = tasks[name]
         else:
-            raise ValueError(f"unknown task {name!r}; choose task names, a family ({', '.join(families)}) or all; tasks: {', '.join(tasks)}")
+            raise ValueError(
+                f"unknown task {name!r}; choose task names, a family ({', '.join(families)}) or all; tasks: "
+                f"{', '.join(tasks)}"
+            )
     return list(chosen.values())

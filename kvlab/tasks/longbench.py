@@ -23,25 +23,68 @@ ENV_DIR = "KVLAB_LONGBENCH_DIR"
 
 # config/dataset2prompt.json of LongBench v1, verbatim.
 DATASET2PROMPT: dict[str, str] = {
-    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
-    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',
-    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",
-    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
-    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
-    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",
-    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",
+    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. "
+    "Answer the question as concisely as you can, using a single phrase if possible. Do not "
+    "provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story "
+    "as concisely as you can, using a single phrase if possible. Do not provide any "
+    "explanation.\n\nQuestion: {input}\n\nAnswer:",
+    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, "
+    "using a single phrase or sentence if possible. If the question cannot be answered based on the "
+    'information in the article, write "unanswerable". If the question is a yes/no question, answer '
+    '"yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer '
+    "the question based on the above article as concisely as you can, using a single phrase or "
+    "sentence if possible. If the question cannot be answered based on the information in the "
+    'article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or '
+    '"unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',
+    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following "
+    "question based on the above text, only give me the answer and do not output any other "
+    "words.\n\nQuestion: {input}\nAnswer:",
+    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n"
+    "现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n"
+    "问题：{input}\n回答：",
+    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on "
+    "the given passages. Only give me the answer and do not output any other words.\n\nQuestion: "
+    "{input}\nAnswer:",
+    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on "
+    "the given passages. Only give me the answer and do not output any other words.\n\nQuestion: "
+    "{input}\nAnswer:",
+    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on "
+    "the given passages. Only give me the answer and do not output any other words.\n\nQuestion: "
+    "{input}\nAnswer:",
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n"
+    "问题：{input}\n回答：",
+    "gov_report": "You are given a report by a government agency. Write a one-page summary of the "
+    "report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
+    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the "
+    "query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the "
+    "above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",
+    "multi_news": "You are given several news passages. Write a one-page summary of all news. "
+    "\n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",
     "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
-    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
-    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "trec": "Please determine the type of the question below. Here are some examples of "
+    "questions.\n\n{context}\n{input}",
+    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any "
+    "other words. The following are some examples.\n\n{context}\n\n{input}",
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some "
+    "examples.\n\n{context}\n\n{input}",
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
-    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",
-    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',
-    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
+    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. "
+    "Please carefully read these paragraphs and determine how many unique paragraphs there are "
+    "after removing duplicates. In other words, how many non-repeating paragraphs are there in "
+    "total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing "
+    "duplicates. The output format should only contain the number, such as 1, 2, 3, and so "
+    "on.\n\nThe final answer is: ",
+    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine "
+    "which paragraph the abstract is from.\n\n{context}\n\nThe following is an "
+    "abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract "
+    'is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe '
+    "answer is: ",
+    "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n"
+    "{context}\n\n下面是一个摘要\n\n{input}\n\n"
+    '请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
@@ -103,7 +146,9 @@ NO_CHAT_TEMPLATE = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repo
 FIRST_LINE_ONLY = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 
 
-def score_prediction(subset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None) -> float:
+def score_prediction(
+    subset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
+) -> float:
     """eval.py's per-example score (0..1): first-line post-processing where LongBench applies it, then the
     best metric value over the reference answers."""
     _check_subset(subset)
@@ -138,9 +183,10 @@ def _find(data_dir: Path, subset: str) -> Path | None:
 def _offline_help(data_dir: Path) -> str:
     return (
         f"LongBench is the Hugging Face hub dataset {HUB_REPO} (file {HUB_FILE}, holding data/<subset>.jsonl). "
-        f"To provide it offline: download https://huggingface.co/datasets/{HUB_REPO}/resolve/main/{HUB_FILE} on a machine "
-        f"with internet, unzip it into a directory, and set {ENV_DIR}=<that directory> or pass data_dir=<that directory> "
-        f"(the <subset>.jsonl files may sit in it or in its data/ subfolder); the default directory is {data_dir}."
+        f"To provide it offline: download https://huggingface.co/datasets/{HUB_REPO}/resolve/main/{HUB_FILE} on "
+        f"a machine with internet, unzip it into a directory, and set {ENV_DIR}=<that directory> or pass "
+        "data_dir=<that directory> (the <subset>.jsonl files may sit in it or in its data/ subfolder); the "
+        f"default directory is {data_dir}."
     )
 
 
@@ -170,7 +216,10 @@ def subset_path(subset: str, data_dir: str | os.PathLike | None = None) -> Path:
         directory = Path(data_dir).expanduser()
         path = _find(directory, subset)
         if path is None:
-            raise ValueError(f"LongBench subset {subset!r}: no {subset}.jsonl in {directory} (nor in its data/ subfolder). {_offline_help(default_data_dir())}")
+            raise ValueError(
+                f"LongBench subset {subset!r}: no {subset}.jsonl in {directory} (nor in its data/ subfolder). "
+                f"{_offline_help(default_data_dir())}"
+            )
         return path
     directory = default_data_dir()
     path = _find(directory, subset)
@@ -180,12 +229,14 @@ def subset_path(subset: str, data_dir: str | os.PathLike | None = None) -> Path:
         _download(directory)
     except Exception as err:  # offline, hub errors, a broken archive: all mean "provide the data yourself"
         raise ValueError(
-            f"LongBench subset {subset!r}: {directory / (subset + '.jsonl')} is missing and downloading {HUB_FILE} from the hub "
-            f"failed ({type(err).__name__}: {err}). {_offline_help(directory)}"
+            f"LongBench subset {subset!r}: {directory / (subset + '.jsonl')} is missing and downloading "
+            f"{HUB_FILE} from the hub failed ({type(err).__name__}: {err}). {_offline_help(directory)}"
         ) from err
     path = _find(directory, subset)
     if path is None:
-        raise ValueError(f"LongBench subset {subset!r}: the hub's {HUB_FILE} has no {subset}.jsonl. {_offline_help(directory)}")
+        raise ValueError(
+            f"LongBench subset {subset!r}: the hub's {HUB_FILE} has no {subset}.jsonl. {_offline_help(directory)}"
+        )
     return path
 
 
@@ -249,7 +300,14 @@ class LongBenchTask(GenerationTask):
         """The official prompt: the subset's template filled with the record's context and input."""
         return self.template.format(context=record["context"], input=record["input"])
 
-    def examples(self, tokenizer: Tokenizer, num_samples: int, seed: int = 0, context_length: int | None = None, chat: bool = True) -> list[Example]:
+    def examples(
+        self,
+        tokenizer: Tokenizer,
+        num_samples: int,
+        seed: int = 0,
+        context_length: int | None = None,
+        chat: bool = True,
+    ) -> list[Example]:
         """The first num_samples examples in file order (seed unused: nested and deterministic anyway); prompts
         cut in the middle to context_length tokens before the chat template, which applies where LongBench's does."""
         if context_length is not None and context_length < 1:

@@ -38,7 +38,10 @@ def normalize_answer(s: str) -> str:
 
 
 _EN_PUNCTUATION = frozenset(string.punctuation)
-_CN_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+_CN_PUNCTUATION = (
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～"
+    "｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
 _ZH_PUNCTUATION = frozenset(string.punctuation + _CN_PUNCTUATION)
 _ZH_FALLBACK_TOKEN = re.compile(r"[A-Za-z0-9]+|\S")
 

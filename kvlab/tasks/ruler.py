@@ -52,8 +52,9 @@ from kvlab.tokenizer import Tokenizer
 
 # templates: RULER, Apache-2.0 (data/synthetic/constants.py; "assgined" sic)
 NIAH_TEMPLATE = (
-    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the "
-    "{type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will "
+    "quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} "
+    "for {query} mentioned in the provided text?"
 )
 NIAH_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -61,22 +62,25 @@ VT_TEMPLATE = (
     "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
     "Question: Find all variables that are assigned the value {query} in the text above."
 )
-VT_ANSWER_PREFIX = " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined the value {query}, they are: "
+VT_ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+    "assgined the value {query}, they are: "
+)
 CWE_TEMPLATE = (
-    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n"
-    "{context}\nQuestion: What are the 10 most common words in the above list?"
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
+    "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?"
 )
 CWE_ANSWER_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
 FWE_TEMPLATE = (
-    "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. "
-    "{context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words "
-    "in the above coded text?"
+    "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+    "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
 )
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 QA_TEMPLATE = (
-    "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\n"
-    "The following are given documents.\n\n{context}\n\n"
-    "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}"
+    "Answer the question based on the given documents. Only give me the answer and do not output any other "
+    "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}"
 )
 QA_ANSWER_PREFIX = " Answer:"
 DOCUMENT = "Document {i}:\n{document}"
@@ -107,11 +111,17 @@ def needle_digits(prediction: str, references: list[str]) -> float:
     best of all numbers, because a degenerate answer ("2018-2023-2024-...") would collect chance prefixes.
     """
     numbers = re.findall(r"[0-9]+", prediction)[: len(references)]
-    shares = [1.0 if r in prediction else max((len(os.path.commonprefix([n, r])) for n in numbers), default=0) / len(r) for r in references]
+    shares = [
+        1.0 if r in prediction else max((len(os.path.commonprefix([n, r])) for n in numbers), default=0) / len(r)
+        for r in references
+    ]
     return sum(shares) / len(shares)
 
 
-METRICS: dict[str, Callable[[str, list[str]], float]] = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+METRICS: dict[str, Callable[[str, list[str]], float]] = {
+    "string_match_all": string_match_all,
+    "string_match_part": string_match_part,
+}
 
 
 def question_of(template: str) -> str:
@@ -123,7 +133,8 @@ class RulerTask(GenerationTask):
     family = "ruler"
     metric = "string_match_all"
     max_new_tokens: int  # RULER's tokens_to_generate
-    question: str  # the text opening the question after the context (its last occurrence: vt and cwe repeat it in their example)
+    # the text opening the question after the context (its last occurrence: vt and cwe repeat it in their example)
+    question: str
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -131,8 +142,16 @@ class RulerTask(GenerationTask):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
-    def examples(self, tokenizer: Tokenizer, num_samples: int, seed: int = 0, context_length: int | None = None, chat: bool = True) -> list[Example]:
-        """Example i depends only on (seed, name, context_length, i), so smaller requests are prefixes of larger ones."""
+    def examples(
+        self,
+        tokenizer: Tokenizer,
+        num_samples: int,
+        seed: int = 0,
+        context_length: int | None = None,
+        chat: bool = True,
+    ) -> list[Example]:
+        """Example i depends only on (seed, name, context_length, i), so smaller requests are prefixes of larger
+        ones."""
         if context_length is None:
             raise ValueError(f"RULER task {self.name} needs a context_length: its prompts are sized to it")
         budget = Budget(tokenizer, chat, context_length, context_length - self.max_new_tokens)
@@ -142,9 +161,15 @@ class RulerTask(GenerationTask):
             try:
                 input_ids, answers, info = self.generate(budget, rng, i)
             except ContextTooShortError as e:
-                raise ContextTooShortError(f"context_length {context_length} is too short for RULER task {self.name}: {e}") from e
+                raise ContextTooShortError(
+                    f"context_length {context_length} is too short for RULER task {self.name}: {e}"
+                ) from e
             question_start = token_position(tokenizer, input_ids, self.question, last=True)
-            out.append(Example(f"{self.name}/{context_length}/{i}", input_ids, answers, self.max_new_tokens, info, question_start))
+            out.append(
+                Example(
+                    f"{self.name}/{context_length}/{i}", input_ids, answers, self.max_new_tokens, info, question_start
+                )
+            )
         return out
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
@@ -163,20 +188,33 @@ class NeedleInAHaystack(RulerTask):
     question = "\nWhat "  # "What are all the ..." or, for one answer, "What is the ..."
 
     def __init__(
-        self, name: str, haystack: str, key_type: str = "words", value_type: str = "numbers", num_keys: int = 1, num_values: int = 1, num_queries: int = 1
+        self,
+        name: str,
+        haystack: str,
+        key_type: str = "words",
+        value_type: str = "numbers",
+        num_keys: int = 1,
+        num_values: int = 1,
+        num_queries: int = 1,
     ) -> None:
         super().__init__(name)
         if haystack not in ("noise", "essay", "needle"):
             raise ValueError(f"unknown haystack {haystack!r}; choose noise, essay or needle")
         if {key_type, value_type} - {"words", "numbers", "uuids"}:
-            raise ValueError(f"unknown needle key/value types {key_type!r}/{value_type!r}; choose words, numbers or uuids")
+            raise ValueError(
+                f"unknown needle key/value types {key_type!r}/{value_type!r}; choose words, numbers or uuids"
+            )
         self.haystack, self.key_type, self.value_type = haystack, key_type, value_type
         self.num_keys, self.num_values, self.num_queries = max(num_keys, num_queries), num_values, num_queries
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
         keys = distinct(lambda: random_item(rng, self.key_type), self.num_keys)
         values = [[random_item(rng, self.value_type) for _ in range(self.num_values)] for _ in keys]
-        needles = [NEEDLE.format(type_needle_v=self.value_type, key=k, value=v) for k, vs in zip(keys, values, strict=True) for v in vs]
+        needles = [
+            NEEDLE.format(type_needle_v=self.value_type, key=k, value=v)
+            for k, vs in zip(keys, values, strict=True)
+            for v in vs
+        ]
         rng.shuffle(needles)
         depths = sorted(rng.sample(DEPTHS, len(needles)))
         queried = rng.sample(range(self.num_keys), self.num_queries)
@@ -191,28 +229,44 @@ class NeedleInAHaystack(RulerTask):
 
         units, separator, hi = self.haystack_units(rng, budget.tokens, keys)
         n, ids = budget.fill(
-            lambda n: template.format(type_needle_v=type_needle_v, context=separator.join(insert_at_depths(units(n), needles, depths)), query=query),
+            lambda n: template.format(
+                type_needle_v=type_needle_v,
+                context=separator.join(insert_at_depths(units(n), needles, depths)),
+                query=query,
+            ),
             prefix.format(type_needle_v=type_needle_v, query=query),
             hi,
         )
-        placed = [{"text": t, "depth": d / 100, "token_position": token_position(budget.tokenizer, ids, t)} for t, d in zip(needles, depths, strict=True)]
+        placed = [
+            {"text": t, "depth": d / 100, "token_position": token_position(budget.tokenizer, ids, t)}
+            for t, d in zip(needles, depths, strict=True)
+        ]
         return ids, answers, {"haystack": self.haystack, "haystack_units": n, "queries": queries, "needles": placed}
 
     def extra_scores(self, prediction: str, example: Example) -> dict[str, float]:
         """Numeric needles: also the share of their leading digits reproduced (`needle_digits`)."""
         return {"needle_digits": needle_digits(prediction, example.answers)} if self.value_type == "numbers" else {}
 
-    def haystack_units(self, rng: random.Random, budget: int, keys: list[str]) -> tuple[Callable[[int], list[str]], str, int]:
+    def haystack_units(
+        self, rng: random.Random, budget: int, keys: list[str]
+    ) -> tuple[Callable[[int], list[str]], str, int]:
         """The haystack as units(n) -> n units' pieces (needles go between pieces), their separator, and a
         bound on n (every unit takes at least one token)."""
         if self.haystack == "essay":  # RULER: the essays' first n words, split into sentences
             words = essay_words()
-            return lambda n: [s for s in re.split(r"(?<=[.!?]) ", " ".join(words[:n])) if s], " ", min(len(words), budget)
+            return (
+                lambda n: [s for s in re.split(r"(?<=[.!?]) ", " ".join(words[:n])) if s],
+                " ",
+                min(len(words), budget),
+            )
         if self.haystack == "noise":
             return noise_lines, "\n", budget
         # Distractor needles with other keys; a needle takes at least 10 tokens.
         distractor_keys = distinct(lambda: random_item(rng, self.key_type), budget // 10, exclude=keys)
-        distractors = [NEEDLE.format(type_needle_v=self.value_type, key=k, value=random_item(rng, self.value_type)) for k in distractor_keys]
+        distractors = [
+            NEEDLE.format(type_needle_v=self.value_type, key=k, value=random_item(rng, self.value_type))
+            for k in distractor_keys
+        ]
         return lambda n: distractors[:n], "\n", len(distractors)
 
 
@@ -228,9 +282,14 @@ class VariableTracking(RulerTask):
         self.num_chains, self.num_hops = num_chains, num_hops
 
     def chains(self, rng: random.Random, num_hops: int, name_length: int) -> list[list[str]]:
-        names = distinct(lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)), self.num_chains * (num_hops + 1))
+        names = distinct(
+            lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)), self.num_chains * (num_hops + 1)
+        )
         chains = [names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)] for c in range(self.num_chains)]
-        return [[f"VAR {v[0]} = {rng.randint(10000, 99999)}"] + [f"VAR {v[j + 1]} = VAR {v[j]} " for j in range(num_hops)] for v in chains]
+        return [
+            [f"VAR {v[0]} = {rng.randint(10000, 99999)}"] + [f"VAR {v[j + 1]} = VAR {v[j]} " for j in range(num_hops)]
+            for v in chains
+        ]
 
     def prompt(self, n: int, chains: list[list[str]], layout: int) -> str:
         """VT_TEMPLATE with n noise sentences (a newline after every fifth, as RULER's noise lines end), each
@@ -238,7 +297,9 @@ class VariableTracking(RulerTask):
         units = [s + "\n" if i % 5 == 4 else s for i, s in enumerate(noise_sentences(n))]
         rng = random.Random(layout)
         for chain in chains:
-            for slot, statement in zip(sorted(rng.sample(range(len(units) + len(chain)), len(chain))), chain, strict=True):
+            for slot, statement in zip(
+                sorted(rng.sample(range(len(units) + len(chain)), len(chain))), chain, strict=True
+            ):
                 units.insert(slot, statement)
         return VT_TEMPLATE.format(context=" ".join(units), query=chains[0][0].split(" = ")[1])
 
@@ -248,14 +309,26 @@ class VariableTracking(RulerTask):
         icl_value, icl_answer = icl_chains[0][0].split(" = ")[1], " ".join(s.split()[1] for s in icl_chains[0])
         icl_prefix = VT_ANSWER_PREFIX.format(num_v=icl_hops + 1, query=icl_value)
         icl_budget = min(VT_ICL_TOKENS, budget.context_length // 3)
-        icl_n = fit(lambda n: len(budget.tokenizer.encode(self.prompt(n, icl_chains, icl_layout) + icl_prefix + icl_answer)), icl_budget, icl_budget)
+        icl_n = fit(
+            lambda n: len(budget.tokenizer.encode(self.prompt(n, icl_chains, icl_layout) + icl_prefix + icl_answer)),
+            icl_budget,
+            icl_budget,
+        )
         icl = self.prompt(icl_n, icl_chains, icl_layout) + icl_prefix + icl_answer + "\n\n"
 
         chains, layout = self.chains(rng, self.num_hops, 5), rng.getrandbits(64)
         value = chains[0][0].split(" = ")[1]
-        n, ids = budget.fill(lambda n: icl + self.prompt(n, chains, layout), VT_ANSWER_PREFIX.format(num_v=self.num_hops + 1, query=value), budget.tokens)
+        n, ids = budget.fill(
+            lambda n: icl + self.prompt(n, chains, layout),
+            VT_ANSWER_PREFIX.format(num_v=self.num_hops + 1, query=value),
+            budget.tokens,
+        )
         variables = [s.split()[1] for s in chains[0]]
-        return ids, variables, {"chain": chains[0], "value": value, "chains": chains, "noise_sentences": n, "icl_chain": icl_chains[0]}
+        return (
+            ids,
+            variables,
+            {"chain": chains[0], "value": value, "chains": chains, "noise_sentences": n, "icl_chain": icl_chains[0]},
+        )
 
 
 class CommonWordsExtraction(RulerTask):
@@ -271,14 +344,21 @@ class CommonWordsExtraction(RulerTask):
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
         words = word_list()
-        if budget.context_length < 4096:  # RULER's settings: (freq_cw, freq_ucw), and the example's (words, freq_cw, freq_ucw)
+        # RULER's settings: (freq_cw, freq_ucw), and the example's (words, freq_cw, freq_ucw)
+        if budget.context_length < 4096:
             (freq_cw, freq_ucw), (icl_words, icl_cw, icl_ucw) = (6, 1), (20, 3, 1)
         else:
             (freq_cw, freq_ucw), (icl_words, icl_cw, icl_ucw) = (self.freq_cw, self.freq_ucw), (40, 10, 3)
         icl = rng.sample(words, icl_words)
         icl_list = icl[: self.num_cw] * icl_cw + icl[self.num_cw :] * icl_ucw
         rng.shuffle(icl_list)
-        example = CWE_TEMPLATE.format(context=numbered(icl_list)) + CWE_ANSWER_PREFIX + " " + numbered(icl[: self.num_cw]) + "\n"
+        example = (
+            CWE_TEMPLATE.format(context=numbered(icl_list))
+            + CWE_ANSWER_PREFIX
+            + " "
+            + numbered(icl[: self.num_cw])
+            + "\n"
+        )
 
         chosen = rng.sample(words, min(len(words), self.num_cw + budget.tokens // freq_ucw + 1))
         common = chosen[: self.num_cw]
@@ -291,7 +371,16 @@ class CommonWordsExtraction(RulerTask):
             return example + CWE_TEMPLATE.format(context=numbered(listed))
 
         n, ids = budget.fill(text, CWE_ANSWER_PREFIX, len(uncommon))
-        return ids, common, {"freq_cw": freq_cw, "freq_ucw": freq_ucw, "listed": len(common) * freq_cw + n, "icl_words": icl[: self.num_cw]}
+        return (
+            ids,
+            common,
+            {
+                "freq_cw": freq_cw,
+                "freq_ucw": freq_ucw,
+                "listed": len(common) * freq_cw + n,
+                "icl_words": icl[: self.num_cw],
+            },
+        )
 
 
 class FrequentWordsExtraction(RulerTask):
@@ -308,7 +397,9 @@ class FrequentWordsExtraction(RulerTask):
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
         vocab_size = budget.context_length // 50  # RULER's default
-        vocab = ["..."] + distinct(lambda: "".join(rng.choices(string.ascii_lowercase, k=self.coded_wordlen)), vocab_size - 1)
+        vocab = ["..."] + distinct(
+            lambda: "".join(rng.choices(string.ascii_lowercase, k=self.coded_wordlen)), vocab_size - 1
+        )
         layout = rng.getrandbits(64)
 
         def counts(scale: int, dots: int) -> list[int]:
@@ -320,8 +411,13 @@ class FrequentWordsExtraction(RulerTask):
             return FWE_TEMPLATE.format(context=" ".join(words))
 
         scale, ids = budget.fill(lambda s: text(s, 0), FWE_ANSWER_PREFIX, budget.tokens)
-        dots, ids = budget.fill(lambda d: text(scale, d), FWE_ANSWER_PREFIX, budget.tokens - len(ids))  # a "..." takes a token or more
-        return ids, vocab[1:4], {"counts": dict(zip(vocab, counts(scale, dots), strict=True)), "scale": scale, "extra_dots": dots}
+        # a "..." takes a token or more
+        dots, ids = budget.fill(lambda d: text(scale, d), FWE_ANSWER_PREFIX, budget.tokens - len(ids))
+        return (
+            ids,
+            vocab[1:4],
+            {"counts": dict(zip(vocab, counts(scale, dots), strict=True)), "scale": scale, "extra_dots": dots},
+        )
 
 
 class QuestionAnswering(RulerTask):
@@ -347,7 +443,9 @@ class QuestionAnswering(RulerTask):
                 choice = rng.randrange(len(questions))
         raise ContextTooShortError("no question's evidence fits in 100 tries")
 
-    def prompt(self, budget: Budget, rng: random.Random, question: dict[str, Any], docs: list[str]) -> tuple[list[int], dict[str, Any]]:
+    def prompt(
+        self, budget: Budget, rng: random.Random, question: dict[str, Any], docs: list[str]
+    ) -> tuple[list[int], dict[str, Any]]:
         gold = question["gold"]
         fill_order = gold + rng.sample(question["more"], len(question["more"]))
         taken, words = set(fill_order), sum(len(docs[d].split(" ")) for d in fill_order)
@@ -376,7 +474,11 @@ class QuestionAnswering(RulerTask):
 
         n, ids = budget.fill(text, QA_ANSWER_PREFIX, sum(map(len, split)), lo=sum(map(len, split[: len(gold)])))
         shown = [d for d, _ in documents(n)]
-        return ids, {"question": question["query"], "documents": len(shown), "gold_documents": [shown.index(d) + 1 for d in gold]}
+        return ids, {
+            "question": question["query"],
+            "documents": len(shown),
+            "gold_documents": [shown.index(d) + 1 for d in gold],
+        }
 
 
 TASKS: dict[str, GenerationTask] = {

@@ -29,7 +29,9 @@ def fit(length: Callable[[int], int], budget: int, hi: int, lo: int = 0) -> int:
     return lo
 
 
-def minimum_context_length(task: GenerationTask, tokenizer: Tokenizer, num_samples: int, seed: int, chat: bool, too_short: int, limit: int) -> int | None:
+def minimum_context_length(
+    task: GenerationTask, tokenizer: Tokenizer, num_samples: int, seed: int, chat: bool, too_short: int, limit: int
+) -> int | None:
     """The smallest context length in (too_short, limit] at which `task` builds its first `num_samples`
     examples, or None when even `limit` is too short. Examples are drawn per context length, so fitting
     need not grow monotonically with it: doubling, then bisection, finds a length that fits and whose
