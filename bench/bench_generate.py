@@ -35,7 +35,8 @@ from common import (
 )
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, decode_one_token, generate
-from kvlab.quantize import FUSED, quantize_model, weight_bytes
+from kvlab.quantize import FUSED
+from kvlab.quantized_model import quantize_model, weight_bytes
 
 
 def time_kvlab(model, prompt: list[int], new_tokens: int, decode_step, repeats: int) -> tuple[float, float]:

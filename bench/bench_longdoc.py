@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 def method_settings(method: str, slots: int, chunk: int) -> tuple[list[str], dict]:
     """generate.py's flags and the cache settings of a compressed row: a strategy, or a config of configs/ (given
     as config:NAME), at `slots` slots with `--prefill_chunk chunk`."""
-    from kvlab.config import load_cache_config, resolve_settings
+    from kvlab.config_files import load_cache_config, resolve_settings
 
     given = {"max_cache_length": slots, "prefill_chunk": chunk}
     flags = [str(x) for setting in given.items() for x in (f"--{setting[0]}", setting[1])]

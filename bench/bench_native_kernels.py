@@ -43,7 +43,7 @@ from common import (
 from kvlab import kernels
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import lay_out_for_matvec
-from kvlab.quantize import quantize_model
+from kvlab.quantized_model import quantize_model
 
 
 def matvec_rows(model) -> list[tuple[str, int, float, float]]:

@@ -27,7 +27,8 @@ import sys
 import tempfile
 
 from common import RESULTS, bench_parser, decode_rate, load_bench, machine, parse_bench_args, row, table, write_results
-from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.config import cache_spec
+from kvlab.config_files import load_cache_config, resolve_settings
 from kvlab.engine import compile_decode_step, generate
 from kvlab.recording import RecordedPrefill
 

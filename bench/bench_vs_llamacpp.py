@@ -71,7 +71,8 @@ from kvlab.config import cache_spec
 from kvlab.convert import default_gguf_path
 from kvlab.engine import compile_decode_step, generate
 from kvlab.model import lay_out_for_matvec
-from kvlab.quantize import Int4Linear, quantize_model
+from kvlab.quantize import Int4Linear
+from kvlab.quantized_model import quantize_model
 
 HALF_CACHE = {"cache_strategy": "full", "cache_bits": 16}  # llama.cpp's default cache type, F16
 FLOAT_CACHE = {"cache_strategy": "full"}

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from common import bench_parser, load_bench, machine, parse_bench_args, report, row, table, write_results
-from kvlab import quantize
+from kvlab import quantized_model
 from kvlab.build import make_caches
 from kvlab.engine import generate
 from kvlab.model import Transformer
-from kvlab.quantize import FUSED, Int8Linear, Kernel, Quantization, quantize_linear, quantize_model, weight_bytes
+from kvlab.quantize import FUSED, Int8Linear, Kernel, Quantization
+from kvlab.quantized_model import quantize_linear, quantize_model, weight_bytes
 
 SETTINGS = [None, Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64), Quantization("int4", 128)]
 
@@ -74,7 +75,7 @@ def quality(fp32: Transformer, ids: list[int]) -> list[str]:
         logits = prompt_logits(model, ids[:1024])
         ppl = F.cross_entropy(logits[:-1], torch.tensor(ids[1:1024])).exp().item()
         if quant is not None:
-            quantize.prepare(model)  # generate runs with FUSED's choices
+            quantized_model.prepare(model)  # generate runs with FUSED's choices
         tokens = generate(model, [ids[:256]], 64).tokens[0]
         if quant is None:
             reference, greedy = logits[:-1].argmax(-1), tokens

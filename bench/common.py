@@ -26,7 +26,8 @@ from kvlab.convert import default_checkpoint
 from kvlab.engine import sync
 from kvlab.generation import Generation
 from kvlab.model import Transformer
-from kvlab.quantize import Quantization, quantize_model
+from kvlab.quantize import Quantization
+from kvlab.quantized_model import quantize_model
 from kvlab.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from kvlab import parallel, quantize
+from kvlab import parallel, quantize, quantized_model
 from kvlab.model import ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer import Tokenizer
 from kvlab.tokenizer_files import load_tokenizer
@@ -101,21 +101,11 @@ def load_checkpoint(
     tok_config = config["tokenizer"]
     if "file" in tok_config:
         contained(checkpoint_dir, str(tok_config["file"]), f"{config_path}: tokenizer file")
-    quant = config.get("quantization")
-    if quant is not None:
-        try:
-            quant = quantize.Quantization.from_dict(quant)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{config_path}: bad 'quantization' section ({e}); {hint}") from None
-        if tensor_parallel:
-            raise CheckpointError(
-                f"{checkpoint_dir} is {quant.mode}-quantized; quantized checkpoints do not run under tensor "
-                "parallelism yet"
-            )
+    quant = read_quantization(config, checkpoint_dir, tensor_parallel, hint)
     with torch.device("meta"):
         model = Transformer(args)
     if quant is not None:
-        quantize.convert_modules(model, quant)
+        quantized_model.convert_modules(model, quant)
     if tensor_parallel:
         parallel.shard_model(model)  # the shard's shapes, so that only its slices are read
     weights_path = checkpoint_dir / "model.safetensors"
@@ -140,12 +130,31 @@ def load_checkpoint(
     if args.tie_embeddings:
         model.tie_weights()
     if quant is not None:
-        quantize.prepare(model)
+        quantized_model.prepare(model)
     if torch.device(device).type == "cpu":
         lay_out_for_matvec(model)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(args))
     tokenizer = load_tokenizer(checkpoint_dir, tok_config)
     return model.eval(), tokenizer, config
+
+
+def read_quantization(
+    config: dict[str, Any], checkpoint_dir: Path, tensor_parallel: bool, hint: str
+) -> quantize.Quantization | None:
+    """The checkpoint's weight quantization (None: float weights), refused in one line when its section is bad or
+    under tensor parallelism."""
+    quant = config.get("quantization")
+    if quant is None:
+        return None
+    try:
+        quant = quantize.Quantization.from_dict(quant)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{checkpoint_dir / 'config.json'}: bad 'quantization' section ({e}); {hint}") from None
+    if tensor_parallel:
+        raise CheckpointError(
+            f"{checkpoint_dir} is {quant.mode}-quantized; quantized checkpoints do not run under tensor parallelism yet"
+        )
+    return quant
 
 
 def read_weights(

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.build import build_caches, say_once, share_over_model
+from kvlab.build import build_caches
 from kvlab.cache import KVCache
 from kvlab.config import CacheSpec, model_scored
 from kvlab.eviction import EvictionCache
@@ -34,6 +34,7 @@ from kvlab.model import Transformer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.reconstruction import KVzip
 from kvlab.recording import RecordedPrefill
+from kvlab.slot_counts import say_once, share_over_model
 from kvlab.strategies import CACHE_STRATEGIES
 
 
@@ -247,8 +248,7 @@ def open_rows(caches: Sequence[KVCache]) -> None:
 def keep_best_over_model(caches: Sequence[KVCache], ratio: float | None, prefilled: Sequence[int]) -> None:
     """head_budget global after a prefill chunk: the tokens every layer holds (earlier chunks' kept and this chunk's)
     are ranked together by the scores they were kept by, with the one-shot prefill's counts (`share_over_model`), and
-    each
-    head keeps its share. Between chunks a head may hold more than its final share: only the total is bounded."""
+    each head keeps its share. Between chunks a head may hold more than its final share: only the total is bounded."""
     compressing = [isinstance(c, EvictionCache) and c.prompt_compressor.compresses for c in caches]
     share_over_model(
         caches, [c.held_ranking() if ok else None for c, ok in zip(caches, compressing, strict=True)], ratio, prefilled

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvlab.budget import LAYER_BUDGET_OPTION, PLANNER_OPTIONS
 from kvlab.cache import KVCache
 from kvlab.options import Option, by_name, choice, integer, switch
@@ -151,14 +149,7 @@ def cache_spec(
     strategies = per_layer(strategy, settings.get("cache_strategy_pattern"), n_layer, "cache_strategy", source)
     for name in strategies:
         CACHE_KEYS["cache_strategy"].validate(name)
-    if "max_cache_length" in settings:
-        lengths = per_layer(
-            settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer, "max_cache_length", source
-        )
-        for length in lengths:
-            CACHE_KEYS["max_cache_length"].validate(length)
-    else:
-        lengths = [CACHE_STRATEGIES[s].default_cache_length for s in strategies]
+    lengths = cache_lengths(settings, strategies, n_layer, source)
     token_classes = {}
     if tokenizer is not None and any(CACHE_STRATEGIES[s].needs_tokens for s in strategies):
         token_classes = dict(
@@ -172,6 +163,35 @@ def cache_spec(
     strategies = ["full"] * full_layers + strategies[full_layers:]
     lengths = [None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)]
     planner = settings.get("layer_budget", "uniform")
+    budget_options = layer_budget_options(settings, planner, strategies, lengths)
+    repeat = repeat_request(tokenizer) if model_scored(strategies, options) else None
+    ratio = settings.get("compression_ratio")
+    if ratio is not None:
+        check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
+    first_token = bool(settings.get("compress_first_token", False))
+    ratio, chunk = None if ratio is None else float(ratio), settings.get("prefill_chunk")
+    return CacheSpec(
+        strategies, lengths, options, first_token, ratio, planner, budget_options, token_classes, repeat, chunk
+    )
+
+
+def cache_lengths(settings: dict[str, Any], strategies: list[str], n_layer: int, source: str | None) -> list:
+    """Each layer's cache length: --max_cache_length (one, or per layer from YAML), else each strategy's default."""
+    if "max_cache_length" not in settings:
+        return [CACHE_STRATEGIES[s].default_cache_length for s in strategies]
+    lengths = per_layer(
+        settings["max_cache_length"], settings.get("max_cache_length_pattern"), n_layer, "max_cache_length", source
+    )
+    for length in lengths:
+        CACHE_KEYS["max_cache_length"].validate(length)
+    return lengths
+
+
+def layer_budget_options(
+    settings: dict[str, Any], planner: str, strategies: list[str], lengths: list
+) -> dict[str, Any]:
+    """The layer budget planner's options, refused where they do not apply (another planner's, or a planner over
+    layers that evict nothing)."""
     budget_options = {
         o.name: settings[o.name] for options in PLANNER_OPTIONS.values() for o in options if o.name in settings
     }
@@ -186,24 +206,7 @@ def cache_spec(
             f"--layer_budget {planner} splits an evicting cache's budget; clusterkv and quest keep every token "
             "and take none"
         )
-    repeat = repeat_request(tokenizer) if model_scored(strategies, options) else None
-    ratio = settings.get("compression_ratio")
-    if ratio is not None:
-        check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
-    first_token = bool(settings.get("compress_first_token", False))
-    chunk = settings.get("prefill_chunk")
-    return CacheSpec(
-        strategies,
-        lengths,
-        options,
-        first_token,
-        None if ratio is None else float(ratio),
-        planner,
-        budget_options,
-        token_classes,
-        repeat,
-        chunk,
-    )
+    return budget_options
 
 
 def model_scored(strategies: list[str], options: dict[str, Any]) -> list[PromptCompressor]:
@@ -295,68 +298,6 @@ def options_table() -> str:
     rows = ["| flag / YAML key | valid values | what it does |", "|---|---|---|"]
     rows += [f"| `--{key}` | {o.valid} | {o.describe()} |" for key, o in CACHE_KEYS.items()]
     return "\n".join(rows)
-
-
-def config_path(name_or_path: str) -> Path:
-    """A config's file: the path itself, or for a bare name the file in configs/."""
-    path = Path(name_or_path)
-    return CONFIGS_DIR / f"{name_or_path}.yaml" if not path.suffix else path
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a mapping that gives one key twice (where the last would silently win)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def load_cache_config(name_or_path: str) -> dict[str, Any]:
-    """A validated config: a path to a .yaml file, or the name of one in configs/."""
-    path = config_path(name_or_path)
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
-        raise ValueError(f"cache config {name_or_path!r} not found; give a .yaml path or one of: {known}")
-    try:
-        config = yaml.load(path.read_text(encoding="utf-8"), UniqueKeyLoader) or {}
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a mapping of settings, got {type(config).__name__}")
-    valid = [*CACHE_KEYS, *(f"{k}_pattern" for k in PER_LAYER_KEYS)]
-    for key, value in config.items():
-        if key not in valid:
-            raise ValueError(f"{path}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-        if key.endswith("_pattern"):
-            if value not in PATTERNS:
-                raise ValueError(f"{path}: {key} must be one of {', '.join(PATTERNS)}, got {value!r}")
-            continue
-        for v in value if isinstance(value, list) and key in PER_LAYER_KEYS else [value]:
-            try:
-                check_value(key, v)
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from None
-    return config
-
-
-def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """CLI values that were given (not None) override the config's; a cache size given (--compression_ratio or
-    --max_cache_length) replaces the config's size of either kind."""
-    given = {k: v for k, v in cli.items() if v is not None}
-    if {"compression_ratio", "max_cache_length"} & set(given):
-        config = {
-            k: v
-            for k, v in config.items()
-            if k not in ("compression_ratio", "max_cache_length", "max_cache_length_pattern")
-        }
-    return {**config, **given}
 
 
 def per_layer(

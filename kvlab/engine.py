@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvlab import parallel
-from kvlab.build import build_caches, make_caches, plan_layer_budgets, share_over_model
+from kvlab.batch import Batch, pad_batch
+from kvlab.build import build_caches, make_caches
 from kvlab.cache import KVCache
 from kvlab.chunked import (
     chunk_length,
@@ -37,30 +37,10 @@ from kvlab.diagnostics import AttentionLossProbe
 from kvlab.generation import Generation, summarize
 from kvlab.model import Transformer
 from kvlab.recording import RecordedPrefill, reads_recorded_queries
+from kvlab.sampling import GREEDY, Sampling, sample
+from kvlab.slot_counts import plan_layer_budgets, share_over_model
 
 STOP_CHECK_INTERVAL = 16  # decode steps between host checks for "every sequence has stopped" on a GPU
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int | None = None  # sample among the k most likely tokens only
-
-
-GREEDY = Sampling()
-
-
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
-    """Next token per row from logits [B, V]: greedy when temperature is 0, else top-k sampling.
-    Sampling uses the exponential-race trick (argmax of p / Exp(1)), which needs no host sync."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = torch.where(logits < kth, float("-inf"), logits)
-    probs = torch.softmax(logits.float(), dim=-1)
-    return parallel.same_tokens((probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1))
 
 
 def prefill(
@@ -96,68 +76,6 @@ def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], boo
         if t in stop_ids:
             return ids[:i], True
     return ids, False
-
-
-@dataclass
-class Batch:
-    """Right-padded prompts [B, T] and where each row's prefill ends: its last `suffix[i]` tokens are decoded
-    through the compressed cache, from column prefill_lens[i]."""
-
-    tokens: Tensor
-    input_pos: Tensor  # [B, T_prefill] positions of the prefilled columns, -1 padding
-    lens: Tensor  # [B] prompt lengths
-    prefill_lens: Tensor  # [B] tokens prefilled per row
-    suffix: list[int]
-    max_seq_length: int  # what the caches are sized for
-
-    @property
-    def forced(self) -> int:
-        """Decode steps that feed prompt tokens (a row with a shorter suffix finishes early; its extra steps are
-        dropped)."""
-        return max(self.suffix)
-
-
-def pad_batch(
-    model: Transformer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    spec: CacheSpec,
-    decoded_prompt_tokens: Sequence[int] | None,
-    streaming: bool,
-    max_seq_length: int | None,
-) -> Batch:
-    """The prompts checked against the model's context and padded into a Batch."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    suffix = [max(n, int(spec.compress_first_token)) for n in decoded_prompt_tokens or [0] * len(prompts)]
-    if not prompts or len(suffix) != len(prompts) or any(len(p) < 1 + s for p, s in zip(prompts, suffix, strict=True)):
-        raise ValueError(f"every prompt must have at least 1 token more than it decodes through the cache ({suffix})")
-    if streaming and len(set(suffix)) > 1:
-        raise ValueError("streaming (on_token) needs the same number of decoded prompt tokens in every row")
-    device = model.tok_embeddings.weight.device
-    lens = torch.tensor([len(p) for p in prompts], device=device)
-    prefill_lens = lens - torch.tensor(suffix, device=device)
-    T, T_prefill = int(lens.max()), int(prefill_lens.max())
-    needed = T_prefill + max(suffix) + max_new_tokens  # every row runs max(suffix) + max_new_tokens - 1 steps
-    context = model.config.block_size
-    if needed > context:
-        raise ValueError(
-            f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the model's context length of "
-            f"{context} tokens"
-        )
-    max_seq_length = max_seq_length or needed
-    if not needed <= max_seq_length <= context:
-        raise ValueError(
-            f"max_seq_length={max_seq_length} must lie between prompt + max_new_tokens ({needed}) and the "
-            f"context length ({context})"
-        )
-    tokens = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p, device=device)
-    columns = torch.arange(T_prefill, device=device)
-    return Batch(
-        tokens, torch.where(columns < prefill_lens[:, None], columns, -1), lens, prefill_lens, suffix, max_seq_length
-    )
 
 
 @dataclass
@@ -197,28 +115,13 @@ def prepare_caches(
         recorded.record(model, batch.tokens[:, :chunk], batch.input_pos[:, :chunk], last, recording_chunk)
         similarity = recorded.similarity
     lengths = [len(p) for p in prompts]
-    if spec.layer_budget != "uniform" and spec.compression_ratio is None:  # with a ratio, build.ratio_keep splits it
+    # with a ratio, slot_counts.ratio_keep splits it
+    if spec.layer_budget != "uniform" and spec.compression_ratio is None:
         budgets = plan_layer_budgets(spec, lengths, max_new_tokens, similarity)
     prefilled = batch.prefill_lens.tolist()
     continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
-    if any(c.needs_reference for c in scored_by_model):  # the oracle: what a full cache run decodes after the prefill
-        key = (max_new_tokens, tuple(batch.suffix))
-        if key not in recorded.references:
-            full = CacheSpec.full(cfg.n_layer)
-            reference = generate(
-                model,
-                prompts,
-                max_new_tokens,
-                full,
-                decode_step=decode_step,
-                max_seq_length=batch.max_seq_length,
-                recorded=recorded,
-                decoded_prompt_tokens=batch.suffix,
-            )
-            recorded.references[key] = [
-                c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)
-            ]
-        continuations = recorded.references[key]
+    if any(c.needs_reference for c in scored_by_model):
+        continuations = reference_continuations(model, prompts, batch, max_new_tokens, decode_step, recorded)
     caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
     if scored_by_model:
         recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
@@ -226,23 +129,58 @@ def prepare_caches(
         open_rows(caches)
     elif share_globally:
         share_over_model(caches, recorded.rankings(caches), spec.compression_ratio, prefilled)
-    probes = None
-    if attention_loss:
-        kv_heads = model.layers[0].attention.n_local_heads
-        full = make_caches(
-            "full",
-            cfg.n_layer,
-            len(prompts),
-            kv_heads,
-            batch.max_seq_length,
-            cfg.head_dim,
-            model.norm.weight.dtype,
-            batch.tokens.device,
-        )
-        probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
-        model.setup_caches(probes)
-        model.cache_key = None  # the probes are single-use: the next call builds fresh caches
+    probes = attention_probes(model, caches, batch) if attention_loss else None
     return Prepared(caches, chunk, recorded, budgets, similarity, probes)
+
+
+def reference_continuations(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    batch: Batch,
+    max_new_tokens: int,
+    decode_step: Callable[..., Tensor],
+    recorded: RecordedPrefill,
+) -> list[list[int]]:
+    """The oracle's continuations: each prompt's tokens after its prefill, then what a full cache run decodes
+    (generated once per (max_new_tokens, suffix) and kept with the recording)."""
+    key = (max_new_tokens, tuple(batch.suffix))
+    if key not in recorded.references:
+        full = CacheSpec.full(model.config.n_layer)
+        reference = generate(
+            model,
+            prompts,
+            max_new_tokens,
+            full,
+            decode_step=decode_step,
+            max_seq_length=batch.max_seq_length,
+            recorded=recorded,
+            decoded_prompt_tokens=batch.suffix,
+        )
+        continuations = [list(p[n:]) for p, n in zip(prompts, batch.prefill_lens.tolist(), strict=True)]
+        recorded.references[key] = [
+            c + t[: max_new_tokens - 1] for c, t in zip(continuations, reference.tokens, strict=True)
+        ]
+    return recorded.references[key]
+
+
+def attention_probes(model: Transformer, caches: list[KVCache], batch: Batch) -> list[AttentionLossProbe]:
+    """Each layer's cache paired with a full cache it is measured against (`--attention_loss`), set as the model's."""
+    cfg = model.config
+    kv_heads = model.layers[0].attention.n_local_heads
+    full = make_caches(
+        "full",
+        cfg.n_layer,
+        batch.tokens.shape[0],
+        kv_heads,
+        batch.max_seq_length,
+        cfg.head_dim,
+        model.norm.weight.dtype,
+        batch.tokens.device,
+    )
+    probes = [AttentionLossProbe(c, f) for c, f in zip(caches, full, strict=True)]
+    model.setup_caches(probes)
+    model.cache_key = None  # the probes are single-use: the next call builds fresh caches
+    return probes
 
 
 def planned_recording(

@@ -19,19 +19,17 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor
 from tqdm import tqdm
 
 from kvlab import parallel
-from kvlab.build import build_caches, plan_layer_budgets
 from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
-from kvlab.config import CacheSpec, model_scored
+from kvlab.config import CacheSpec
 from kvlab.convert import default_checkpoint
-from kvlab.engine import compile_decode_step, decode_one_token, generate, maintain, replayed, token_column
+from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
-from kvlab.model import ModelArgs, Transformer
+from kvlab.model import ModelArgs
+from kvlab.perplexity import document_nll, rows_held, score_one_token
 from kvlab.recording import RecordedPrefill
 from kvlab.results import (
     append_record,
@@ -106,59 +104,6 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
 def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
-
-
-def rows_held(model: Transformer) -> Tensor:
-    """[B] tokens each sequence holds, averaged over layers and KV heads."""
-    return torch.stack([layer.attention.kv_cache.tokens_held().float() for layer in model.layers]).mean(dim=0)
-
-
-def score_one_token(model: Transformer, token: Tensor, input_pos: Tensor, target: Tensor) -> Tensor:
-    """Teacher forcing through the cache: the loss of `target` [B] after `token` [B, 1]. The compiled unit for
-    perplexity."""
-    logits = model(token, input_pos)
-    return F.cross_entropy(logits[:, -1].float(), target, reduction="none")
-
-
-@torch.no_grad()
-def document_nll(
-    model: Transformer, documents: list[list[int]], spec: CacheSpec, step: Callable, prompt_tokens: int = 1
-) -> tuple[Tensor, Tensor]:
-    """Per-token losses [B, L-1] of equally long documents and tokens held per sequence. The first
-    `prompt_tokens` are prefilled as a prompt (exact attention; compressed and, with a layer budget
-    planner, planned when stored), every later token is predicted from the compressed cache of all
-    before it. With one prompt token every prediction goes through the cache."""
-    device = model.tok_embeddings.weight.device
-    tokens = torch.tensor(documents, device=device)
-    B, L = tokens.shape
-    P = prompt_tokens
-    if not 1 <= P < L:
-        raise ValueError(f"--ppl_prompt_tokens must lie in [1, {L - 1}] for {L}-token documents, got {P}")
-    positions = torch.arange(P, device=device).expand(B, P)
-    recorded = RecordedPrefill()
-    recorded.record(model, tokens[:, :P], positions, positions)
-    budgets = None if spec.layer_budget == "uniform" else plan_layer_budgets(spec, [P] * B, L - P, recorded.similarity)
-    caches = build_caches(model, spec, [P] * B, L - P, L, budgets)
-    if model_scored(spec.strategies, spec.options):  # the oracle's future is the rest of the document
-        recorded.score_with_model(model, caches, [P] * B, [d[P:] for d in documents], spec.repeat)
-    recorded.replay(model, caches, compact=True)
-    losses = [
-        F.cross_entropy(recorded.logits.flatten(0, 1).float(), tokens[:, 1 : P + 1].flatten(), reduction="none").view(
-            B, P
-        )
-    ]
-    with replayed(step, caches) as call:
-        for p in range(P, L - 1):
-            losses.append(
-                call(
-                    model,
-                    token_column(tokens, p),
-                    torch.full((B, 1), p, device=device),
-                    token_column(tokens, p + 1)[:, 0],
-                )[:, None]
-            )
-            maintain(caches)
-    return torch.cat(losses, dim=1), rows_held(model)
 
 
 def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:

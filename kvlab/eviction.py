@@ -10,16 +10,15 @@ new key-only strategy is a subclass naming its score plus one line in the regist
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels, parallel
-from kvlab.cache import KVCache, unchanged_where_idle
+from kvlab.cache import KVCache
 from kvlab.compact import KV_STORE_OPTION, CompactKVStorage
+from kvlab.eviction_chunks import ChunkedEviction
 from kvlab.head_budget import (
     ADAKV_BUDGETS,
     DEFAULT_ADAKV_FLOOR,
@@ -30,7 +29,7 @@ from kvlab.head_budget import (
 )
 from kvlab.options import integer
 from kvlab.prompt_compression import SCORE_WRAPPER_OPTIONS, KeepAll, PromptCompressor, wrap_scores
-from kvlab.scores import position_order, two_stage, unrotate, value_norms, value_weighted
+from kvlab.scores import two_stage, value_norms, value_weighted
 from kvlab.storage import KEY_PRUNING_OPTIONS, rows_and_heads
 
 PROTECTED_OPTIONS = (
@@ -48,7 +47,7 @@ PROTECTED_OPTIONS = (
 )
 
 
-class EvictionCache(KVCache):
+class EvictionCache(ChunkedEviction, KVCache):
     """A fixed number of slots per (sequence, KV head). When the prompt is longer than the cache, the
     most important prompt tokens are kept (ranked by the `PromptCompressor`, by default the strategy's
     own score); during decoding each new token replaces the least important slot (`_token_importances`).
@@ -115,19 +114,7 @@ class EvictionCache(KVCache):
             )
         self.head_budget, self.adakv_floor = head_budget, adakv_floor
         self.prompt_compressor = (prompt_compressor or self.own_prompt_compressor()).with_rope(rope)
-        for option, value in zip(
-            SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, value_first_stage, chunk_size), strict=True
-        ):
-            if value is not None:
-                option.validate(value)
-        self.value_weight = self.default_value_weight if value_weight is None else value_weight
-        # prompt score wrappers
-        self.value_epsilon, self.value_first_stage, self.chunk_size = value_epsilon, value_first_stage, chunk_size
-        if value_first_stage and self.value_weight == "none":
-            raise ValueError(
-                f"{type(self).__name__}: --value_first_stage {value_first_stage} selects in two stages by the "
-                "value weight; give a --value_weight"
-            )
+        self._set_score_wrappers(value_weight, value_epsilon, value_first_stage, chunk_size)
         # the attention's W_o [dim, H x D] for value_weight wo_l1 (build.setup_caches sets it)
         self.output_weight: Tensor | None = None
         if head_budget != "uniform" and self.prompt_compressor.same_in_every_head and self.value_weight == "none":
@@ -139,8 +126,8 @@ class EvictionCache(KVCache):
         # > 1: each query head keeps its own tokens (SnapKV's reference selection), KVs repeated
         self.kv_repeat = kv_repeat
         self._protect_tokens(global_tokens, recent_window, capacity)
-        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV moves
-        # slots between heads).
+        # Slots per sequence and KV head: row_budget is the configured share, row_capacity each head's (Ada-KV
+        # moves slots between heads).
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer(
             "row_capacity", torch.full((batch_size, self.pos.shape[1], 1), capacity, device=device), persistent=False
@@ -152,11 +139,28 @@ class EvictionCache(KVCache):
         # A model-scored compressor between prefill chunks (KVzip): each held token's best score so far, as only the
         # newest chunk is repeated.
         self.keeps_prompt_scores = self.prompt_compressor.needs_model and self.prompt_compressor.scores_chunks
-        # head_budget global between prefill chunks ranks the held tokens of every layer by the scores they were kept
-        # by.
+        # head_budget global between prefill chunks ranks every layer's held tokens by the scores they were kept by.
         self.stores_prompt_scores = self.keeps_prompt_scores or head_budget == "global"
         if self.stores_prompt_scores:
             self.register_buffer("prompt_scores", torch.zeros(self.pos.shape, device=device), persistent=False)
+
+    def _set_score_wrappers(
+        self, value_weight: str | None, value_epsilon: float, value_first_stage: float, chunk_size: int | None
+    ) -> None:
+        """The prompt score wrappers (SCORE_WRAPPER_OPTIONS), checked: CriticalKV's value weight and two stages,
+        ChunkKV's chunks."""
+        for option, value in zip(
+            SCORE_WRAPPER_OPTIONS, (value_weight, value_epsilon, value_first_stage, chunk_size), strict=True
+        ):
+            if value is not None:
+                option.validate(value)
+        self.value_weight = self.default_value_weight if value_weight is None else value_weight
+        self.value_epsilon, self.value_first_stage, self.chunk_size = value_epsilon, value_first_stage, chunk_size
+        if value_first_stage and self.value_weight == "none":
+            raise ValueError(
+                f"{type(self).__name__}: --value_first_stage {value_first_stage} selects in two stages by the "
+                "value weight; give a --value_weight"
+            )
 
     def _protect_tokens(self, global_tokens: int | None, recent_window: int | None, capacity: int) -> None:
         """The sinks and the recent window (the strategy's defaults where None), checked against the slots."""
@@ -275,115 +279,12 @@ class EvictionCache(KVCache):
             self._prompt_scores(input_pos, k, v, q, lse), pos, pos.flatten(1).max(dim=-1).values[:, None, None]
         )
 
-    @property
-    def prefills_in_chunks(self) -> bool:
-        return self.prompt_compressor.scores_chunks
-
-    def prefill_chunk(
-        self,
-        input_pos: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q: Tensor,
-        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
-        probe: int = 0,
-    ) -> Tensor:
-        """The chunk attends over the held tokens and itself; then the prompt compressor scores both together
-        from the chunk's queries (`score_chunk`), and each head keeps its best, as at prefill. The last `probe`
-        columns, if any, are queries a model-scored compressor asked for (KVzip's "repeat the context" and the
-        chunk again): they attend over everything and themselves, score the held and chunk tokens in the chunk's
-        place, and are never stored. A sequence whose prompt has ended (a chunk of padding) keeps its state."""
-        k, v = self._repeat(k), self._repeat(v)
-        B, H, N = k.shape[0], k.shape[1], k.shape[2] - probe
-        held_k, held_v = self.storage.read()
-        held_pos, keep_all = self.pos, self.head_budget == "global"
-        # every held and chunk token stays until the model-wide ranking (`keep_ranked`): read the filled slots
-        if keep_all:
-            filled = int(((self.pos >= 0) * torch.arange(1, self.pos.shape[-1] + 1, device=self.pos.device)).max())
-            held_k, held_v, held_pos = held_k[:, :, :filled], held_v[:, :, :filled], self.pos[..., :filled]
-        key_pos = torch.cat([held_pos, input_pos[:, None, :].expand(B, H, -1)], dim=2)
-        keys, values = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
-        y = attend(keys, values, key_pos)
-        S = key_pos.shape[2] - probe
-        order = position_order(key_pos[..., :S])
-        index = order[..., None].expand(B, H, S, keys.shape[-1])
-        sorted_pos, sorted_k, sorted_v = (
-            key_pos[..., :S].gather(2, order),
-            keys[:, :, :S].gather(2, index),
-            values[:, :, :S].gather(2, index),
-        )
-        # columns: held, chunk, probe; its queries its last N (the chunk again)
-        if probe and self.prompt_compressor.needs_model:
-            scores = self.prompt_compressor.score_chunk(
-                key_pos, keys, values, input_pos[:, -N:], q[:, :, -N:], held_pos.shape[-1]
-            )
-            scores = scores[..., :S].gather(2, order)
-        else:
-            scores = self.prompt_compressor.score_chunk(sorted_pos, sorted_k, sorted_v, input_pos[:, :N], q[:, :, :N])
-        scores = wrap_scores(scores, sorted_pos, self._one_stage_norms(sorted_v), self.value_epsilon, self.chunk_size)
-        with unchanged_where_idle(self, input_pos):
-            scores = self._with_running_scores(self._with_chunk_scores(scores, order), order)
-            self._store_prompt(sorted_pos, sorted_k, sorted_v, scores, keep_all)
-            self._after_chunk(input_pos[:, :N], q[:, :, :N])
-        return y
-
-    def reposition(self, rope_cos: Tensor, rope_sin: Tensor) -> int:
-        """StreamingLLM's positions within the cache, for texts longer than the context: each head's held tokens move
-        to positions 0, 1, ... in their order, each key re-rotated by its move (RoPE rotations compose, R(new) =
-        R(new - old) R(old), with the model's cos/sin tables [P, D]). Returns the next free position: the count held."""
-        held = self.pos >= 0
-        order = position_order(self.pos)
-        rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        )
-        new = torch.where(held, rank, -1)
-        shift = self.pos - new  # >= 0: tokens only move back; 0 for empty slots
-        k, v = self.storage.read()
-        k = unrotate(k, rope_cos[shift].to(k.dtype), rope_sin[shift].to(k.dtype))
-        # v may be the buffer itself
-        self.storage.write(
-            torch.arange(self.pos.shape[-1], device=k.device).expand(self.pos.shape), k, v.clone(), prompt=True
-        )
-        self.pos.copy_(new)
-        return int(held.sum(dim=-1).max())
-
-    def _with_running_scores(self, scores: Tensor, order: Tensor) -> Tensor:
-        """A chunk's scores of the held and chunk tokens (in `order` of [held slots, chunk]) combined with what the
-        strategy has gathered on its slots so far (H2O adds its accumulated attention)."""
-        return scores
-
-    def _with_chunk_scores(self, scores: Tensor, order: Tensor) -> Tensor:
-        """A model-scored compressor's chunk scores of the held and chunk tokens (in `order` of [held slots, chunk]),
-        each held token's combined with what earlier chunks gave it (KVzip: the largest attention any repeat paid
-        it)."""
-        if not self.keeps_prompt_scores:
-            return scores
-        return torch.maximum(
-            scores, F.pad(self.prompt_scores, (0, order.shape[-1] - self.prompt_scores.shape[-1])).gather(2, order)
-        )
-
-    def _after_chunk(self, input_pos: Tensor, q: Tensor) -> None:
-        """Strategy state refreshed from a chunk's queries once its tokens are stored (Expected Attention refits its
-        Gaussian)."""
-
     def _repeat(self, x: Tensor) -> Tensor:
         return x.repeat_interleave(self.kv_repeat, dim=1) if self.kv_repeat > 1 else x
 
-    def held_ranking(self) -> Tensor:
-        """[B, H_kv, C]: what the held slots rank by between prefill chunks (head_budget global ranks those of every
-        layer
-        together, `chunked.keep_best_over_model`): the scores they were kept by, protected +inf, empty -inf."""
-        return self._protect(self.prompt_scores, self.pos, self.pos.flatten(1).max(dim=-1).values[:, None, None])
-
-    def keep_ranked(self) -> None:
-        """Each head keeps its best row_capacity - decode_room held tokens by `held_ranking`, in position order."""
-        k, v = self.storage.read()
-        self._store_prompt(self.pos.clone(), k, v, self.prompt_scores.clone())
-
     def _store_prompt(self, pos: Tensor, k: Tensor, v: Tensor, scores: Tensor, keep_all: bool = False) -> None:
         """Keep each sequence's most important prompt tokens (at positions pos [B, H_kv, T], scores [B, H_kv, T]) with
-        the
-        protected ones; with `keep_all`, every one that fits the buffer."""
+        the protected ones; with `keep_all`, every one that fits the buffer."""
         B, H, T, D = k.shape
         n_keep = min(T, self.capacity)
         last = pos.flatten(1).max(dim=-1).values[:, None, None]

@@ -11,7 +11,8 @@ from typing import Any
 
 from kvlab.cache import KVCache
 from kvlab.cli import resolve_device_dtype
-from kvlab.config import CacheSpec, cache_spec, check_value, config_path, load_cache_config
+from kvlab.config import CacheSpec, cache_spec, check_value
+from kvlab.config_files import config_path, load_cache_config
 from kvlab.convert import default_checkpoint
 from kvlab.results import FULL, RUNS, read_runs, write_runs
 from kvlab.strategies import CACHE_STRATEGIES

@@ -23,71 +23,16 @@ rate a selection cache of R = reuse_steps steps would have.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab import parallel
 from kvlab.cache import KVCache
 from kvlab.options import choice, integer
 
 RECALL_SELECT = ("kv_head", "query_head")
 SLOW_TIERS = ("device", "host")
-
-
-def cosine_kmeans(
-    x: Tensor,
-    valid: Tensor,
-    k: int,
-    iterations: int = 20,
-    seed: int = 0,
-    used: Tensor | None = None,
-    first_row: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Batched k-means with cosine distance: x [..., N, D] points, valid [..., N] which points count,
-    `used` [..., 1] how many of the k clusters each row uses (default all: rows of a batch may need fewer).
-    Centroids start at k distinct valid points drawn pseudo-randomly from `seed` (a hash of each point's
-    index and row, so a sequence clusters the same alone or in a batch; rows count from `first_row`, a
-    rank's first KV head under tensor parallelism); each iteration assigns every
-    point to its most cosine-similar centroid and moves each centroid to the mean of its members (an
-    empty cluster keeps its centroid). Returns centroids [..., k, D] (means of the raw points, so q . c
-    is the members' mean q . k) and labels [..., N] (-1 for invalid points), from a final assignment."""
-    x = x.float()
-    draw = _hash_uniform(valid.shape, seed, x.device, first_row).masked_fill(~valid, -1.0)
-    start = draw.topk(k, dim=-1).indices  # k distinct points; rows with fewer valid points repeat invalid ones
-    centroids = x.gather(-2, start[..., None].expand(*start.shape, x.shape[-1]))
-    unit = F.normalize(x, dim=-1)
-    usable = (
-        torch.ones(k, dtype=torch.bool, device=x.device) if used is None else torch.arange(k, device=x.device) < used
-    )
-    for _ in range(iterations):
-        labels = _assign(unit, centroids, valid, usable)
-        members = F.one_hot(labels.clamp(min=0), k).to(x.dtype) * valid[..., None]  # [..., N, k]
-        counts = members.sum(dim=-2)[..., None]  # [..., k, 1]
-        means = members.transpose(-1, -2) @ x / counts.clamp(min=1)
-        centroids = torch.where(counts > 0, means, centroids)
-    return centroids, _assign(unit, centroids, valid, usable)
-
-
-def _hash_uniform(shape: torch.Size, seed: int, device: torch.device, first_row: int = 0) -> Tensor:
-    """Deterministic values in [0, 1) for each index of the last axis and each row of the second-to-last
-    (heads, numbered from `first_row`), the same whatever the leading (batch) size."""
-    point = torch.arange(shape[-1], device=device, dtype=torch.float64)
-    row = (
-        torch.arange(first_row, first_row + shape[-2], device=device, dtype=torch.float64)[:, None]
-        if len(shape) > 1
-        else 0.0
-    )
-    return (torch.sin(point * 12.9898 + row * 78.233 + seed * 37.719) * 43758.5453).frac().abs().float().expand(shape)
-
-
-def _assign(unit: Tensor, centroids: Tensor, valid: Tensor, usable: Tensor) -> Tensor:
-    similarity = unit @ F.normalize(centroids, dim=-1).transpose(-1, -2)  # [..., N, k]
-    labels = similarity.masked_fill(~usable[..., None, :], float("-inf")).argmax(dim=-1)
-    return labels.masked_fill(~valid, -1)
 
 
 class RecallableCache(KVCache):
@@ -161,36 +106,11 @@ class RecallableCache(KVCache):
                 f"{recall_select!r}, {slow_tier!r}, {reuse_steps}, {self.sink_tokens} sinks, a budget of "
                 f"{capacity} and {history} slots"
             )
-        self.budget, self.recall_select, self.reuse_steps, self.slow_tier = (
-            capacity,
-            recall_select,
-            reuse_steps,
-            slow_tier,
-        )
+        self.budget, self.recall_select, self.reuse_steps = capacity, recall_select, reuse_steps
+        self.slow_tier = slow_tier
         heads = n_kv_heads if recall_select == "kv_head" else n_heads or n_kv_heads
-        # the history moves to host memory (pinned for fast copies to a GPU); the device keeps what one step attends
         if slow_tier == "host":
-            self.pinned = self.pos.device.type == "cuda"
-            for name in ("k", "v"):
-                setattr(
-                    self.storage,
-                    name,
-                    getattr(self.storage, name).cpu().pin_memory()
-                    if self.pinned
-                    else getattr(self.storage, name).cpu(),
-                )
-            self.register_buffer(
-                "fast_k",
-                torch.zeros(batch_size, heads, capacity, head_dim, dtype=dtype, device=device),
-                persistent=False,
-            )
-            self.register_buffer("fast_v", torch.zeros_like(self.fast_k), persistent=False)
-            self.register_buffer(
-                "fast_slots",
-                torch.full((batch_size, heads, capacity), -1, dtype=torch.long, device=device),
-                persistent=False,
-            )
-            self.copied = 0
+            self._move_history_to_host(batch_size, heads, capacity, head_dim, dtype, device)
         self.register_buffer("row_budget", torch.full((batch_size, 1, 1), capacity, device=device), persistent=False)
         self.register_buffer(
             "indexed_upto", torch.zeros(batch_size, 1, 1, dtype=torch.long, device=device), persistent=False
@@ -202,6 +122,26 @@ class RecallableCache(KVCache):
         )
         # steps, reuse hits, selections
         self.register_buffer("counts", torch.zeros(3, dtype=torch.long, device=device), persistent=False)
+
+    def _move_history_to_host(
+        self, batch_size: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        """The history in host memory (pinned for fast copies to a GPU); the device keeps what one step attends, the
+        fast tier."""
+        self.pinned = self.pos.device.type == "cuda"
+        for name in ("k", "v"):
+            history = getattr(self.storage, name).cpu()
+            setattr(self.storage, name, history.pin_memory() if self.pinned else history)
+        self.register_buffer(
+            "fast_k", torch.zeros(batch_size, heads, capacity, head_dim, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer("fast_v", torch.zeros_like(self.fast_k), persistent=False)
+        self.register_buffer(
+            "fast_slots",
+            torch.full((batch_size, heads, capacity), -1, dtype=torch.long, device=device),
+            persistent=False,
+        )
+        self.copied = 0
 
     def limit_rows(self, capacities: Tensor, decode_room: Tensor | None = None) -> None:
         """Each sequence attends its capacity every step; at a compression ratio that counts its decode room too
@@ -337,137 +277,3 @@ class RecallableCache(KVCache):
         if self.slow_tier == "host":
             self.fast_slots.fill_(-1)
             self.copied = 0
-
-
-class ClusterKVCache(RecallableCache):
-    """ClusterKV: tokens recalled by semantic cluster. The prompt (sinks excluded) is clustered into
-    prompt_length / `tokens_per_cluster` clusters per KV head; every `cluster_every` decode steps the
-    tokens decoded since are clustered into `new_clusters` more (`maintain`, between decode steps)."""
-
-    options = (
-        *RecallableCache.options,
-        integer("tokens_per_cluster", 80, "clusterkv: prompt tokens per cluster, C0 = prompt / N clusters per KV head"),
-        integer("cluster_every", 320, "clusterkv: cluster the decoded tokens every N steps"),
-        integer("new_clusters", 8, "clusterkv: clusters made from each cluster_every decoded tokens"),
-        integer("kmeans_iterations", 20, "clusterkv: k-means iterations", maximum=1000),
-    )
-
-    def __init__(
-        self,
-        *args,
-        tokens_per_cluster: int = 80,
-        cluster_every: int = 320,
-        new_clusters: int = 8,
-        kmeans_iterations: int = 20,
-        **kwargs,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        if min(tokens_per_cluster, cluster_every, new_clusters, kmeans_iterations) < 1:
-            raise ValueError(
-                f"clusterkv: tokens_per_cluster, cluster_every, new_clusters and kmeans_iterations must be >= 1; "
-                f"got {tokens_per_cluster}, {cluster_every}, {new_clusters}, {kmeans_iterations}"
-            )
-        self.tokens_per_cluster, self.cluster_every, self.new_clusters, self.kmeans_iterations = (
-            tokens_per_cluster,
-            cluster_every,
-            new_clusters,
-            kmeans_iterations,
-        )
-        B, H, S, D = self.storage.k.shape
-        most = math.ceil(S / tokens_per_cluster) + (S // cluster_every) * new_clusters
-        self.register_buffer("centroids", torch.zeros(B, H, most, D, device=self.pos.device), persistent=False)
-        self.register_buffer("labels", torch.zeros(B, H, S, dtype=torch.long, device=self.pos.device), persistent=False)
-        self.n_clusters = 0  # host-side: cluster ids handed out so far (the same for every row)
-        self.rounds = self.unclustered_steps = 0
-
-    def _cluster(self, positions: Tensor, valid: Tensor, k: int, used: Tensor | None = None) -> None:
-        """Cluster the keys at positions [B, N] (valid [B, N]) into k new clusters per KV head (N at most;
-        `used` [B] of them per sequence)."""
-        k = min(k, positions.shape[1])
-        keys = self._history_keys(positions)
-        valid = valid[:, None, :].expand(keys.shape[:3])
-        used = None if used is None else used[:, None, None]
-        centroids, labels = cosine_kmeans(
-            keys, valid, k, self.kmeans_iterations, seed=self.rounds, used=used, first_row=parallel.first_head()
-        )
-        first = self.n_clusters
-        self.centroids[:, :, first : first + k] = centroids
-        self.labels.scatter_(2, positions[:, None, :].expand(labels.shape), torch.where(valid, labels + first, 0))
-        self.n_clusters += k
-        self.rounds += 1
-
-    def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
-        self.n_clusters = self.rounds = self.unclustered_steps = 0
-        self.labels.zero_()
-        valid = input_pos >= self.sink_tokens
-        points = valid.sum(dim=-1)
-        # each sequence's own C0
-        used = ((points + self.tokens_per_cluster - 1) // self.tokens_per_cluster).clamp(min=1)
-        self._cluster(input_pos.clamp(min=0), valid, int(used.max()), used)
-
-    def maintain(self) -> None:
-        self.unclustered_steps += 1
-        if self.unclustered_steps == self.cluster_every:
-            positions = self.indexed_upto[:, 0] + torch.arange(self.cluster_every, device=self.pos.device)
-            self._cluster(positions, torch.ones_like(positions, dtype=torch.bool), self.new_clusters)
-            self.indexed_upto += self.cluster_every
-            self.unclustered_steps = 0
-
-    def _scores(self, q: Tensor) -> Tensor:
-        B, H, _, D = q.shape
-        n_kv = self.centroids.shape[1]
-        per_cluster = self._per_selection_head(
-            q[:, :, -1].float().view(B, n_kv, H // n_kv, D) @ self.centroids.transpose(-1, -2)
-        )
-        labels = self.labels.repeat_interleave(per_cluster.shape[1] // n_kv, dim=1)
-        return per_cluster.gather(-1, labels)
-
-
-class QuestCache(RecallableCache):
-    """Quest: pages of `page_size` consecutive tokens; a page's score for a query is the largest q . k
-    any key inside the page's per-channel [min, max] box could give, sum over channels of
-    max(q_d min_d, q_d max_d). Page bounds widen as tokens arrive; the unfinished page is attended whole
-    (its tokens are the "recent" ones), like ClusterKV's unclustered tokens."""
-
-    options = (*RecallableCache.options, integer("page_size", 16, "quest: tokens per page"))
-
-    def __init__(self, *args, page_size: int = 16, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if page_size < 1:
-            raise ValueError(f"quest: page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        B, H, S, D = self.storage.k.shape
-        pages = math.ceil(S / page_size)
-        self.register_buffer(
-            "page_min", torch.full((B, H, pages, D), float("inf"), device=self.pos.device), persistent=False
-        )
-        self.register_buffer(
-            "page_max", torch.full((B, H, pages, D), float("-inf"), device=self.pos.device), persistent=False
-        )
-
-    def _index_keys(self, positions: Tensor, k: Tensor) -> None:
-        """Widen the bounds of the pages of keys k [B, H_kv, N, D] at positions [B, N] (-1: none)."""
-        page = (positions.clamp(min=0) // self.page_size)[:, None, :, None].expand(k.shape)
-        real = (positions >= 0)[:, None, :, None]
-        self.page_min.scatter_reduce_(2, page, k.float().masked_fill(~real, float("inf")), "amin")
-        self.page_max.scatter_reduce_(2, page, k.float().masked_fill(~real, float("-inf")), "amax")
-
-    def _index_prompt(self, input_pos: Tensor, k: Tensor) -> None:
-        self.page_min.fill_(float("inf"))
-        self.page_max.fill_(float("-inf"))
-        self._index_keys(input_pos, k)
-        # the unfinished page is attended whole
-        self.indexed_upto.copy_(self.indexed_upto // self.page_size * self.page_size)
-
-    def _index_token(self, input_pos: Tensor, k: Tensor) -> None:
-        self._index_keys(input_pos, k)
-        self.indexed_upto.copy_((input_pos // self.page_size * self.page_size)[:, :, None])
-
-    def _scores(self, q: Tensor) -> Tensor:
-        B, H, _, D = q.shape
-        n_kv = self.page_min.shape[1]
-        query = q[:, :, -1].float().view(B, n_kv, H // n_kv, 1, D)
-        # empty pages: infinite bounds
-        low, high = (torch.where(b.isfinite(), b, 0.0)[:, :, None] for b in (self.page_min, self.page_max))
-        per_page = self._per_selection_head(torch.maximum(query * low, query * high).sum(dim=-1))  # [B, H_sel, pages]
-        return per_page.repeat_interleave(self.page_size, dim=-1)[..., : self.capacity]

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels
-from kvlab.model import Transformer, attention_mask, grouped_attention, prefill_attention
+from kvlab.attention import attention_mask, grouped_attention, prefill_attention
+from kvlab.model import Transformer
 from kvlab.options import integer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.scores import chunk_attention, merged_attention

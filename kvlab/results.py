@@ -207,8 +207,7 @@ def write_summary(out_dir: Path) -> list[dict[str, Any]]:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """Rows: task@context (metric); columns: config@size (+query_agnostic, +prefill_chunkN); cells: value (relative to
-    full),
-    and the needle digits reproduced (%) where recorded."""
+    full), and the needle digits reproduced (%) where recorded."""
 
     def column(r: dict[str, Any]) -> str:
         chunk = f"+prefill_chunk{r['prefill_chunk']}" if r.get("prefill_chunk") else ""

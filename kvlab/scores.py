@@ -7,9 +7,10 @@ the same function to the prompt (prefill) and to the running cache (decode), see
                       observed is the strategy's choice (all, the last one, a window of the last w)
     expected scores   `expected_logits`: the attention a Gaussian of future queries pays each key
     key/value scores  `lagkv`: keys and values against their neighbours', no queries
-    score wrappers    `value_weighted`, `value_norms`, `two_stage` (CriticalKV), `chunk_mean` (ChunkKV): any prompt
-    score, transformed importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each
-    other channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
+    score wrappers    `value_weighted`, `value_norms`, `two_stage` (CriticalKV), `chunk_mean` (ChunkKV): any
+                      prompt score, transformed
+    importance and redundancy  `rkv` (R-KV): pooled attention minus the keys' similarity to each other
+    channel scores    `key_channels` (ThinK): which channels of a KV head's keys to store, [B, H_kv, D]
 """
 
 from __future__ import annotations

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvlab.build import cache_slots, setup_caches
+from kvlab.build import setup_caches
 from kvlab.config import CacheSpec
-from kvlab.engine import GREEDY, Sampling, decode_one_token, sample, sync
+from kvlab.engine import decode_one_token, sync
 from kvlab.model import Transformer
 from kvlab.paged import PagedKV
 from kvlab.pool import PoolExhausted
+from kvlab.sampling import GREEDY, Sampling, sample
+from kvlab.slot_counts import cache_slots
 from kvlab.strategies import CACHE_STRATEGIES
 
 

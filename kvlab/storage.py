@@ -99,7 +99,7 @@ class KVStorage(nn.Module):
         return self.k, self.v
 
     def read_for_attention(self) -> tuple[Tensor, Tensor]:
-        """Every slot's keys and values for a decode step's attention (model.decode_attention), which takes them
+        """Every slot's keys and values for a decode step's attention (attention.decode_attention), which takes them
         in the model's dtype or, where that is cheaper, in the dtype they are stored in."""
         return self.read()
 

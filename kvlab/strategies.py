@@ -8,13 +8,15 @@ import torch
 from torch import Tensor
 
 from kvlab.cache import FullCache, KVCache
+from kvlab.clusterkv import ClusterKVCache
 from kvlab.duo import DuoAttentionCache
 from kvlab.eviction import EvictionCache
+from kvlab.expected_attention import ExpectedAttention
 from kvlab.hybrid import HybridCache
 from kvlab.kvcompress import KVCompressCache
 from kvlab.options import Option, integer
-from kvlab.prompt_compression import RKV, AttentionScores, ExpectedAttention, KeepAll, LagKV, PromptCompressor, SnapKV
-from kvlab.recall import ClusterKVCache, QuestCache
+from kvlab.prompt_compression import RKV, AttentionScores, KeepAll, LagKV, PromptCompressor, SnapKV
+from kvlab.quest import QuestCache
 from kvlab.reconstruction import KVzip, Oracle
 from kvlab.scored_caches import AttentionScoredCache, KeyScoredCache
 from kvlab.scores import (

@@ -11,20 +11,23 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kvlab import parallel
-from kvlab.build import layer_slots, quiet_notices
+from kvlab.chunked import prefill_chunk_step
 from kvlab.cli import peak_memory_bytes
 from kvlab.config import CacheSpec, strategy_options
-from kvlab.engine import generate
+from kvlab.engine import generate, prefill
 from kvlab.generation import Generation
+from kvlab.memory import check_fits
 from kvlab.model import Transformer
-from kvlab.quantize import weight_bytes
+from kvlab.quantized_model import weight_bytes
 from kvlab.report import TextStreamer, cache_report, print_attention_loss, serving_report
 from kvlab.serving import serve
+from kvlab.slot_counts import layer_slots, quiet_notices
 from kvlab.strategies import CACHE_STRATEGIES, PROMPT_COMPRESSORS
 from kvlab.tokenizer import Tokenizer
 
@@ -288,3 +291,51 @@ def timing_report(
         f"batch {batch_size}); first step{' (compile)' if compiled[1] else ''}: {totals['first_s']:.2f} "
         f"s\n{cache_report(names, last)}\npeak {peak_kind}: {peak / 2**30:.2f} GiB"
     )
+
+
+def run_static_batches(
+    args: argparse.Namespace,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    batch_size: int,
+    spec: CacheSpec,
+    common: dict[str, Any],
+    placement: tuple[torch.device, torch.dtype],
+    tensor_parallel: bool,
+) -> None:
+    """The prompts in static batches of batch_size through the caches, then the timing and the caches' report."""
+    device, dtype = placement
+    prefill_step = torch.compile(prefill, dynamic=True) if args.compile_prefill else prefill
+    chunk_step = torch.compile(prefill_chunk_step, fullgraph=True) if args.compile_prefill else prefill_chunk_step
+    max_seq_length = max(map(len, prompts)) + args.max_new_tokens  # one cache shape for every batch: no recompiles
+    cfg = model.config
+    # a full cache per sequence bounds every cache's buffers (sized by max_seq_length)
+    check_fits(
+        "--batch_size",
+        batch_size,
+        2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * max_seq_length * dtype.itemsize,
+        device,
+    )
+    warm_up_seconds = warm_up(
+        model, spec, prompts[:batch_size], max_seq_length, prefill_step, whole=args.compile_prefill
+    )
+    totals, last = generate_batches(
+        model, tokenizer, prompts, batch_size, args.max_new_tokens, spec, **common, prefill_step=prefill_step,
+        max_seq_length=max_seq_length, attention_loss=args.attention_loss, chunk_step=chunk_step,
+    )  # fmt: skip
+    report = timing_report(
+        totals,
+        last,
+        warm_up_seconds,
+        batch_size,
+        args.cache_config or spec.strategies,
+        device,
+        (args.compile_prefill, args.compile),
+    )
+    if tensor_parallel:
+        report += (
+            f"\n(KV cache and memory: rank 0's, which holds {model.layers[0].attention.n_local_heads} of "
+            f"{cfg.n_local_heads} KV heads)"
+        )
+    print(report, file=sys.stderr)

@@ -2,11 +2,10 @@
 made with --prefill_chunk N (`<size>+prefill_chunkN`) and its one-shot twin (`<size>`), the mean score of each,
 their paired difference (chunked - one-shot) and its standard error over the examples both finished.
 
-    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir
-    results/chunked
-    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic --out_dir
-    results/chunked \\
-        --prefill_chunk 512
+    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic \\
+        --out_dir results/chunked
+    python eval.py --tasks niah_single_2 --cache_config keydiff --compression_ratios 0.5 --query_agnostic \\
+        --out_dir results/chunked --prefill_chunk 512
     python scripts/chunked_vs_oneshot.py results/chunked
 
 Writes chunked_vs_oneshot.md and .json into the sweep's directory. Scores are 0-100 (the task's own per-example

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.cli import ArgumentParser, positive_int, run_cli
-from kvlab.config import load_cache_config
+from kvlab.config_files import load_cache_config
 from kvlab.jobs import parse_ratio
 from kvlab.results import FULL
 from kvlab.strategies import CACHE_STRATEGIES

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvpress_parity import PROTOCOLS, context_end, kvpress_inputs, prefilled  # scripts/ is on the path
+from kvpress_parity import PROTOCOLS  # scripts/ is on the path
+from kvpress_pipeline import context_end, kvpress_inputs, prefilled
 from torch import Tensor
 
 from kvlab.checkpoint import load_checkpoint

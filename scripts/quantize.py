@@ -28,7 +28,8 @@ from kvlab.checkpoint import (
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.convert import default_checkpoint
 from kvlab.model import ModelArgs
-from kvlab.quantize import DEFAULT_GROUPSIZE, GROUPSIZES, MODES, Quantization, quantized_state
+from kvlab.quantize import DEFAULT_GROUPSIZE, GROUPSIZES, MODES, Quantization
+from kvlab.quantized_model import quantized_state
 
 
 def quantized_dir(checkpoint_dir: Path, quant: Quantization) -> Path:

@@ -164,7 +164,7 @@ def generate_cli(monkeypatch, capsys, smollm, smollm_dir):
     monkeypatch.setattr(generate, "default_checkpoint", lambda: smollm_dir)
 
     def run(*args: str) -> CliRun:
-        monkeypatch.setattr("kvlab.build._SAID", set())  # each command is a new process: its notices are new
+        monkeypatch.setattr("kvlab.slot_counts._SAID", set())  # each command is a new process: its notices are new
         return run_main(generate.main, capsys, *args)
 
     return run

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, paul_graham_text, spec_for
 from kvlab.budget import kmeans_1d, plan_budgets, pyramid_schedule, residual_similarity, split_budget, squeeze_weights
-from kvlab.build import cache_slots
-from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.config import cache_spec
+from kvlab.config_files import load_cache_config, resolve_settings
 from kvlab.engine import compile_decode_step, generate
 from kvlab.recording import PrefillRecorder
+from kvlab.slot_counts import cache_slots
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from plot_layers import main as plot_layers  # noqa: E402

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from kvlab.config import CONFIGS_DIR, load_cache_config, per_layer, resolve_settings
+from kvlab.config import CONFIGS_DIR, per_layer
+from kvlab.config_files import load_cache_config, resolve_settings
 
 SHIPPED = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT, fast_few, miniature_smollm, paul_graham_text
 from kvlab.chunked import prefill_chunk_step
-from kvlab.config import cache_spec, load_cache_config, parse_flag
+from kvlab.config import cache_spec, parse_flag
+from kvlab.config_files import load_cache_config
 from kvlab.engine import generate
 from kvlab.eviction import EvictionCache
 from kvlab.paged import PagedKV
@@ -164,7 +165,7 @@ def test_each_row_of_a_batch_of_mixed_lengths_is_compressed_as_alone(strategy, s
 @pytest.mark.slow
 def test_every_strategy_runs_chunked_and_says_which_compress_only_at_the_end(smollm, capsys, monkeypatch):
     """The miniature of SmolLM2 (its shipped DuoAttention gates fit it): 600 prompt tokens in chunks of 128."""
-    monkeypatch.setattr("kvlab.build._SAID", set())
+    monkeypatch.setattr("kvlab.slot_counts._SAID", set())
     model = miniature_smollm()
     prompt = torch.randint(0, 49152, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     gates = {"duo_attention": {"duo_gates": "configs/duo/SmolLM2-135M-Instruct.json"}}
@@ -413,8 +414,7 @@ def test_the_model_wide_ranking_between_chunks_keeps_the_one_shot_choice_when_no
 ):
     """head_budget global under --prefill_chunk ranks every layer's held and chunk tokens together after each chunk.
     With a key score (l2) and a total that holds the first chunk whole, the last ranking sees every prompt token with
-    its
-    exact key: the same tokens kept per head, and the same text, as the one-shot prefill's ranking."""
+    its exact key: the same tokens kept per head, and the same text, as the one-shot prefill's ranking."""
     settings = {"cache_strategy": "l2", "head_budget": "global", "max_cache_length": 48, "global_tokens": 2}
     prompt = torch.randint(0, 64, (80,), generator=torch.Generator().manual_seed(4)).tolist()
     held = {}

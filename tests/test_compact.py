@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvlab import kernels
+from kvlab.attention import attention_mask, grouped_attention
 from kvlab.compact import CompactKVStorage, make_kv_store
 from kvlab.config import cache_spec
 from kvlab.engine import compile_decode_step, generate
-from kvlab.model import attention_mask, grouped_attention
 from kvlab.report import cache_report
 from kvlab.storage import HalfKVStorage, QuantizedKVStorage
 

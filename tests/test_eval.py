@@ -27,7 +27,8 @@ from kvlab.results import RECORDS, config_dirs, read_config_records, read_record
 from kvlab.tasks import Example, GenerationTask, resolve_tasks
 from kvlab.tasks.book import TASKS as BOOKS
 from kvlab.tasks.book import pg19_books
-from kvlab.tasks.ruler import TASKS, needle_digits
+from kvlab.tasks.ruler import TASKS
+from kvlab.tasks.ruler_base import needle_digits
 from kvlab.tasks.sizing import ContextTooShortError
 
 sys.path.insert(0, str(ROOT / "scripts"))

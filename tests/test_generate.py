@@ -17,11 +17,12 @@ from conftest import ROOT, run_main
 from kvlab import memory
 from kvlab.build import make_caches
 from kvlab.cli import peak_memory_bytes
-from kvlab.config import load_cache_config
-from kvlab.engine import Sampling, compile_decode_step, decode_one_token, generate, sample
+from kvlab.config_files import load_cache_config
+from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.hybrid import HybridCache
 from kvlab.memory import high_water_bytes
 from kvlab.model import ModelArgs, Transformer
+from kvlab.sampling import Sampling, sample
 from kvlab.textgen import read_prompts, with_defaults
 
 

@@ -9,7 +9,8 @@ import torch
 from kvlab import kernels
 from kvlab.kernels import reordering_atol
 from kvlab.kernels.__main__ import int4_reference, int4_rounding_bound
-from kvlab.quantize import GROUPSIZES, Int4Linear, Quantization, quantize_int4, quantize_linear
+from kvlab.quantize import GROUPSIZES, Int4Linear, Quantization, quantize_int4
+from kvlab.quantized_model import quantize_linear
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 

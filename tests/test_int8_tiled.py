@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from kvlab import kernels
 from kvlab.kernels import reordering_atol
 from kvlab.kernels.__main__ import int8_rounding_bound
-from kvlab.quantize import Int8Linear, Quantization, quantize_int8, quantize_linear
+from kvlab.quantize import Int8Linear, Quantization, quantize_int8
+from kvlab.quantized_model import quantize_linear
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 

@@ -18,16 +18,8 @@ from kvlab.engine import generate
 from kvlab.kernels import reordering_atol
 from kvlab.kernels.__main__ import attention_reference, int4_reference, int4_rounding_bound
 from kvlab.model import Linear
-from kvlab.quantize import (
-    GROUPSIZES,
-    Int4Linear,
-    Int8Linear,
-    Quantization,
-    quantize_int4,
-    quantize_int8,
-    quantize_linear,
-    quantize_model,
-)
+from kvlab.quantize import GROUPSIZES, Int4Linear, Int8Linear, Quantization, quantize_int4, quantize_int8
+from kvlab.quantized_model import quantize_linear, quantize_model
 from tolerance import assert_reordered_close
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")

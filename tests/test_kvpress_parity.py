@@ -6,18 +6,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 
 import pytest
 import yaml
 
 from conftest import ROOT
-from kvlab.config import load_cache_config
+from kvlab.config_files import load_cache_config
 from kvlab.engine import cut_at_stop, generate
 from kvlab.results import RECORDS
 
-spec = importlib.util.spec_from_file_location("kvpress_parity", ROOT / "scripts" / "kvpress_parity.py")
-parity = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(parity)
+
+def load_script(name: str):
+    """A module of scripts/, imported as running it does: with scripts/ on the path (the parity scripts import each
+    other)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+parity, pipeline = load_script("kvpress_parity"), load_script("kvpress_pipeline")
 
 
 def write_records(side, method, agnostic, ratio, records):
@@ -60,10 +70,10 @@ def test_the_table_counts_same_answers_and_means_over_the_examples_both_sides_fi
 
 def test_first_split_is_the_answer_token_where_kvlabs_text_leaves_kvpresss_tokens():
     decode = lambda ids: "".join(" ab"[i] for i in ids)  # noqa: E731  token 1 is "a", 2 is "b"
-    assert parity.first_split("aab", [1, 1, 2], decode) == 3  # the same answer: past its last token
-    assert parity.first_split("aba", [1, 1, 2], decode) == 1
-    assert parity.first_split("b", [1, 1, 2], decode) == 0
-    assert parity.first_split("aa", [1, 1, 2], decode) == 2  # kvlab stopped where kvpress went on
+    assert pipeline.first_split("aab", [1, 1, 2], decode) == 3  # the same answer: past its last token
+    assert pipeline.first_split("aba", [1, 1, 2], decode) == 1
+    assert pipeline.first_split("b", [1, 1, 2], decode) == 0
+    assert pipeline.first_split("aa", [1, 1, 2], decode) == 2  # kvlab stopped where kvpress went on
 
 
 def test_the_report_lists_where_the_texts_part_when_margins_were_measured():
@@ -112,7 +122,7 @@ def test_kvpress_side_without_a_press_gives_kvlabs_full_cache_answer(smollm):
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     )
     split = len(prompt) - 6  # the context, then the end of the question, the turn's end and the answer's header
-    theirs = parity.press_answer(hf, None, prompt[:split], prompt[split:], 16, tokenizer.stop_ids)
+    theirs = pipeline.press_answer(hf, None, prompt[:split], prompt[split:], 16, tokenizer.stop_ids)
     ours = generate(model, [prompt], 16, stop_ids=tokenizer.stop_ids).tokens[0]
     assert cut_at_stop(theirs, tokenizer.stop_ids)[0] == ours and tokenizer.decode(ours).startswith(
         "The capital of France is Paris"

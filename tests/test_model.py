@@ -13,19 +13,13 @@ import torch.nn.functional as F
 
 from conftest import make_tiny_model, paul_graham_text
 from kvlab import kernels
+from kvlab.attention import attention_mask, chunk_attention, grouped_attention, split_chunk_attention
 from kvlab.build import make_caches
 from kvlab.cache import FullCache
 from kvlab.checkpoint import KNOWN_MODELS, known_model_name
 from kvlab.convert import default_gguf_path, hf_model_args
 from kvlab.engine import generate
-from kvlab.model import (
-    ModelArgs,
-    attention_mask,
-    chunk_attention,
-    grouped_attention,
-    lay_out_for_matvec,
-    split_chunk_attention,
-)
+from kvlab.model import ModelArgs, lay_out_for_matvec
 from tolerance import assert_reordered_close
 
 

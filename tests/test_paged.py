@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import spec_for
+from kvlab.attention import grouped_attention
 from kvlab.block_tables import VIEW_ROUND
 from kvlab.engine import compile_decode_step, generate
-from kvlab.model import grouped_attention
 from kvlab.paged import PagedKV
 from kvlab.pool import BlockPool, PoolExhausted
 from kvlab.report import cache_report

@@ -15,7 +15,8 @@ from tp_worker import SHORT_PROMPT, TINY_SETTINGS, per_head_slots
 
 from conftest import ROOT, torch_kernels
 from kvlab import parallel
-from kvlab.config import cache_spec, load_cache_config
+from kvlab.config import cache_spec
+from kvlab.config_files import load_cache_config
 from kvlab.engine import generate
 from kvlab.recording import RecordedPrefill
 from kvlab.strategies import CACHE_STRATEGIES

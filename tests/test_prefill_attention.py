@@ -11,9 +11,9 @@ from test_kernels import cpu_isas, run_module
 
 from conftest import make_tiny_model
 from kvlab import kernels
+from kvlab.attention import causal_attention_lse
 from kvlab.build import make_caches
 from kvlab.kernels.__main__ import prefill_attention_reference
-from kvlab.model import causal_attention_lse
 
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 

@@ -24,9 +24,8 @@ from kvlab.quantize import (
     dequantize_int8,
     quantize_int4,
     quantize_int8,
-    quantize_linear,
-    quantize_model,
 )
+from kvlab.quantized_model import quantize_linear, quantize_model
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from quantize import main as quantize_main  # noqa: E402

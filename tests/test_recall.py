@@ -10,10 +10,12 @@ import torch.nn.functional as F
 
 from conftest import spec_for
 from kvlab.cache import FullCache
-from kvlab.config import cache_spec, load_cache_config, resolve_settings
+from kvlab.clusterkv import ClusterKVCache, cosine_kmeans
+from kvlab.config import cache_spec
+from kvlab.config_files import load_cache_config, resolve_settings
 from kvlab.diagnostics import AttentionLossProbe
 from kvlab.engine import compile_decode_step, generate
-from kvlab.recall import ClusterKVCache, QuestCache, cosine_kmeans
+from kvlab.quest import QuestCache
 from kvlab.strategies import WindowCache
 from test_generate import run_cli
 from tolerance import assert_reordered_close

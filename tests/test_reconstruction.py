@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvlab import kernels, reconstruction
-from kvlab.config import cache_spec, load_cache_config
+from kvlab.config import cache_spec
+from kvlab.config_files import load_cache_config
 from kvlab.engine import generate
 from kvlab.reconstruction import KVZIP_SINKS, KVzip, Oracle, Pass, RepeatRequest, prompt_attention_from, repeat_request
 from kvlab.recording import RecordedPrefill, reads_recorded_queries

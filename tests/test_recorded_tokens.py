@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT, fast_few, torch_kernels
-from kvlab.config import CONFIGS_DIR, cache_spec, load_cache_config
+from kvlab.config import CONFIGS_DIR, cache_spec
+from kvlab.config_files import load_cache_config
 from kvlab.engine import generate
 from kvlab.recording import RecordedPrefill
 from kvlab.serving import serve

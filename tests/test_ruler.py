@@ -11,7 +11,8 @@ import pytest
 from kvlab.convert import default_checkpoint
 from kvlab.tasks import Example
 from kvlab.tasks.haystack import qa_data
-from kvlab.tasks.ruler import TASKS, needle_digits, string_match_all, string_match_part
+from kvlab.tasks.ruler import TASKS
+from kvlab.tasks.ruler_base import needle_digits, string_match_all, string_match_part
 from kvlab.tasks.sizing import ContextTooShortError
 from kvlab.tokenizer_files import load_tokenizer
 

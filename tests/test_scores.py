@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT
+from kvlab.attention import causal_attention_lse
 from kvlab.build import make_caches
 from kvlab.config import CACHE_KEYS, options_table
-from kvlab.model import ModelArgs, apply_rope, causal_attention_lse, rope_tables
-from kvlab.prompt_compression import RKV, ExpectedAttention, KeyScores
+from kvlab.expected_attention import ExpectedAttention
+from kvlab.model import ModelArgs, apply_rope, rope_tables
+from kvlab.prompt_compression import RKV, KeyScores
 from kvlab.scores import (
     attention_mass,
     chunk_mean,

@@ -99,7 +99,7 @@ def test_cache_bits_32_keeps_a_float32_models_keys_and_refuses_any_other_dtype()
 @pytest.mark.parametrize("strategy", ["full", "l2"])
 def test_a_float16_cache_decodes_as_torch_over_its_widened_keys_and_values(tiny_model, monkeypatch, strategy):
     """A decode step over a float16 cache: the native attention, reading float16 rows, against torch's over the
-    same rows widened to float32 (model.decode_attention's fallback), to summation order; where the native
+    same rows widened to float32 (attention.decode_attention's fallback), to summation order; where the native
     kernels do not run, both paths are torch's and the test still checks the fallback runs."""
     logits = {}
     for native_path in (True, False):

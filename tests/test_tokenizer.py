@@ -16,9 +16,9 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from kvlab.convert import tokenizer_files_from_gguf, tokenizer_files_from_hf
 from kvlab.tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN, SentencePieceTokenizer
 from kvlab.tokenizer_files import LLAMA3_SPECIAL_NAMES, load_tokenizer
+from kvlab.tokenizer_writers import tokenizer_files_from_gguf, tokenizer_files_from_hf
 
 
 def package_dir(name: str) -> Path | None:

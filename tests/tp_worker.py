@@ -23,11 +23,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import make_tiny_model  # noqa: E402 (puts the repository root on the path too)
 from kvlab import parallel  # noqa: E402
 from kvlab.checkpoint import load_checkpoint  # noqa: E402
-from kvlab.config import cache_spec, load_cache_config  # noqa: E402
+from kvlab.config import cache_spec  # noqa: E402
+from kvlab.config_files import load_cache_config  # noqa: E402
 from kvlab.convert import default_checkpoint  # noqa: E402
-from kvlab.engine import Sampling, compile_decode_step, generate  # noqa: E402
+from kvlab.engine import compile_decode_step, generate  # noqa: E402
 from kvlab.model import Transformer  # noqa: E402
 from kvlab.recording import RecordedPrefill  # noqa: E402
+from kvlab.sampling import Sampling  # noqa: E402
 
 RECORDED = json.loads((ROOT / "tests/data/recorded_tokens.json").read_text())
 SHORT_PROMPT = "Hello"

@@ -118,6 +118,14 @@ def register_attention_fakes() -> None:
 
 
 def register_product_fakes() -> None:
+    """Every native product's fake (its output's shape), for torch.compile."""
+    register_float_product_fakes()
+    register_int8_product_fakes()
+    register_int4_product_fakes()
+
+
+def register_float_product_fakes() -> None:
+    """The fakes of the products of float32 and bfloat16 weights."""
 
     @torch.library.register_fake("kvlab::linear_fp32")
     def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -131,6 +139,14 @@ def register_product_fakes() -> None:
     def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
         return x.new_empty(*x.shape[:-1], gate.shape[0])
 
+    @torch.library.register_fake("kvlab::gated_fp32")
+    def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], gate.shape[0])
+
+
+def register_int8_product_fakes() -> None:
+    """The fakes of the products of int8 weights."""
+
     @torch.library.register_fake("kvlab::linear_int8")
     def _(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty(*x.shape[:-1], q.shape[0])
@@ -142,6 +158,14 @@ def register_product_fakes() -> None:
     @torch.library.register_fake("kvlab::gated_int8_tiled")
     def _(x: Tensor, q_gate: Tensor, s_gate: Tensor, q_up: Tensor, s_up: Tensor) -> Tensor:
         return x.new_empty(*x.shape[:-1], q_gate.shape[0])
+
+    @torch.library.register_fake("kvlab::gated_int8")
+    def _(x: Tensor, q_gate: Tensor, s_gate: Tensor, q_up: Tensor, s_up: Tensor) -> Tensor:
+        return x.new_empty(*x.shape[:-1], q_gate.shape[0])
+
+
+def register_int4_product_fakes() -> None:
+    """The fakes of the products of int4 weights."""
 
     @torch.library.register_fake("kvlab::linear_int4")
     def _(
@@ -172,14 +196,6 @@ def register_product_fakes() -> None:
         groupsize: int,
     ) -> Tensor:
         return x.new_empty(*x.shape[:-1], n)
-
-    @torch.library.register_fake("kvlab::gated_fp32")
-    def _(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
-        return x.new_empty(*x.shape[:-1], gate.shape[0])
-
-    @torch.library.register_fake("kvlab::gated_int8")
-    def _(x: Tensor, q_gate: Tensor, s_gate: Tensor, q_up: Tensor, s_up: Tensor) -> Tensor:
-        return x.new_empty(*x.shape[:-1], q_gate.shape[0])
 
     @torch.library.register_fake("kvlab::gated_int4")
     def _(

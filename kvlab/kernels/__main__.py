@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab import kernels
-from kvlab.model import attention_mask, grouped_attention
+from kvlab.attention import attention_mask, grouped_attention
 from kvlab.quantize import GROUPSIZES, dequantize_int4, int4_codes, quantize_int4, quantize_int8
 
 
@@ -170,14 +170,10 @@ def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> l
     """The int4 product and gated projection, x in float32 (to summation order) and rounded to int16 and
     int8 (within `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
     (codes, scales, zeros), (c_up, s_up, z_up) = quantize_int4(w, groupsize), quantize_int4(up, groupsize)
-    (want, magnitude), (want_up, magnitude_up) = (
-        int4_reference(x, codes, scales, zeros),
-        int4_reference(x, c_up, s_up, z_up),
-    )
-    weights, gated = (
-        (codes, scales, zeros - 8 * scales),
-        (codes, scales, zeros - 8 * scales, c_up, s_up, z_up - 8 * s_up),
-    )
+    want, magnitude = int4_reference(x, codes, scales, zeros)
+    want_up, magnitude_up = int4_reference(x, c_up, s_up, z_up)
+    weights = (codes, scales, zeros - 8 * scales)
+    gated = (*weights, c_up, s_up, z_up - 8 * s_up)
     terms, gated_magnitude = codes.shape[1] * 2, 2.1 * max(magnitude, magnitude_up) ** 2
     failures = mismatch(
         f"linear_int4 g{groupsize}",
@@ -225,13 +221,17 @@ def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> l
                 torch.ops.kvlab.gated_int4_tiled(x, *tiled[0], *tiled[1], n, groupsize),
                 *bounds["gated_int4"][1:],
             )
-        for op, (got, expected, bound) in bounds.items():
-            if ((got - expected).abs() > bound).any():
-                failures.append(
-                    f"{op} g{groupsize} x int{x_bits} {tuple(got.shape)}: off by "
-                    f"{((got - expected).abs() / bound).max().item():.2f} x its bound"
-                )
+        failures += out_of_bounds(bounds, f"g{groupsize} x int{x_bits}")
     return failures
+
+
+def out_of_bounds(bounds: dict[str, tuple[Tensor, Tensor, Tensor]], label: str) -> list[str]:
+    """One line for each op (name -> (got, expected, elementwise bound)) off by more than its bound somewhere."""
+    return [
+        f"{op} {label} {tuple(got.shape)}: off by {((got - expected).abs() / bound).max().item():.2f} x its bound"
+        for op, (got, expected, bound) in bounds.items()
+        if ((got - expected).abs() > bound).any()
+    ]
 
 
 def check_attention(

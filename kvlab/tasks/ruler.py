@@ -27,7 +27,6 @@ tokens. That, and RULER's dependencies, cause the only departures from its gener
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import string
@@ -42,13 +41,13 @@ from kvlab.tasks.haystack import (
     noise_lines,
     noise_sentences,
     numbered,
-    qa_data,
     random_item,
     token_position,
     word_list,
 )
-from kvlab.tasks.sizing import Budget, ContextTooShortError, fit
-from kvlab.tokenizer import Tokenizer
+from kvlab.tasks.ruler_base import RulerTask, needle_digits, question_of
+from kvlab.tasks.ruler_qa import QuestionAnswering
+from kvlab.tasks.sizing import Budget, fit
 
 # templates: RULER, Apache-2.0 (data/synthetic/constants.py; "assgined" sic)
 NIAH_TEMPLATE = (
@@ -77,107 +76,8 @@ FWE_TEMPLATE = (
     "What are the three most frequently appeared words in the above coded text?"
 )
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
-QA_TEMPLATE = (
-    "Answer the question based on the given documents. Only give me the answer and do not output any other "
-    "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
-    "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}"
-)
-QA_ANSWER_PREFIX = " Answer:"
-DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # percent; RULER: np.round(np.linspace(0, 100, num=40))
 VT_ICL_TOKENS = 470  # RULER builds its one-shot vt example for a 500-token context, 30 of them for the answer
-
-
-def string_match_all(prediction: str, references: list[str]) -> float:
-    """RULER's metric for niah, vt, cwe and fwe: the share of references found in the prediction, ignoring case."""
-    return sum(r.lower() in prediction.lower() for r in references) / len(references)
-
-
-def string_match_part(prediction: str, references: list[str]) -> float:
-    """RULER's metric for qa: 1 when any reference (one of several acceptable answers) is in the prediction."""
-    return max(float(r.lower() in prediction.lower()) for r in references)
-
-
-def needle_digits(prediction: str, references: list[str]) -> float:
-    """The share of numeric needles' leading digits reproduced: partial credit where string_match_all gives
-    a needle 0 unless every digit is right (a small model often answers "9." or "9294967295" for 9294187).
-
-    A needle found whole in the prediction scores 1, as in string_match_all, so the share is never below the
-    exact-match score. Otherwise, with k needles, the prediction's first k numbers (runs of digits, wherever
-    they are) are its answers, and the needle scores the longest prefix it shares with one of them, over its
-    length; the result is the mean over needles. With one needle: the first number anywhere in the answer.
-    Anywhere, because the model wraps or restates its answer (' "3584427".', ': 85.', 'The special magic
-    number for bees-ashtrays is: 85321'), which a number-at-the-start rule would score 0. The first k, not the
-    best of all numbers, because a degenerate answer ("2018-2023-2024-...") would collect chance prefixes.
-    """
-    numbers = re.findall(r"[0-9]+", prediction)[: len(references)]
-    shares = [
-        1.0 if r in prediction else max((len(os.path.commonprefix([n, r])) for n in numbers), default=0) / len(r)
-        for r in references
-    ]
-    return sum(shares) / len(shares)
-
-
-METRICS: dict[str, Callable[[str, list[str]], float]] = {
-    "string_match_all": string_match_all,
-    "string_match_part": string_match_part,
-}
-
-
-def question_of(template: str) -> str:
-    """The fixed text opening a template's question: what follows its context, up to the first field."""
-    return template.split("{context}")[1].split("{")[0]
-
-
-class RulerTask(GenerationTask):
-    family = "ruler"
-    metric = "string_match_all"
-    max_new_tokens: int  # RULER's tokens_to_generate
-    # the text opening the question after the context (its last occurrence: vt and cwe repeat it in their example)
-    question: str
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
-    def examples(
-        self,
-        tokenizer: Tokenizer,
-        num_samples: int,
-        seed: int = 0,
-        context_length: int | None = None,
-        chat: bool = True,
-    ) -> list[Example]:
-        """Example i depends only on (seed, name, context_length, i), so smaller requests are prefixes of larger
-        ones."""
-        if context_length is None:
-            raise ValueError(f"RULER task {self.name} needs a context_length: its prompts are sized to it")
-        budget = Budget(tokenizer, chat, context_length, context_length - self.max_new_tokens)
-        out = []
-        for i in range(num_samples):
-            rng = random.Random(f"{seed}:{self.name}:{context_length}:{i}")
-            try:
-                input_ids, answers, info = self.generate(budget, rng, i)
-            except ContextTooShortError as e:
-                raise ContextTooShortError(
-                    f"context_length {context_length} is too short for RULER task {self.name}: {e}"
-                ) from e
-            question_start = token_position(tokenizer, input_ids, self.question, last=True)
-            out.append(
-                Example(
-                    f"{self.name}/{context_length}/{i}", input_ids, answers, self.max_new_tokens, info, question_start
-                )
-            )
-        return out
-
-    def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
-        """Prompt token ids, references and info of example `index`, drawing all randomness from `rng`."""
-        raise NotImplementedError
-
-    def score(self, prediction: str, example: Example) -> float:
-        return METRICS[self.metric](prediction, example.answers)
 
 
 class NeedleInAHaystack(RulerTask):
@@ -418,67 +318,6 @@ class FrequentWordsExtraction(RulerTask):
             vocab[1:4],
             {"counts": dict(zip(vocab, counts(scale, dots), strict=True)), "scale": scale, "extra_dots": dots},
         )
-
-
-class QuestionAnswering(RulerTask):
-    """qa_1 (SQuAD) and qa_2 (HotpotQA): a question over its evidence documents hidden among distractor
-    documents; any one of the references counts as a correct answer."""
-
-    max_new_tokens = 32
-    question = question_of(QA_TEMPLATE)
-    metric = "string_match_part"
-
-    def __init__(self, name: str, dataset: str) -> None:
-        super().__init__(name)
-        self.dataset = dataset
-
-    def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
-        questions, docs = qa_data(self.dataset)
-        choice = index % len(questions)
-        for _ in range(100):
-            try:
-                ids, info = self.prompt(budget, rng, questions[choice], docs)
-                return ids, list(questions[choice]["answers"]), {"question_index": choice, **info}
-            except ContextTooShortError:
-                choice = rng.randrange(len(questions))
-        raise ContextTooShortError("no question's evidence fits in 100 tries")
-
-    def prompt(
-        self, budget: Budget, rng: random.Random, question: dict[str, Any], docs: list[str]
-    ) -> tuple[list[int], dict[str, Any]]:
-        gold = question["gold"]
-        fill_order = gold + rng.sample(question["more"], len(question["more"]))
-        taken, words = set(fill_order), sum(len(docs[d].split(" ")) for d in fill_order)
-        while words <= budget.tokens and len(taken) < len(docs):  # a word takes at least a token: enough to overfill
-            d = rng.randrange(len(docs))
-            if d not in taken:
-                fill_order.append(d)
-                taken.add(d)
-                words += len(docs[d].split(" "))
-        place = {d: rng.random() for d in fill_order}  # document order, as RULER shuffles them
-        split = [docs[d].split(" ") for d in fill_order]
-
-        def documents(n: int) -> list[tuple[int, str]]:
-            """The first n words in fill order (whole documents but the last), in prompt order."""
-            chosen = []
-            for d, doc_words in zip(fill_order, split, strict=True):
-                if n <= 0:
-                    break
-                chosen.append((d, " ".join(doc_words[:n])))
-                n -= len(doc_words)
-            return sorted(chosen, key=lambda c: place[c[0]])
-
-        def text(n: int) -> str:
-            context = "\n\n".join(DOCUMENT.format(i=i + 1, document=doc) for i, (_, doc) in enumerate(documents(n)))
-            return QA_TEMPLATE.format(context=context, query=question["query"])
-
-        n, ids = budget.fill(text, QA_ANSWER_PREFIX, sum(map(len, split)), lo=sum(map(len, split[: len(gold)])))
-        shown = [d for d, _ in documents(n)]
-        return ids, {
-            "question": question["query"],
-            "documents": len(shown),
-            "gold_documents": [shown.index(d) + 1 for d in gold],
-        }
 
 
 TASKS: dict[str, GenerationTask] = {
