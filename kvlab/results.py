@@ -9,8 +9,10 @@ import contextlib
 import csv
 import fcntl
 import json
+import math
 import os
 import shutil
+import statistics
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +226,16 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| task | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {name} | " + " | ".join(values.get(c, "") for c in columns) + " |" for name, values in cells.items()]
     return "\n".join(lines) + "\n"
+
+
+def paired_difference(before: list[float], after: list[float]) -> dict[str, float]:
+    """Two runs' per-example values on the same examples: each mean, the mean paired difference (after - before)
+    and its standard error, all x100 (scores 0-1 read as 0-100)."""
+    diffs = [a - b for b, a in zip(before, after, strict=True)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return {
+        "before": 100 * statistics.fmean(before),
+        "after": 100 * statistics.fmean(after),
+        "diff": 100 * statistics.fmean(diffs),
+        "se": 100 * se,
+    }

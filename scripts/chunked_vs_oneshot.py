@@ -16,28 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from pathlib import Path
 from typing import Any
 
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.jobs import CHUNKED
-from kvlab.results import config_dirs, read_config_records
+from kvlab.results import config_dirs, paired_difference, read_config_records
 
 MEASURES = ("score", "needle_digits")
-
-
-def paired(oneshot: list[float], chunked: list[float]) -> dict[str, float]:
-    """Means (x100), the mean paired difference and its standard error (x100) of per-example values."""
-    diffs = [c - o for o, c in zip(oneshot, chunked, strict=True)]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return {
-        "oneshot": 100 * statistics.fmean(oneshot),
-        "chunked": 100 * statistics.fmean(chunked),
-        "diff": 100 * statistics.fmean(diffs),
-        "se": 100 * se,
-    }
 
 
 def comparisons(out_dir: Path) -> list[dict[str, Any]]:
@@ -53,7 +39,7 @@ def comparisons(out_dir: Path) -> list[dict[str, Any]]:
             ids = sorted(set(chunked) & set(oneshot))
             for measure in MEASURES:
                 if ids and all(measure in chunked[i] and measure in oneshot[i] for i in ids):
-                    values = paired([oneshot[i][measure] for i in ids], [chunked[i][measure] for i in ids])
+                    values = paired_difference([oneshot[i][measure] for i in ids], [chunked[i][measure] for i in ids])
                     rows.append(
                         {
                             "config": config_dir.name,
@@ -62,7 +48,10 @@ def comparisons(out_dir: Path) -> list[dict[str, Any]]:
                             "task": task,
                             "measure": measure,
                             "n": len(ids),
-                            **values,
+                            "oneshot": values["before"],
+                            "chunked": values["after"],
+                            "diff": values["diff"],
+                            "se": values["se"],
                         }
                     )
     return rows

@@ -8,7 +8,9 @@ kvpress's default) and query-aware. Each cell is the mean RULER score over the t
     python scripts/leaderboard.py --context_length 1024 --processes 2   # a 2-core CPU: one process per core
 
 The runs are ordinary eval.py sweeps under --out_dir (resumable: rerun the command after an interruption);
-this script then writes leaderboard.md, leaderboard.csv, leaderboard.json and leaderboard.png there.
+this script then writes leaderboard.md, leaderboard.csv, leaderboard.json and leaderboard.png there, and from the
+records leaderboard_details.md (gaps to the full cache and between the protocols with paired standard errors, scores
+per task).
 leaderboard.json is {method: {protocol: {ratio: score}}} over the cells every task finished (the full cache at ratio 0).
 """
 
@@ -22,6 +24,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from leaderboard_details import details_markdown  # scripts/ is on the path
 
 from kvlab.cli import ArgumentParser, positive_int, run_cli
 from kvlab.config_files import load_cache_config
@@ -289,6 +293,8 @@ def run(args: argparse.Namespace) -> None:
     table = markdown(rows, recallable(args.methods))
     (args.out_dir / "leaderboard.md").write_text(table)
     (args.out_dir / "leaderboard.json").write_text(json.dumps(as_json(complete(rows)), indent=1) + "\n")
+    details = details_markdown(args.out_dir, args.context_length, args.methods, recallable(args.methods))
+    (args.out_dir / "leaderboard_details.md").write_text(details)
     if any(r["method"] != FULL for r in complete(rows)):
         plot(complete(rows), args.out_dir / "leaderboard.png")
     else:

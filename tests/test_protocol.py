@@ -313,6 +313,7 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
 
     import matplotlib.figure
 
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # leaderboard.py imports leaderboard_details from there
     spec = importlib.util.spec_from_file_location("leaderboard", ROOT / "scripts" / "leaderboard.py")
     leaderboard = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(leaderboard)
@@ -411,3 +412,43 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
         *leaderboard.sweep_args(args, False),
     ]
     assert leaderboard.sweep_command(args, False) == launched
+
+
+def test_leaderboard_details_pair_each_cell_with_the_full_cache_and_the_other_protocol(tmp_path, monkeypatch):
+    """leaderboard_details.md from the records: a method's gap to the full cache and query-aware minus
+    query-agnostic, each the mean paired difference +- its standard error over the examples both ran; scores per
+    task; runs of another context length or a chunked prefill left out."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import leaderboard_details
+
+    def write(config, run, job, scores):
+        config_dir = tmp_path / "SmolLM2-135M-Instruct" / config
+        config_dir.mkdir(parents=True, exist_ok=True)
+        task = job.split("@")[0]
+        with (config_dir / "records.jsonl").open("a") as f:
+            for i, score in enumerate(scores):
+                f.write(json.dumps({"run": run, "job": job, "id": f"{task}/1024/{i}", "score": score}) + "\n")
+
+    write("full", "full", "vt@1024", [1.0, 1.0, 0.0, 1.0])
+    write("full", "full", "niah_single_1@1024", [1.0, 1.0])
+    write("kvzip", "ratio0.5+query_agnostic", "vt@1024", [1.0, 0.0, 0.0, 1.0])
+    write("kvzip", "ratio0.5+query_agnostic", "niah_single_1@1024", [1.0, 0.0])
+    write("kvzip", "ratio0.5", "vt@1024", [1.0, 1.0, 1.0, 1.0])
+    write("kvzip", "ratio0.5", "niah_single_1@1024", [1.0, 1.0])
+    write("kvzip", "ratio0.5+query_agnostic", "vt@2048", [0.0])  # another length
+    write("kvzip", "ratio0.5+prefill_chunk512+query_agnostic", "vt@1024", [0.0] * 4)  # chunked
+    write("oracle", "ratio0.5+query_agnostic", "vt@1024", [1.0, 1.0, 0.0, 0.0])
+    write("oracle", "ratio0.5+query_agnostic", "niah_single_1@1024", [1.0, 1.0])
+    write("quest", "ratio0.5+query_agnostic", "vt@1024", [1.0, 1.0, 1.0, 1.0])  # recallable: no evicting method
+    write("quest", "ratio0.5+query_agnostic", "niah_single_1@1024", [1.0, 1.0])
+    text = leaderboard_details.details_markdown(tmp_path, 1024, ["kvzip", "oracle", "quest"], frozenset({"quest"}))
+    # agnostic - full per example: 0, -1, 0, 0, 0, -1 -> mean -33.3, SE = stdev / sqrt(6) = 21.1
+    assert "**query_agnostic**: score - full cache (83.3), paired SE" in text
+    assert "| kvzip | -33.3 ± 21.1 |" in text
+    # aware - agnostic: 0, 1, 1, 0, 0, 1 -> +50.0, SE 22.4
+    assert "**query_aware - query_agnostic**, paired SE" in text and "| kvzip | +50.0 ± 22.4 |" in text
+    assert "| method | s1 | vt | mean |" in text
+    rows = ["| full | 100 | 75 | 83.3 |", "| quest | 100 | 100 | 100.0 |", "| oracle | 100 | 50 | 66.7 |"]
+    assert "\n".join([*rows, "| kvzip | 50 | 50 | 50.0 |"]) in text
+    # the best evicting method (quest recalls): kvzip - oracle per example 0, -1, 0, +1, 0, -1 -> -16.7, SE 30.7
+    assert "| query_agnostic | 0.5 | oracle | 66.7 | kvzip | 50.0 | -16.7 ± 30.7 |" in text
