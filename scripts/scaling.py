@@ -1,6 +1,6 @@
 """How large a model and context each tensor-parallel setup holds, computed from the model shapes.
 
-    python scripts/scaling.py                        # 80 GiB GPUs, bfloat16: the table in docs/scaling.md
+    python scripts/scaling.py --out bench/results/scaling_80gib.md   # 80 GiB GPUs, bfloat16: docs/scaling.md shows it
     python scripts/scaling.py --gpu_gib 141 --models Llama-3.1-70B Qwen2.5-7B
 
 Per rank: the weights it keeps (parallel.shard_model: its share of attention heads and FFN units, plus
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
@@ -98,8 +99,12 @@ def main() -> None:
         default=[1, 2, 4, 8],
         help="tensor-parallel sizes (default: 1 2 4 8; never more than the KV heads)",
     )
+    p.add_argument("--out", type=Path, help="also write the table to this Markdown file")
     args = p.parse_args()
-    print(table(args.models, args.gpu_gib, args.reserve, args.ranks), end="")
+    text = table(args.models, args.gpu_gib, args.reserve, args.ranks)
+    if args.out is not None:
+        args.out.write_text(text)
+    print(text, end="")
 
 
 if __name__ == "__main__":
