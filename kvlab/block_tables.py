@@ -124,9 +124,8 @@ class BlockTables(nn.Module):
         ]
         block = torch.where(writes & (block >= 0), block, 0)
         offset = n % self.block_size
-        # an idle row's k, v may be NaN (it attends
+        # an idle row's k, v may be NaN (it attends nothing); the null block must stay finite
         self.pool.k[block, offset] = torch.where(writes[..., None], k[:, :, 0], 0.0)
-        # nothing); the null block must stay finite
         self.pool.v[block, offset] = torch.where(writes[..., None], v[:, :, 0], 0.0)
         self.pool.pos[block, offset] = torch.where(writes, input_pos, -1)
         self.pool.metric[block, offset] = 0.0
@@ -198,9 +197,9 @@ class BlockTables(nn.Module):
             self.owner.copy_(owner)
             return
         self.owner = owner
-        # a resized pool recompiles the step at its new size: with
+        # a resized pool recompiles the step at its new size: with the KV length symbolic, Inductor's CPU flex kernel
+        # emits C++ that does not compile (torch 2.13)
         for pooled in (self.pool.k, self.pool.v, self.pool.pos, self.owner):
-            # the KV length symbolic, Inductor's CPU flex kernel emits C++ that does not compile (torch 2.13)
             torch._dynamo.mark_static(pooled)
 
     def release_all(self) -> None:

@@ -190,8 +190,8 @@ class Evaluator:
         device, dtype = resolve_device_dtype(device_name, args.dtype)
         self.args = args
         self.shard = shard
-        # Several shards: each process appends to its own files. One shared by every rank (tensor parallelism): rank 0
-        # alone.
+        # Several shards: each process appends to its own files; one shard run by every rank (tensor parallelism):
+        # rank 0 alone.
         self.writes = shard[1] > 1 or parallel.rank() == 0
         tensor_parallel = args.tensor_parallel and parallel.launched()
         self.model, self.tokenizer, self.config = load_checkpoint(
