@@ -1,18 +1,22 @@
-"""The paged KV-Compress cache's decode attention: a gathered view of each head's blocks (kvc_attention
-gather) against FlexAttention straight over the pool from the block tables (kvc_attention flex), beside
-the dense full cache, all compiled, in one run.
+"""The paged KV-Compress cache's decode attention: torch's attention over a gathered view of each head's blocks,
+kvlab's native paged attention reading the blocks in place through the block tables (the CPU default of
+kvc_attention gather), and FlexAttention over the pool (kvc_attention flex), beside the dense full cache, compiled,
+in one run; then, with KV-Compress's continual metric (every step's attention added to the pool's metrics), the
+gathered view against the native kernel, eager as a server runs it.
 
     python bench/bench_paged_attention.py                 # CPU: float32
-    python bench/bench_paged_attention.py --device cuda
+    python bench/bench_paged_attention.py --device cuda   # the gathered view against flex
 
-Writes bench/results/paged_attention_<device>.md. Both paths compress at prefill only
-(kvc_compress_every 0: FlexAttention returns no probabilities for the continual metric), so they hold
-the same KVs and generate the same tokens; only the attention differs.
+Writes bench/results/paged_attention_<device>.md. The first table's paths compress at prefill only
+(kvc_compress_every 0: FlexAttention returns no probabilities for the metric), so they hold the same KVs and generate
+the same tokens; only the attention differs. The second table's compress every 16 steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -28,10 +32,23 @@ from common import (
     table,
     write_results,
 )
+from kvlab import kernels
 from kvlab.config import CacheSpec
-from kvlab.engine import compile_decode_step, generate
+from kvlab.engine import compile_decode_step, decode_one_token, generate
 
-PATHS = ("gather", "flex")
+PATHS = ("gather", "native", "flex")  # the view's torch attention, the native kernel (kvc_attention gather), flex
+
+
+@contextlib.contextmanager
+def attention_on(path: str) -> Iterator[None]:
+    """The decode attention `path` takes: the native kernels' switch held off for the gathered view's torch path."""
+    taken = kernels.takes_attention
+    if path == "gather":
+        kernels.takes_attention = lambda *tensors: False
+    try:
+        yield
+    finally:
+        kernels.takes_attention = taken
 
 
 def decode_rate(
@@ -70,40 +87,50 @@ def main() -> None:
     bench = load_bench(args.device, args.dtype)
     torch._dynamo.config.cache_size_limit = 64
     step = compile_decode_step(bench.device)
-    rows = []
+    paths = PATHS if bench.device.type == "cpu" else ("gather", "flex")
+    rows, continual = [], []
     for n in args.prompt_lengths:
         prompts = [bench.ids[i * n : (i + 1) * n] for i in range(args.batch_size)]
         full, _ = decode_rate(bench, prompts, bench.spec("full"), step, args)
-        paged = {
-            path: decode_rate(
-                bench,
-                prompts,
-                bench.spec("kvcompress", 1 / args.rate, kvc_compress_every=0, kvc_attention=path),
-                step,
-                args,
+        paged = {}
+        for path in paths:
+            spec = bench.spec(
+                "kvcompress", 1 / args.rate, kvc_compress_every=0, kvc_attention="flex" if path == "flex" else "gather"
             )
-            for path in PATHS
-        }
-        assert paged["gather"][1] == paged["flex"][1], "the two attention paths generated different tokens"
-        gather, flex = paged["gather"][0], paged["flex"][0]
-        rows.append(
-            row(n, f"{full:.1f}", f"{gather:.1f}", f"{flex:.1f}", f"{flex / gather:.2f}x", f"{gather / full:.2f}x")
-        )
+            with attention_on(path):
+                paged[path] = decode_rate(bench, prompts, spec, step, args)
+        assert len({tuple(map(tuple, tokens)) for _, tokens in paged.values()}) == 1, "the paths generated other tokens"
+        rates = [paged[path][0] for path in paths]
+        rows.append(row(n, f"{full:.1f}", *(f"{r:.1f}" for r in rates), *(f"{r / rates[0]:.2f}x" for r in rates[1:])))
         print(rows[-1], flush=True)
+        if bench.device.type == "cpu":
+            spec = bench.spec("kvcompress", 1 / args.rate, kvc_compress_every=16)
+            rates = []
+            for path in ("gather", "native"):
+                with attention_on(path):
+                    rates.append(decode_rate(bench, prompts, spec, decode_one_token, args)[0])
+            continual.append(row(n, *(f"{r:.1f}" for r in rates), f"{rates[1] / rates[0]:.2f}x"))
+            print(continual[-1], flush=True)
+    columns = " | ".join(f"kvcompress {p}" for p in paths) + " | " + " | ".join(f"{p} / gather" for p in paths[1:])
     lines = [
         f"# Paged decode attention: {bench.config['name']} on {bench.device.type} ({machine(bench.device)}), "
-        f"{bench.dtype_name}, compiled decode",
+        f"{bench.dtype_name}",
         "",
         f"Batch {args.batch_size}, {args.new_tokens} new tokens per run, median of {args.repeats} runs after a "
-        f"warm-up; kvcompress keeps 1/{args.rate} of each sequence's KVs (compressed at prefill); decode "
-        "steps/s (tokens/s of each sequence). Both paths generated the same tokens (checked).",
+        f"warm-up; kvcompress keeps 1/{args.rate} of each sequence's KVs; decode steps/s (tokens/s of each "
+        "sequence). gather: torch's attention over the gathered view; native: kvlab's paged attention over the "
+        "blocks in place. Compressed at prefill only, compiled decode; every path generated the same tokens "
+        "(checked):",
         "",
-        *table(
-            "prompt tokens | full cache | kvcompress gather | kvcompress flex | flex / gather | gather / full",
-            rows,
-            align="---:",
-        ),
+        *table(f"prompt tokens | full cache | {columns}", rows, align="---:"),
     ]
+    if continual:
+        lines += [
+            "",
+            "With the continual metric (compressed every 16 steps), eager decode:",
+            "",
+            *table("prompt tokens | kvcompress gather | kvcompress native | native / gather", continual, align="---:"),
+        ]
     write_results(lines, args.out, "paged_attention", bench.device)
 
 

@@ -101,9 +101,9 @@ class KVCompressCache(KVCache):
             "kvc_attention",
             KVC_ATTENTION,
             "gather",
-            "kvcompress: decode attention over a gathered view of each head's blocks, or FlexAttention straight "
-            "over the pool from the block tables (flex: needs kvc_compress_every 0; pays with a compiled decode "
-            "step, bench/results/paged_attention_cpu.md)",
+            "kvcompress: decode attention over each head's blocks read in place by kvlab's native paged kernel on "
+            "the CPU (elsewhere over a gathered view), or FlexAttention straight over the pool from the block "
+            "tables (flex: needs kvc_compress_every 0; bench/results/paged_attention_cpu.md)",
             param="attention",
         ),
     )
@@ -113,7 +113,8 @@ class KVCompressCache(KVCache):
         self.paged, self.layer = paged, layer
         self.capacity = paged.max_blocks * paged.block_size
         self.needs_attention = paged.continual
-        self.attends_itself = paged.attention == "flex"
+        # the pool attends itself (adding its metric) where it reads the blocks in place: flex, or the native kernel
+        self.attends_itself = paged.attention == "flex" or paged.pool.k.device.type == "cpu"
 
     @classmethod
     def for_layers(

@@ -5,8 +5,9 @@ Memory is one pool of blocks shared by all layers, sequences and heads; a block 
 KVs of one (sequence, layer, KV head), and block tables list each head's blocks in order. A head that
 keeps fewer KVs holds fewer blocks, so with a pool sized to a memory budget the physical KV bytes
 really fall with the compression rate (a dense [B, H, C, D] buffer cannot give back what one head
-leaves unused). Attention gathers each head's blocks into a masked static-shape view, or (kvc_attention
-flex) FlexAttention reads them in place through a block mask built from the block tables.
+leaves unused). Attention reads each head's blocks in place through its block table: kvlab's native paged
+attention on the CPU (which also returns the step's metric), or (kvc_attention flex) FlexAttention through a block
+mask; elsewhere it gathers each head's blocks into a masked static-shape view.
 
 KV-Compress scores every KV by the *squared* attention probabilities it received, summed over the
 observed queries and over the query heads sharing its KV head (the cache is never repeated per query
@@ -27,7 +28,7 @@ attention into the metrics and compresses again every `kvc_compress_every` steps
 and whenever the pool would otherwise run out.
 
 Host-side work (block allocation, compression) runs outside the decode step in `maintain`, like a
-paged server's scheduler; the decode step itself (append + gather) has static shapes.
+paged server's scheduler; the decode step itself (append + attention) has static shapes.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from kvlab import parallel
+from kvlab import kernels, parallel
+from kvlab.attention import decode_attention
 from kvlab.block_tables import BlockTables, view_width
 from kvlab.scores import chunk_attention, last_real_queries, pool_keys, received_attention, window_attention
 
 KVC_METRICS = ("squared", "l1")
 KVC_SCOPES = ("model", "layer")
 KVC_ATTENTION = ("gather", "flex")
+METRIC_CODES = {"l1": 1, "squared": 2}  # kvlab::attend_paged's metric argument
 
 
 def check_settings(
@@ -139,9 +142,31 @@ class PagedKV(BlockTables):
         return self.view(layer, input_pos.shape[0])
 
     def attend(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        """`append`, then attention straight over the pool with FlexAttention (kvc_attention flex): each
-        row's query heads visit their KV head's blocks as the block table lists them, so no view is
-        gathered. Returns y [R, H_q, 1, D]; a row without a token this step gets zeros."""
+        """`append`, then attention over the pool in place, the step's metric added where the compression is
+        continual: FlexAttention through a block mask (kvc_attention flex), or kvlab's native paged attention
+        (`kvlab::attend_paged`, on the CPU), each head's blocks read through its block table; elsewhere over the
+        gathered view. Returns y [R, H_q, 1, D]; a row without a token this step gets zeros."""
+        if self.attention == "flex":
+            return self._attend_flex(layer, input_pos, k, v, q)
+        self._write(layer, input_pos, k, v)
+        table = self.table[layer, : input_pos.shape[0], :, : self.view_blocks]
+        if kernels.takes_attention(q, self.pool.k, self.pool.v):
+            metric = METRIC_CODES[self.metric_kind] if self.continual else 0
+            y, step_metric = torch.ops.kvlab.attend_paged(
+                q.float(), self.pool.k, self.pool.v, self.pool.pos, table, input_pos, metric
+            )
+            y = y.to(q.dtype)
+        else:
+            keys, values, key_pos = self.view(layer, input_pos.shape[0])
+            y, probs = decode_attention(q, keys, values, key_pos, input_pos, self.continual)
+            step_metric = self._metric(probs) if self.continual else None
+        if self.continual:
+            self._add_metric(table, step_metric)
+        return y
+
+    def _attend_flex(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        """`append`, then FlexAttention straight over the pool: each row's query heads visit their KV head's blocks
+        as the block table lists them (kvc_compress_every 0: it returns no probabilities for the metric)."""
         self._write(layer, input_pos, k, v)
         D = self.pool.k.shape[-1]
         keys, values = self.pool.k.view(1, 1, -1, D), self.pool.v.view(1, 1, -1, D)
@@ -151,8 +176,12 @@ class PagedKV(BlockTables):
 
     def observe(self, layer: int, probs: Tensor) -> None:
         """Add the step's attention (probs [R, H_kv, group, T, W x block]) into the metrics of the viewed slots."""
-        slots = self._slot_ids(self.table[layer, : probs.shape[0], :, : self.view_blocks])
-        self.pool.metric.view(-1).index_add_(0, slots.flatten(), self._metric(probs).flatten())
+        self._add_metric(self.table[layer, : probs.shape[0], :, : self.view_blocks], self._metric(probs))
+
+    def _add_metric(self, table: Tensor, metric: Tensor) -> None:
+        """Add a step's metric of the viewed slots ([R, H_kv, W x block], the blocks `table` [R, H_kv, W] lists)
+        into the pool's."""
+        self.pool.metric.view(-1).index_add_(0, self._slot_ids(table).flatten(), metric.flatten())
 
     # ---- prefill -------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ compiler, or with `KVLAB_KERNELS=torch`, every op runs torch's kernels instead, 
 
 The model calls `linear` for every float Linear, `gated` for SwiGLU's gate and up projections (one
 call for both; float32, or bfloat16 weights and x with float32 sums), `attend_fp32` for a decode step's attention where
-`takes_attention` (`attend_ragged` over a compacted cache's per-head rows: kvlab/compact.py), and `attend_prefill`
+`takes_attention` (`attend_ragged` over a compacted cache's per-head rows: kvlab/compact.py; `attend_paged` over a
+paged pool's blocks: kvlab/paged.py), and `attend_prefill`
 for a prompt's or a chunk's where `takes_prefill_attention`; kvlab.quantize's
 int8 and int4 Linears call their ops where `takes_weight` (int4 with x in int16, the default, in the tiled
 layout that `int4_tile` and `tile_rows` make: csrc/gemv_int4_tiled.cpp; int8 beyond MAX_ROWS rows with x in int16,
@@ -48,6 +49,7 @@ SOURCES = [
         "gemv_int8_tiled.cpp",
         "attention.cpp",
         "attention_prefill.cpp",
+        "attention_paged.cpp",
     )
 ]
 
@@ -110,6 +112,12 @@ def register_attention_fakes() -> None:
         q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, offsets: Tensor, lengths: Tensor, query_pos: Tensor
     ) -> Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("kvlab::attend_paged")
+    def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, table: Tensor, query_pos: Tensor, metric: int):
+        B, H_kv, W = table.shape
+        y = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return y, q.new_empty((B, H_kv, W * k.shape[1]) if metric else (0,), dtype=torch.float32)
 
     @torch.library.register_fake("kvlab::attend_prefill")
     def _(q: Tensor, k: Tensor, v: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor]:

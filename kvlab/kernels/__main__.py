@@ -285,6 +285,34 @@ def check_prefill_attention(
     return []
 
 
+def check_paged_attention(
+    g: torch.Generator, rows: int, heads: int, kv_heads: int, dim: int, block: int, width: int, kv_dtype: torch.dtype
+) -> list[str]:
+    """Decode attention over a paged pool: each (row, KV head) reads `width` blocks (some absent) of `block` slots
+    (some empty) through its block table; the output, and KV-Compress's metric (the probabilities' squares summed
+    over the query group, within twice the probabilities' bound), against torch over the gathered view."""
+    n_blocks = rows * kv_heads * width + 1
+    k, v = (torch.randn(n_blocks, block, dim, generator=g).to(kv_dtype) for _ in range(2))
+    pos = torch.randint(-1, 60, (n_blocks, block), generator=g)
+    table = (torch.randperm(n_blocks - 1, generator=g)[: n_blocks - 1] + 1).view(rows, kv_heads, width)
+    table[torch.rand(table.shape, generator=g) < 0.2] = -1
+    q, query_pos = torch.randn(rows, heads, 1, dim, generator=g), torch.randint(30, 60, (rows, 1), generator=g)
+    ids = table.clamp(min=0).flatten()
+    keys, values = (x.index_select(0, ids).view(rows, kv_heads, -1, dim).float() for x in (k, v))
+    key_pos = torch.where(table[..., None] < 0, -1, pos[table.clamp(min=0)]).view(rows, kv_heads, -1)
+    want, atol = attention_reference(q, keys, values, key_pos, query_pos)
+    probs = grouped_attention(q, keys, values, attention_mask(key_pos, query_pos), True)[1].nan_to_num(0.0)
+    metric_atol = 2 * atol / max(values.abs().max().item(), 1.0) * (heads // kv_heads)
+    y, metric = torch.ops.kvlab.attend_paged(q, k, v, pos, table, query_pos, 2)
+    errors = (
+        (y - want.nan_to_num(0.0)).abs().max().item(),
+        (metric - probs.square().sum(dim=(2, 3))).abs().max().item(),
+    )
+    if errors[0] <= atol and errors[1] <= metric_atol:
+        return []
+    return [f"attend_paged {tuple(q.shape)} over {width} blocks of {block}: off by {errors[0]:.2e} / {errors[1]:.2e}"]
+
+
 def check() -> list[str]:
     """Every native op against its torch reference; the failures, one line each."""
     g = torch.Generator().manual_seed(0)
@@ -305,6 +333,12 @@ def check() -> list[str]:
         (1, 2, 1, 40, 30, 32, torch.float32),
     ]:
         failures += check_prefill_attention(g, *shape)
+    for shape in [
+        (3, 9, 3, 64, 16, 5, torch.float16),
+        (2, 4, 2, 40, 4, 70, torch.float32),
+        (1, 8, 8, 64, 8, 3, torch.bfloat16),
+    ]:
+        failures += check_paged_attention(g, *shape)
     return failures
 
 
