@@ -42,6 +42,20 @@ def filled_pool(
     return paged, input_pos, metrics
 
 
+def compressed_pool(D: int, **options) -> PagedKV:
+    """One layer, 3 rows: rows 0 and 1 compressed to different lengths (heads holding different block counts, last
+    blocks partly filled), row 2 released (idle); random keys and values, every head given room for its next KV."""
+    paged, _, _ = filled_pool(L=1, B=3, H=2, T=45, D=D, block_size=4, seed=5, **options)
+    paged.pool.k.normal_()
+    paged.pool.v.normal_()
+    paged.budget[0], paged.budget[1] = 9, 14
+    paged.release_row(2)
+    for row in (0, 1):
+        paged.compress_row(row)
+    paged.make_room()
+    return paged
+
+
 def held(paged: PagedKV, row: int = 0) -> dict[tuple[int, int], dict[int, tuple[torch.Tensor, float]]]:
     """(layer, head) -> {position: (key, metric)} of the KVs a sequence holds, read through its block table."""
     out = {}
@@ -432,14 +446,7 @@ def test_flex_attention_over_the_pool_equals_attention_over_the_gathered_view(co
     """Two rows of different lengths after compression (heads holding different block counts, last
     blocks partly filled), and an idle third row: FlexAttention over the pool from the block tables
     gives the gathered view's attention for every active row and query head, and writes the same KVs."""
-    paged, _, _ = filled_pool(L=1, B=3, H=2, T=45, D=8, block_size=4, seed=5, attention="flex", compress_every=0)
-    paged.pool.k.normal_()
-    paged.pool.v.normal_()
-    paged.budget[0], paged.budget[1] = 9, 14
-    paged.release_row(2)
-    for row in (0, 1):
-        paged.compress_row(row)
-    paged.make_room()
+    paged = compressed_pool(D=8, attention="flex", compress_every=0)
     gathered = copy.deepcopy(paged)
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
     input_pos = torch.tensor([[45], [45], [-1]])

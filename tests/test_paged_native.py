@@ -9,26 +9,16 @@ import copy
 
 import pytest
 import torch
-from test_paged import filled_pool
+from test_paged import compressed_pool
 
 from conftest import spec_for
 from kvlab import kernels
 from kvlab.attention import attention_mask, grouped_attention
 from kvlab.engine import generate
-from kvlab.kernels.__main__ import attention_reference
+from kvlab.kernels.__main__ import attention_reference, paged_view
 from kvlab.paged import PagedKV
 
 needs_native = pytest.mark.skipif(not kernels.NATIVE, reason=f"native kernels: {kernels.REASON}")
-
-
-def gathered(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, table: torch.Tensor):
-    """The dense view of each (row, KV head)'s blocks: keys, values [R, H_kv, W x block, D] and positions (a
-    negative table entry: empty slots)."""
-    R, H, W = table.shape
-    ids = table.clamp(min=0).flatten()
-    keys, values = (x.index_select(0, ids).view(R, H, W * k.shape[1], -1).float() for x in (k, v))
-    key_pos = torch.where(table[..., None] < 0, -1, pos[table.clamp(min=0)]).view(R, H, -1)
-    return keys, values, key_pos
 
 
 @needs_native
@@ -49,7 +39,7 @@ def test_paged_attention_and_its_metric_equal_torch_over_the_gathered_view(dtype
     q = torch.randn(R, H, 1, D, generator=g)
     query_pos = torch.randint(30, 60, (R, 1), generator=g)
     query_pos[-1] = -1 if R > 1 else query_pos[-1]
-    keys, values, key_pos = gathered(k, v, pos, table)
+    keys, values, key_pos = paged_view(k, v, pos, table)
     want, atol = attention_reference(q, keys, values, key_pos, query_pos)
     probs = grouped_attention(q, keys, values, attention_mask(key_pos, query_pos), True)[1].nan_to_num(0.0)
     # each probability off by at most what the output's bound allows per unit of |v|; R rows of it summed
@@ -80,14 +70,7 @@ def test_paged_attention_refuses_a_table_past_the_pool():
 def test_pagedkv_attends_in_place_and_adds_the_torch_paths_metric(monkeypatch):
     """After compression (heads holding different block counts, last blocks partly filled) and with an idle row:
     PagedKV.attend on the native kernel gives the gathered view's output and metric, and gathers no view."""
-    paged, _, _ = filled_pool(L=1, B=3, H=2, T=45, D=16, block_size=4, seed=5)
-    paged.pool.k.normal_()
-    paged.pool.v.normal_()
-    paged.budget[0], paged.budget[1] = 9, 14
-    paged.release_row(2)
-    for row in (0, 1):
-        paged.compress_row(row)
-    paged.make_room()
+    paged = compressed_pool(D=16)
     on_torch = copy.deepcopy(paged)
     q, k, v = torch.randn(3, 4, 1, 16), torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16)
     input_pos = torch.tensor([[45], [45], [-1]])
@@ -103,7 +86,7 @@ def test_pagedkv_attends_in_place_and_adds_the_torch_paths_metric(monkeypatch):
     monkeypatch.setattr(kernels, "takes_attention", lambda *a: False)
     want = on_torch.attend(0, input_pos, k, v, q)
     assert len(views) == 1
-    keys, values, key_pos = gathered(
+    keys, values, key_pos = paged_view(
         paged.pool.k, paged.pool.v, paged.pool.pos, paged.table[0, :, :, : paged.view_blocks]
     )
     _, atol = attention_reference(q, keys, values, key_pos, input_pos)

@@ -285,6 +285,15 @@ def check_prefill_attention(
     return []
 
 
+def paged_view(k: Tensor, v: Tensor, pos: Tensor, table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The dense view of each (row, KV head)'s blocks of a pool (k, v [blocks, block, D], pos [blocks, block]) that
+    `table` [R, H_kv, W] lists: keys and values in float32 [R, H_kv, W x block, D], positions (an absent block's -1)."""
+    R, H, _ = table.shape
+    ids = table.clamp(min=0).flatten()
+    keys, values = (x.index_select(0, ids).view(R, H, -1, k.shape[-1]).float() for x in (k, v))
+    return keys, values, torch.where(table[..., None] < 0, -1, pos[table.clamp(min=0)]).view(R, H, -1)
+
+
 def check_paged_attention(
     g: torch.Generator, rows: int, heads: int, kv_heads: int, dim: int, block: int, width: int, kv_dtype: torch.dtype
 ) -> list[str]:
@@ -297,9 +306,7 @@ def check_paged_attention(
     table = (torch.randperm(n_blocks - 1, generator=g)[: n_blocks - 1] + 1).view(rows, kv_heads, width)
     table[torch.rand(table.shape, generator=g) < 0.2] = -1
     q, query_pos = torch.randn(rows, heads, 1, dim, generator=g), torch.randint(30, 60, (rows, 1), generator=g)
-    ids = table.clamp(min=0).flatten()
-    keys, values = (x.index_select(0, ids).view(rows, kv_heads, -1, dim).float() for x in (k, v))
-    key_pos = torch.where(table[..., None] < 0, -1, pos[table.clamp(min=0)]).view(rows, kv_heads, -1)
+    keys, values, key_pos = paged_view(k, v, pos, table)
     want, atol = attention_reference(q, keys, values, key_pos, query_pos)
     probs = grouped_attention(q, keys, values, attention_mask(key_pos, query_pos), True)[1].nan_to_num(0.0)
     metric_atol = 2 * atol / max(values.abs().max().item(), 1.0) * (heads // kv_heads)
