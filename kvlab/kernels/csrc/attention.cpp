@@ -36,10 +36,7 @@ static at::Tensor attend_heads(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), qp = query_pos.contiguous();
   const int64_t G = H / Hkv, R = G * T;
   at::Tensor m = at::full({B, Hkv, chunks, R}, kNegInf, q.options()), l = at::zeros_like(m), acc = at::zeros({B, Hkv, chunks, R, D}, q.options());
-  std::vector<int64_t> row_pos(B * R);  // the position of each (sequence, row): row r is query head r / T's time r % T
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp.data_ptr<int64_t>()[b * T + r % T];
-  for (const int64_t p : row_pos) TORCH_CHECK(p < kNever, "kvlab attention: query positions must be below 2^31 - 1, got ", p);
+  const std::vector<int64_t> row_pos = row_positions(qp, R);
   const Isa isa = kernel_isa();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   auto run = [&](const auto* keys, const auto* values) {  // float, at::Half or at::BFloat16

@@ -310,6 +310,18 @@ static void attend_chunk(Isa isa, const float* q, const T* k, const T* v, const 
   if (p_out != nullptr) std::copy(s.begin(), s.begin() + R * n, p_out);
 }
 
+// Each (sequence, query row)'s position, [B * R] for query_pos [B, T] (contiguous int64): row r of a KV head's
+// rows is query head r / T's time r % T; refused in one line at 2^31 - 1 or more (the SIMD paths compare int32).
+static std::vector<int64_t> row_positions(const at::Tensor& query_pos, int64_t R) {
+  const int64_t B = query_pos.size(0), T = query_pos.size(1);
+  const int64_t* qp = query_pos.data_ptr<int64_t>();
+  std::vector<int64_t> row_pos(B * R);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp[b * T + r % T];
+  for (const int64_t p : row_pos) TORCH_CHECK(p < kNever, "kvlab attention: query positions must be below 2^31 - 1, got ", p);
+  return row_pos;
+}
+
 // Each row's output from its tasks' partials m, l [..., chunks, R] and acc [..., chunks, R, D]:
 // y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M = max_c m_c -> [..., R, D].
 static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc) {

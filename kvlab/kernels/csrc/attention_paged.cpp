@@ -66,10 +66,7 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   const int64_t* blocks = tc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * Hkv * W; ++i) TORCH_CHECK(blocks[i] < NB, "kvlab::attend_paged: table entry ", blocks[i], " past the pool's ", NB, " blocks");
   const int64_t G = H / Hkv, R = G * T, per_task = std::max<int64_t>(1, kChunk / bs), tasks = (W + per_task - 1) / per_task;
-  std::vector<int64_t> row_pos(B * R);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t r = 0; r < R; ++r) row_pos[b * R + r] = qp.data_ptr<int64_t>()[b * T + r % T];
-  for (const int64_t p : row_pos) TORCH_CHECK(p < kNever, "kvlab::attend_paged: query positions must be below 2^31 - 1, got ", p);
+  const std::vector<int64_t> row_pos = row_positions(qp, R);
   at::Tensor m = at::full({B, Hkv, W, R}, kNegInf, q.options()), l = at::zeros_like(m), acc = at::zeros({B, Hkv, W, R, D}, q.options());
   at::Tensor p_raw = metric ? at::empty({B, Hkv, W, R, bs}, q.options()) : at::Tensor();
   const Isa isa = kernel_isa();
