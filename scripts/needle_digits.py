@@ -1,4 +1,4 @@
-"""The share of the needle's leading digits reproduced (`needle_digits`, kvlab/tasks/ruler.py), recomputed
+"""The share of the needle's leading digits reproduced (`needle_digits`, kvlab/tasks/ruler_base.py), recomputed
 from the predictions stored in eval.py results, for every RULER task with numeric needles.
 
     python scripts/needle_digits.py docs/sweeps/smollm2_2k docs/sweeps/smollm2_4k
@@ -12,33 +12,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sweep_tables import run_metrics  # scripts/ is on the path
+
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.results import config_dirs, read_config_records
-from kvlab.tasks import Example
-from kvlab.tasks.ruler import TASKS
 
 
 def table(results: Path) -> str:
-    """One row per config, run and task: examples, exact-match score and needle digits, both in %."""
+    """One row per config, run and task with numeric needles: examples, exact-match score and needle digits, in %."""
     lines = ["| model | config | size | task | n | score | needle digits (%) |", "|---|---|---|---|---|---|---|"]
     for config_dir in config_dirs(results):
         for (run, job), by_id in sorted(read_config_records(config_dir).items()):
-            model_name, config = config_dir.parts[-2:]
-            task = TASKS.get(job.split("@")[0])
-            records = list(by_id.values())
-            if task is None or not records:
-                continue
-            digits = [
-                task.extra_scores(r["prediction"], Example(r["id"], [], r["answers"], 0)).get("needle_digits")
-                for r in records
-            ]
-            if None in digits:  # not a task with numeric needles
-                continue
-            score = 100 * sum(r["score"] for r in records) / len(records)
-            lines.append(
-                f"| {model_name} | {config} | {run} | {job} | {len(records)} | {score:.0f} | "
-                f"{100 * sum(digits) / len(digits):.1f} |"
-            )
+            metrics = run_metrics(list(by_id.values()), job) if by_id else {}
+            if "digits" in metrics:
+                model_name, config = config_dir.parts[-2:]
+                lines.append(
+                    f"| {model_name} | {config} | {run} | {job} | {len(by_id)} | {metrics['score']:.0f} | "
+                    f"{metrics['digits']:.1f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
