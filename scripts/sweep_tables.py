@@ -5,14 +5,15 @@ so a table in the docs is rendered, never typed (`scripts/render_docs.py` copies
 
 tables.yaml is a list of tables, each {corner, rows, columns, cell}: `rows` and `columns` map a label to fields, and a
 row's fields with a column's name one run: `config`, `run` (the run's name: a size such as 0.5, `full`,
-ratio0.5+query_agnostic) and `job` (task@context). `cell` formats that run's metrics: score (mean x100, or the
-perplexity), relative (score / the full cache's on the same job), digits (the share of the needle's leading digits
-reproduced, %, recomputed from the predictions), ppl_gap (% above the full cache's perplexity) and ppl_diff (its
-difference), at500 ... (a perplexity's checkpoints), compression (mean), minutes (the examples' time); a run the records
-lack, or a metric it has not, leaves the cell empty. Fields given in the table itself hold for every cell, a column's
-override them and a row's override both, and a row's `at: {column label: fields}` one cell's; a column may give its own
-`cell`; a row may show only some columns (`only: [labels]`); a field `sweep` names another sweep directory, relative to
-this one.
+ratio0.5+query_agnostic) and `job` (task@context, or all@context: a run's every generation example at that length).
+`cell` formats that run's metrics: score (mean x100, or the perplexity), relative (score / the full cache's on the same
+job), digits (the share of the needle's leading digits reproduced, %, recomputed from the predictions), ppl_gap (% above
+the full cache's perplexity) and ppl_diff (its difference), gap and gap_se (score - the full cache's, and its paired
+standard error), removed (1 - 1 / compression), at500 ... (a perplexity's checkpoints), compression (mean), minutes (the
+examples' time); a run the records lack, or a metric it has not, leaves the cell empty. Fields given in the table itself
+hold for every cell, a column's override them and a row's override both, and a row's `at: {column label: fields}` one
+cell's; a column may give its own `cell`; a row may show only some columns (`only: [labels]`); a field `sweep` names
+another sweep directory, relative to this one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import yaml
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.results import FULL, config_dirs, read_config_records
+from kvlab.results import FULL, config_dirs, paired_difference, read_config_records
 from kvlab.tasks import Example
 from kvlab.tasks.ruler import TASKS
 
@@ -58,22 +59,38 @@ def run_metrics(records: list[dict[str, Any]], job: str) -> dict[str, float]:
     return metrics
 
 
+def sweep_records(out_dir: Path) -> dict[tuple[str, str, str], dict[str, dict[str, Any]]]:
+    """{(config, run, job): {example id: record}} over every run of the sweep, with each run's generation examples of
+    every job at a context length also pooled under the job `all@<context>`."""
+    runs: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for config_dir in config_dirs(out_dir):
+        for (run, job), by_id in read_config_records(config_dir).items():
+            if by_id:
+                runs[config_dir.name, run, job] = by_id
+            if by_id and "score" in next(iter(by_id.values())):
+                runs.setdefault((config_dir.name, run, "all@" + job.split("@")[1]), {}).update(by_id)
+    return runs
+
+
 def sweep_metrics(out_dir: Path) -> Metrics:
-    """{(config, run, job): metrics} over every run of the sweep, with each perplexity's gap to the full cache's."""
-    metrics = {
-        (config_dir.name, run, job): run_metrics(list(by_id.values()), job)
-        for config_dir in config_dirs(out_dir)
-        for (run, job), by_id in read_config_records(config_dir).items()
-        if by_id
-    }
-    for (_, _, job), m in metrics.items():
+    """{(config, run, job): metrics} over every run of the sweep (`sweep_records`), each also against the full
+    cache's run of the same job: a perplexity's gap, a score's ratio and its paired difference."""
+    runs = sweep_records(out_dir)
+    metrics = {key: run_metrics(list(by_id.values()), key[2]) for key, by_id in runs.items()}
+    for (config, run, job), m in metrics.items():
+        m["removed"] = 1 - 1 / m["compression"]
         full = metrics.get((FULL, FULL, job))
         if full is None:
             continue
         if "at500" in m:  # a perplexity
             m["ppl_gap"], m["ppl_diff"] = 100 * (m["score"] / full["score"] - 1), m["score"] - full["score"]
-        elif full["score"]:
+            continue
+        if full["score"]:
             m["relative"] = m["score"] / full["score"]
+        mine, theirs = runs[config, run, job], runs[FULL, FULL, job]
+        ids = sorted(set(mine) & set(theirs))
+        paired = paired_difference([theirs[i]["score"] for i in ids], [mine[i]["score"] for i in ids])
+        m["gap"], m["gap_se"] = paired["diff"], paired["se"]
     return metrics
 
 

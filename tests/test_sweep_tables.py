@@ -76,12 +76,34 @@ def test_tables_from_records_with_metrics_fields_and_overrides(tmp_path):
     ]
 
 
+def test_a_runs_jobs_pooled_at_a_length_against_the_full_cache_paired(tmp_path):
+    """all@<length>: every generation example of a run at that length; gap: its mean score minus the full cache's,
+    with the paired standard error over the examples both ran; removed: 1 - 1 / compression."""
+    write(tmp_path, "full", "full", "vt@1024", [needle(1.0, "1234567")] * 2)
+    write(tmp_path, "full", "full", "qa_1@1024", [needle(1.0, "x"), needle(0.0, "x")])
+    write(tmp_path, "duo", "1.0", "vt@1024", [needle(1.0, "1234567"), needle(0.0, "9")])
+    write(tmp_path, "duo", "1.0", "qa_1@1024", [needle(1.0, "x"), needle(1.0, "x")])
+    write(tmp_path, "full", "full", "book@1024", [ppl(10.0, 3.0)])  # perplexities are not pooled
+    specs = [
+        {
+            "rows": {"duo": {"config": "duo", "run": "1.0"}},
+            "columns": {"all": {}, "vt": {"job": "vt@1024", "cell": "{score:.0f}"}},
+            "job": "all@1024",
+            "cell": "{score:.1f} {gap:+.1f} ± {gap_se:.1f} {removed:.2f}",
+        }
+    ]
+    (tmp_path / "tables.yaml").write_text(yaml.safe_dump(specs, sort_keys=False))
+    # per example duo - full: vt 0, -1; qa_1 0, +1 -> mean 0, SE = stdev(0, -1, 0, 1) / 2 = 0.41; compression 2.0
+    assert sweep_tables.write_tables(tmp_path).splitlines()[2] == "| duo | 75.0 +0.0 ± 40.8 0.50 | 50 |"
+
+
 def test_a_sweep_without_a_layout_says_so(tmp_path):
     with pytest.raises(ValueError, match="tables.yaml"):
         sweep_tables.write_tables(tmp_path)
 
 
-def test_the_committed_sweep_tables_match_their_records():
-    sweep = ROOT / "docs" / "sweeps" / "smollm2_2k"
+@pytest.mark.parametrize("name", ["smollm2_2k", "duo_smollm2_1k_ruler13", "duo_smollm2_1k"])
+def test_the_committed_sweep_tables_match_their_records(name):
+    sweep = ROOT / "docs" / "sweeps" / name
     committed = (sweep / "tables.md").read_text()
     assert sweep_tables.write_tables(sweep) == committed
