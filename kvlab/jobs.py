@@ -53,6 +53,8 @@ class Job:
 
 RATIO = "ratio"  # a size "ratio0.5": kvpress's compression ratio, the share of the prefilled tokens removed
 AGNOSTIC = "+query_agnostic"
+# kvpress's protocols, by whether the context is compressed alone (before the question is seen)
+PROTOCOLS = {"query_agnostic": True, "query_aware": False}
 CHUNKED = "+prefill_chunk"  # a run's suffix, e.g. 0.5+prefill_chunk512
 
 # What changes a run's results: a run holding results under another key is never resumed.

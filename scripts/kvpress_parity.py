@@ -36,11 +36,10 @@ from kvpress_pipeline import (
 )
 
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.jobs import AGNOSTIC, RATIO
+from kvlab.jobs import AGNOSTIC, PROTOCOLS, RATIO
 from kvlab.results import RECORDS, append_record, read_config_records
 from kvlab.tasks import resolve_tasks
 
-PROTOCOLS = {"query_agnostic": True, "query_aware": False}
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
 
 

@@ -29,6 +29,7 @@ from leaderboard_details import details_markdown  # scripts/ is on the path
 
 from kvlab.cli import ArgumentParser, positive_int, run_cli
 from kvlab.config_files import load_cache_config
+from kvlab.jobs import PROTOCOLS as MODES
 from kvlab.jobs import parse_ratio
 from kvlab.results import FULL
 from kvlab.strategies import CACHE_STRATEGIES
@@ -54,7 +55,6 @@ METHODS = (
     "quest",
 )
 RATIOS = ("0.25", "0.5", "0.75", "0.875")
-MODES = {"query_agnostic": True, "query_aware": False}
 
 
 def checked_ratio(text: str) -> str:

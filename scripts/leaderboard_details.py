@@ -11,9 +11,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvlab.jobs import AGNOSTIC, RATIO
+from kvlab.jobs import PROTOCOLS as MODES
 from kvlab.results import FULL, config_dirs, paired_difference, read_config_records
 
-MODES = {"query_agnostic": True, "query_aware": False}
 # RULER's task names as the tables' columns
 SHORT = {
     "niah_single_": "s",

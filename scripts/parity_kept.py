@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvpress_parity import PROTOCOLS  # scripts/ is on the path
-from kvpress_pipeline import context_end, kvpress_inputs, prefilled
+from kvpress_pipeline import context_end, kvpress_inputs, prefilled  # scripts/ is on the path
 from torch import Tensor
 
 from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import ArgumentParser, run_cli
 from kvlab.convert import default_checkpoint
 from kvlab.engine import generate
-from kvlab.jobs import RATIO, Job, job_spec
+from kvlab.jobs import PROTOCOLS, RATIO, Job, job_spec
 from kvlab.model import Transformer
 
 
