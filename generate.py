@@ -81,13 +81,16 @@ def run(args: argparse.Namespace) -> None:
     common = dict(
         stop_ids=() if args.ignore_eos else tokenizer.stop_ids, sampling=Sampling(args.temperature, args.top_k)
     )
-    common["decode_step"] = compile_decode_step(device) if args.compile else decode_one_token
+    serving = len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies)
+    # a CPU step in static batches is saved whole for later runs (kvlab/saved_steps.py)
+    saved_as = (spec, model.config, dtype) if device.type == "cpu" and not (serving or tensor_parallel) else None
+    common["decode_step"] = compile_decode_step(device, saved_as=saved_as) if args.compile else decode_one_token
     if args.compile:
         print(
             f"compiling the decode step (the first run takes up to a minute; later runs reuse {compile_cache_dir()})",
             file=sys.stderr,
         )
-    if len(texts) > 1 and all(CACHE_STRATEGIES[s].shares_pool for s in spec.strategies):
+    if serving:
         textgen.check_servable(args, spec, tensor_parallel)
         return textgen.serve_prompts(model, tokenizer, prompts, args.max_new_tokens, batch_size, spec, **common)
     textgen.run_static_batches(

@@ -5,9 +5,9 @@
 
 Each run is `python generate.py --compile --max_new_tokens 16` as a new process. The first runs on an
 empty compile cache (a new $KVLAB_COMPILE_CACHE directory): Dynamo traces, Inductor generates and builds
-C++. The later ones find Inductor's graphs in the cache that kvlab keeps between processes
-(~/.cache/kvlab/inductor by default); Dynamo still traces. The last ones give a prompt of another length
-(the caches' slot axis is dynamic, so the cached graph serves it). Reported: the first decode step (the
+C++, and generate.py saves the step whole (kvlab/saved_steps.py). The later ones load that saved step instead of
+tracing; the last ones give a prompt of another length (the caches' slot axis is dynamic, so the saved step serves
+it). Reported: the first decode step (the
 compile, as generate.py reports it) and the process's wall time, load and warm-up included.
 
 Writes bench/results/first_compile_cpu.md and .json: {"cold": {"first_step_s", "wall_s"}, "warm": {...},

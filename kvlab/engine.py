@@ -60,13 +60,18 @@ def decode_one_token(
 
 
 def compile_decode_step(
-    device: torch.device, step: Callable[..., Tensor] = decode_one_token, inductor: dict[str, Any] | None = None
+    device: torch.device,
+    step: Callable[..., Tensor] = decode_one_token,
+    inductor: dict[str, Any] | None = None,
+    saved_as: object = None,
 ) -> CompiledStep:
     """`step` compiled whole with `compiled_step_options`, or with stock Inductor and the settings
     `inductor` names when it is given (size checks off either way). Each call compiles its own copy of
-    `step`, so steps compiled apart keep apart the graphs they compile."""
+    `step`, so steps compiled apart keep apart the graphs they compile. With `saved_as` (what the step is compiled
+    for: the cache spec, the model's config) the compiled step is saved whole for later processes, which load it
+    instead of tracing it (`saved_steps.py`)."""
     return CompiledStep(
-        step, compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor}
+        step, compiled_step_options(device) if inductor is None else {"size_asserts": False, **inductor}, saved_as
     )
 
 
