@@ -141,11 +141,15 @@ def test_every_strategy_and_config_runs_on_a_one_token_prompt(case, generate_cli
     assert (held == 4) == (case[1] in PROTECTING_THE_NEWEST_ONLY), report  # int(0.5 x 9)
 
 
-# kvpress's presses protect only the newest token: half of 9 tokens is above their floor (2), so nothing is raised.
+# kvpress's presses (and SnapKV as its paper ran it) protect only the newest token: half of 9 tokens is above their
+# floor (2), so nothing is raised.
 PROTECTING_THE_NEWEST_ONLY = {
     f"configs/{name}.yaml"
-    for name in ("l2", "keydiff", "tova", "snapkv", "pyramidkv", "chunkkv", "critical_snapkv", "critical_ada_snapkv")
-}
+    for name in (
+        "l2", "keydiff", "tova", "snapkv", "snapkv_paper", "pyramidkv", "chunkkv", "critical_snapkv",
+        "critical_ada_snapkv",
+    )
+}  # fmt: skip
 # Nothing to raise: keeps every token, sizes itself (FastGen, the paged pool, DuoAttention's retrieval heads),
 # or a slot count of its own (the ClusterKV and Quest configs: 512 slots, more than this run's 9 tokens).
 WITHOUT_A_FLOOR = {"full", "hybrid", "kvcompress", "duo_attention"} | {
