@@ -9,7 +9,7 @@ import hashlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,11 +21,15 @@ __version__ = "0.2.0"
 # Set on import, before torch settles on its default (a temporary directory). kvlab's own directories hold
 # one folder per version of the native kernels' sources: the generated code calls their ops by their
 # schemas, and Inductor's cache key does not see a schema change.
+def files_digest(paths: Iterable[Path], length: int) -> str:
+    """A digest of files by their content, in path order, `length` hex digits."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sorted(paths))).hexdigest()[:length]
+
+
 def kernel_sources_digest() -> str:
     """A digest of the native kernels' sources (csrc/), by content: what their builds and the compiled
     graphs that call them are keyed by, whichever checkout they are in."""
-    sources = sorted((Path(__file__).parent / "kernels" / "csrc").glob("*"))
-    return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
+    return files_digest((Path(__file__).parent / "kernels" / "csrc").glob("*"), 12)
 
 
 if "KVLAB_COMPILE_CACHE" in os.environ or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:

@@ -165,7 +165,7 @@ class CompiledStep:
     def __call__(self, *args: Any) -> Tensor:
         with (
             torch._dynamo.config.patch(force_parameter_static_shapes=False, use_recursive_dict_tags_for_guards=True),
-            patch_inductor(trusted_vector_isa()),
+            patch_inductor(trusted_vector_isa()),  # Inductor picks the instructions when it compiles or loads a step
         ):
             if self.saved_as is None:
                 return self.compiled(*args)

@@ -2,8 +2,8 @@
 so that a later process loads the step in about a second instead of tracing it again (5-8 s for SmolLM2 on 2
 cores), for every prompt length the step's dynamic slot axis serves.
 
-    steps = SavedSteps(compile_cache_dir() / "steps" / step_key(spec, model.config))
-    fn, arguments = steps.step_for(args, compile_and_record)   # a saved step whose guards pass, else a new one
+    steps = SavedSteps(compile_cache_dir() / "steps" / step_key(spec, model.config), wrap)
+    fn = steps.step_for(args, compile_step)   # a saved step whose guards pass, else compile_step()'s, saved
 
 A saved step is valid where its guards pass and its key matches. Its guards check what Dynamo checks in the
 process that compiled it (module types, tensor dtypes and static sizes, Python values the step read) but not object
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvlab import files_digest
+
 # Dynamo's marks on a tensor's dimensions (maybe_mark_dynamic and the like)
 MARKS = (
     "_dynamo_dynamic_indices",
@@ -41,9 +43,7 @@ MOST_SAVED = 8  # saved steps kept per key: beyond, the least recently used goes
 @functools.cache
 def python_sources_digest() -> str:
     """A digest of kvlab's Python sources, by content: a saved step is the code it traced."""
-    root = Path(__file__).parent
-    sources = sorted(root.rglob("*.py"))
-    return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
+    return files_digest(Path(__file__).parent.rglob("*.py"), 16)
 
 
 def step_key(*parts: object) -> str:

@@ -40,20 +40,19 @@ PAPER = dict(window=32, kernel=7, pooling="max", gqa="query", window_reduce="sum
 def needle_parts(tokenizer, example) -> dict[str, list[int]]:
     """The prompt columns of the needle's key and value tokens."""
     needle = example.info["needles"][0]["text"]
-    start = needle_start = token_position(tokenizer, example.input_ids, needle)
-    key = example.info["queries"][0]
-    value = example.answers[0]
-    text = tokenizer.decode(example.input_ids)
-    at = text.index(needle)
+    start = token_position(tokenizer, example.input_ids, needle)
+    key, value = example.info["queries"][0], example.answers[0]
+    at = tokenizer.decode(example.input_ids).index(needle)
     spans = {"key": (at + needle.index(key), len(key)), "value": (at + needle.index(value), len(value))}
     columns = {name: [] for name in spans}
-    prefix = len(tokenizer.decode(example.input_ids[:needle_start]))
-    for i in range(needle_start, needle_start + 64):
+    prefix = len(tokenizer.decode(example.input_ids[:start]))
+    begin = prefix
+    for i in range(start, start + 64):  # each token's span of the decoded text, from the needle's first token
         end = prefix + len(tokenizer.decode(example.input_ids[start : i + 1]))
-        begin = prefix + len(tokenizer.decode(example.input_ids[start:i]))
         for name, (s, n) in spans.items():
             if begin < s + n and end > s:
                 columns[name].append(i)
+        begin = end
     return columns
 
 
