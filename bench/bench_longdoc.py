@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, bench_parser, bench_text, machine, parse_bench_args, row, table, write_results
+from kvlab.convert import blocks_checkpoint
 from kvlab.memory import high_water_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +81,7 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[str, s
     memory at the exec (measured: children of a 3.6 GB parent all reported 3.6 GB)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env or os.environ.copy())
+        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env or os.environ.copy(), cwd=ROOT)
         peak = 0.0
         while proc.poll() is None:
             peak = max(peak, (high_water_bytes(proc.pid) or 0) / 2**20)
@@ -93,15 +94,15 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[str, s
     return stdout, stderr, wall, peak
 
 
-def llamacpp_row(ids: list[int], new_tokens: int, threads: int, flash: bool = True) -> dict:
+def llamacpp_row(ids: list[int], new_tokens: int, threads: int, flash: bool = True, kind: str = "F32") -> dict:
     """llama.cpp's run in a process of its own (with flash attention, its tools' default on CPUs, unless `flash` is
-    False)."""
+    False), on the GGUF of `kind` (F32, or the shipped Q4_1)."""
     from bench_vs_llamacpp import gguf_file
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
     try:
-        settings = [str(gguf_file("F32")), f.name, str(new_tokens), str(threads), "on" if flash else "off"]
+        settings = [str(gguf_file(kind)), f.name, str(new_tokens), str(threads), "on" if flash else "off"]
         stdout, _, wall, rss = timed([sys.executable, "-c", LLAMA_CHILD, *settings])
     finally:
         os.unlink(f.name)
@@ -148,7 +149,7 @@ def resident_mb() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def memory_child(prompt_file: str, new_tokens: int, settings: dict) -> None:
+def memory_child(prompt_file: str, new_tokens: int, settings: dict, checkpoint: str | None) -> None:
     """Where a kvlab process's peak goes, printed as JSON: the runtime (Python, torch, kvlab, its kernels), the
     weights, the KV cache (allocated bytes), what prefill and decode held only for a while (peak - resident after),
     and the rest resident after the answer (tokenizer, allocator caches)."""
@@ -160,7 +161,7 @@ def memory_child(prompt_file: str, new_tokens: int, settings: dict) -> None:
 
     kernels.load(quiet=True)
     runtime = resident_mb()[0]
-    model, tokenizer, _ = load_checkpoint(default_checkpoint(), torch.device("cpu"), torch.float32)
+    model, tokenizer, _ = load_checkpoint(checkpoint or default_checkpoint(), torch.device("cpu"), torch.float32)
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) / 2**20
     ids = textgen.encode_prompts(tokenizer, [Path(prompt_file).read_text()], True, None)[0]
     settings, _ = textgen.with_defaults(settings, torch.float32, attention_loss=False)  # as generate.py runs it
@@ -171,8 +172,16 @@ def memory_child(prompt_file: str, new_tokens: int, settings: dict) -> None:
     print(json.dumps({**parts, "rest": after - runtime - weights - kv, "peak": peak}))
 
 
-def memory_row(prompt_file: str, new_tokens: int, settings: dict) -> dict:
-    command = [sys.executable, __file__, "--memory_child", prompt_file, "--new_tokens", str(new_tokens)]
+def memory_row(prompt_file: str, new_tokens: int, settings: dict, checkpoint_flags: list[str] = ()) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--memory_child",
+        prompt_file,
+        "--new_tokens",
+        str(new_tokens),
+        *checkpoint_flags,
+    ]
     stdout, _, _, _ = timed([*command, "--settings", json.dumps(settings)])
     return json.loads(stdout.strip().splitlines()[-1])
 
@@ -190,7 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=methods,
         help=f"strategies, or config:NAME, to try in order (default: {methods})",
     )
+    p.add_argument(
+        "--compressed_weights",
+        choices=["q4_1", "float32"],
+        default="q4_1",
+        help="the compressed rows' checkpoint: the GGUF's Q4_1 blocks kept (kvlab/gguf_blocks.py: the float32 "
+        "weights in 206 MB) or the float32 one (default: q4_1)",
+    )
     p.add_argument("--compile", action="store_true", help="kvlab rows with --compile (for 32 tokens eager is sooner)")
+    p.add_argument("--checkpoint_path", help=argparse.SUPPRESS)  # the memory child's checkpoint
     p.add_argument("--memory_child", help=argparse.SUPPRESS)  # a prompt file: report where this process's memory goes
     p.add_argument("--settings", default="{}", help=argparse.SUPPRESS)  # the memory child's cache settings, JSON
     return p
@@ -218,13 +235,17 @@ def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
     if llamacpp_available():  # else it says so, and kvlab is measured alone
         results["llamacpp"] = llamacpp_row(ids, new, threads)
         results["llamacpp_flash_off"] = llamacpp_row(ids, new, threads, flash=False)
+        results["llamacpp_q4_1"] = llamacpp_row(ids, new, threads, kind="Q4_1")
         print("llama.cpp:", results["llamacpp"], results["llamacpp_flash_off"], file=sys.stderr, flush=True)
+    q4_1 = ["--checkpoint_path", os.path.relpath(blocks_checkpoint(), ROOT)]  # relative: the flags are reported
     results["kvlab_full"] = kvlab_row(prompt_file, new, [], args.compile)
-    print("kvlab full:", results["kvlab_full"], file=sys.stderr, flush=True)
+    results["kvlab_full_q4_1"] = kvlab_row(prompt_file, new, q4_1, args.compile)
+    print("kvlab full:", results["kvlab_full"], results["kvlab_full_q4_1"], file=sys.stderr, flush=True)
+    weights = q4_1 if args.compressed_weights == "q4_1" else []
     results["tried"] = {}
     for method in args.methods:
         flags, _ = method_settings(method, args.slots, args.prefill_chunk)
-        results["tried"][method] = kvlab_row(prompt_file, new, flags, args.compile)
+        results["tried"][method] = kvlab_row(prompt_file, new, flags + weights, args.compile)
         print(f"kvlab {method}:", results["tried"][method], file=sys.stderr, flush=True)
         if results["tried"][method]["answer_right"]:
             break
@@ -232,16 +253,17 @@ def measure(args: argparse.Namespace, prompt_file: str, ids: list[int]) -> dict:
     results["kvlab_compressed"] = {"method": chosen, **results["tried"][chosen]}
     _, compressed = method_settings(chosen, args.slots, args.prefill_chunk)
     results["memory"] = {"kvlab_full": memory_row(prompt_file, new, {"cache_strategy": "full"})}
+    results["memory"]["kvlab_full_q4_1"] = memory_row(prompt_file, new, {"cache_strategy": "full"}, q4_1)
     one_shot = {"cache_strategy": "full", "cache_bits": 32, "prefill_chunk": 8192}  # a chunk past the prompt: at once
     results["memory"]["kvlab_full_float32_one_shot"] = memory_row(prompt_file, new, one_shot)
-    results["memory"]["kvlab_compressed"] = memory_row(prompt_file, new, compressed)
+    results["memory"]["kvlab_compressed"] = memory_row(prompt_file, new, compressed, weights)
     return results
 
 
 def main() -> None:
     args = parse_bench_args(build_parser(), "longdoc")
     if args.memory_child:
-        return memory_child(args.memory_child, args.new_tokens, json.loads(args.settings))
+        return memory_child(args.memory_child, args.new_tokens, json.loads(args.settings), args.checkpoint_path)
     from kvlab import textgen
     from kvlab.checkpoint import load_checkpoint
     from kvlab.convert import default_checkpoint
@@ -266,8 +288,10 @@ def write(results: dict, args) -> None:
     """The table, the JSON beside it, and the "longdoc" key of vs_llamacpp_cpu.json."""
     rows = []
     labels = {"llamacpp": "llama.cpp F32, flash attention", "llamacpp_flash_off": "llama.cpp F32, flash attention off"}
+    labels["llamacpp_q4_1"] = "llama.cpp Q4_1 (the shipped file; x in Q8_1), flash attention"
     labels["kvlab_full"] = "kvlab fp32, full cache (its defaults: float16, chunks of 512)"
-    sides = ("llamacpp", "llamacpp_flash_off", "kvlab_full")
+    labels["kvlab_full_q4_1"] = "kvlab Q4_1 blocks kept (the fp32 weights), full cache"
+    sides = ("llamacpp", "llamacpp_flash_off", "llamacpp_q4_1", "kvlab_full", "kvlab_full_q4_1")
     runs = [(labels[name], results[name]) for name in sides if name in results]
     runs += [(" ".join(r["flags"]), r) for r in results["tried"].values()]
     for label, r in runs:

@@ -1,12 +1,13 @@
 """Weight-only quantization of the default model (kvlab/quantize.py): quality, bytes, and the matmul kernels.
 
-    python bench/bench_weights.py              # quality and bytes: float32, int8, int4 (g=32/64/128)
+    python bench/bench_weights.py              # quality and bytes: float32, int8, int4 (g=32/64/128), Q4_1 kept
     python bench/bench_weights.py --kernels    # also time each fused kernel against dequantize-then-matmul
 
 Writes bench/results/weights_cpu.md. Quality: perplexity of the first 1,024 tokens of RULER's essays
 (20.70 in float32), top-1 agreement with float32 on those 1,023 next tokens (teacher-forced), and a
 64-token greedy continuation of the first 256 tokens compared with float32's. Each quantized model is
-built from the float32 one as `scripts/quantize.py` would write it.
+built from the float32 one as `scripts/quantize.py` would write it; the last row loads the GGUF's own Q4_1
+blocks (`scripts/quantize.py --mode gguf`: the float32 weights, x in float32).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 from common import bench_parser, load_bench, machine, parse_bench_args, report, row, table, write_results
 from kvlab import quantized_model
 from kvlab.build import make_caches
+from kvlab.checkpoint import load_checkpoint
+from kvlab.convert import blocks_checkpoint
 from kvlab.engine import generate
 from kvlab.model import Transformer
 from kvlab.quantize import FUSED, Int8Linear, Kernel, Quantization
@@ -65,19 +69,30 @@ def variants() -> list[tuple[str, Quantization | None, Kernel | None]]:
     return [("float32", None, None), *int8] + [(name(q), q, decode) for q in SETTINGS[2:]]
 
 
+def models(fp32: Transformer) -> Iterator[tuple[str, Transformer, Callable[[], None]]]:
+    """(label, model, what to do before `generate` runs it) for each variant, one at a time; last, the GGUF's Q4_1
+    blocks kept (`scripts/quantize.py --mode gguf`), loaded as generate.py loads it."""
+    for label, quant, int8_kernel in variants():
+        if quant is None:
+            yield label, fp32, lambda: None
+            continue
+        model = on_kernel(quantize_model(copy.deepcopy(fp32), quant), int8_kernel)
+        yield label, model, lambda m=model: quantized_model.prepare(m)  # generate runs with FUSED's choices
+    blocks = load_checkpoint(blocks_checkpoint(), torch.device("cpu"), torch.float32)[0]
+    yield "Q4_1 blocks kept (x in float32; --mode gguf)", blocks, lambda: None
+
+
 def quality(fp32: Transformer, ids: list[int]) -> list[str]:
     """Perplexity and top-1 teacher-forced with the matmuls on each variant's path; greedy: `generate` as
     it runs (FUSED's choices)."""
     rows: list[str] = []
     reference = greedy = None
-    for label, quant, int8_kernel in variants():
-        model = fp32 if quant is None else on_kernel(quantize_model(copy.deepcopy(fp32), quant), int8_kernel)
+    for label, model, before_generate in models(fp32):
         logits = prompt_logits(model, ids[:1024])
         ppl = F.cross_entropy(logits[:-1], torch.tensor(ids[1:1024])).exp().item()
-        if quant is not None:
-            quantized_model.prepare(model)  # generate runs with FUSED's choices
+        before_generate()
         tokens = generate(model, [ids[:256]], 64).tokens[0]
-        if quant is None:
+        if reference is None:
             reference, greedy = logits[:-1].argmax(-1), tokens
         top1 = (logits[:-1].argmax(-1) == reference).float().mean().item()
         same = sum(a == b for a, b in zip(tokens, greedy, strict=True))

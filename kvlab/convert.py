@@ -27,6 +27,7 @@ from kvlab.checkpoint import (
     contained,
     save_checkpoint,
 )
+from kvlab.gguf_blocks import GGUF_BLOCKS, kept_blocks
 from kvlab.model import ConfigError, ModelArgs, Transformer, lay_out_for_matvec, rope_tables
 from kvlab.tokenizer_writers import tokenizer_files_from_gguf, tokenizer_files_from_hf
 
@@ -39,6 +40,17 @@ def default_checkpoint() -> Path:
     if not (out_dir / "config.json").exists():
         print(f"Converting {DEFAULT_GGUF_FILE} to {out_dir} (once; about 15 s)...", file=sys.stderr, flush=True)
         convert_gguf(default_gguf_path(), out_dir, name=DEFAULT_MODEL)
+    return out_dir
+
+
+def blocks_checkpoint(gguf_path: Path | None = None, out_dir: Path | None = None) -> Path:
+    """A checkpoint keeping a GGUF's Q4_1 blocks (default: the default model's, beside its float checkpoint as
+    NAME-q4_1), converted on first use."""
+    name = DEFAULT_MODEL if gguf_path is None else Path(gguf_path).stem
+    out_dir = Path(out_dir or CHECKPOINTS_DIR / f"{name}-q4_1")
+    if not (out_dir / "config.json").exists():
+        print(f"Converting {gguf_path or DEFAULT_GGUF_FILE}'s Q4_1 blocks to {out_dir} (once)...", file=sys.stderr)
+        convert_gguf(gguf_path or default_gguf_path(), out_dir, name=out_dir.name, keep_blocks=True)
     return out_dir
 
 
@@ -70,9 +82,8 @@ GGUF_NAMES = {
 }
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Path:
-    """Dequantize a llama/qwen2-architecture GGUF file into a kvlab checkpoint (float32 weights)."""
-    reader = gguf.GGUFReader(gguf_path)
+def gguf_model_args(gguf_path: Path, reader: gguf.GGUFReader) -> tuple[str, ModelArgs]:
+    """A llama/qwen2-architecture GGUF's architecture and model shape, refused in one line otherwise."""
     arch = reader.fields["general.architecture"].contents()
     if arch not in ("llama", "qwen2"):
         raise CheckpointError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
@@ -83,9 +94,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Pat
 
     if meta("rope.scaling.type") not in (None, "none"):
         raise CheckpointError(f"{gguf_path}: GGUF rope scaling {meta('rope.scaling.type')!r} is not supported")
-    tensors = {t.name: t for t in reader.tensors}
+    names = {t.name for t in reader.tensors}
     n_head = meta("attention.head_count")
-    args = ModelArgs(
+    return arch, ModelArgs(
         vocab_size=meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         n_layer=meta("block_count"),
         n_head=n_head,
@@ -96,13 +107,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Pat
         rope_base=float(meta("rope.freq_base", 10000.0)),
         norm_eps=float(f"{meta('attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # stored as float32: recover 1e-05
         block_size=meta("context_length"),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
     )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None, keep_blocks: bool = False) -> Path:
+    """Dequantize a llama/qwen2-architecture GGUF file into a kvlab checkpoint (float32 weights), or with
+    `keep_blocks` keep its decoder matrices' Q4_1 blocks as int4 (gguf_blocks.py: the same weights)."""
+    reader = gguf.GGUFReader(gguf_path)
+    arch, args = gguf_model_args(gguf_path, reader)
+    tensors = {t.name: t for t in reader.tensors}
 
     def weight(gguf_name: str) -> Tensor:
         t = tensors[gguf_name]
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+
+    def layer_tensors(gguf_name: str, dst: str) -> dict[str, Tensor]:
+        """One layer tensor under its kvlab name; a kept matrix's blocks as its codes, scales and zeros."""
+        if not (keep_blocks and gguf_name.endswith(".weight") and len(tensors[gguf_name].shape) == 2):
+            return {dst: weight(gguf_name)}
+        prefix = dst.removesuffix("weight")
+        return {prefix + part: t for part, t in kept_blocks(tensors[gguf_name]).items()}
 
     state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": weight("output_norm.weight")}
     if not args.tie_embeddings:
@@ -110,18 +136,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str | None = None) -> Pat
     for i in range(args.n_layer):
         blk = f"blk.{i}."
         for src, dst in GGUF_NAMES.items():
-            state[f"layers.{i}.{dst}"] = weight(blk + src)
-        parts = ["weight", "bias"] if args.qkv_bias else ["weight"]
-        for part in parts:
-            q, k = weight(f"{blk}attn_q.{part}"), weight(f"{blk}attn_k.{part}")
-            # llama.cpp permutes llama's q/k for its interleaved RoPE; qwen2 runs rotate-half (NEOX) as stored
-            if arch == "llama":
-                q, k = unpermute_rope_rows(q, args.n_head), unpermute_rope_rows(k, args.n_local_heads)
-            state[f"layers.{i}.attention.wqkv.{part}"] = torch.cat([q, k, weight(f"{blk}attn_v.{part}")])
+            state |= layer_tensors(blk + src, f"layers.{i}.{dst}")
+        for part in ["weight", "bias"] if args.qkv_bias else ["weight"]:
+            dst = f"layers.{i}.attention.wqkv.{part}"
+            q, k, v = (layer_tensors(f"{blk}attn_{x}.{part}", dst) for x in "qkv")
+            for key in q:
+                # llama.cpp permutes llama's q/k for its interleaved RoPE; qwen2 runs rotate-half (NEOX) as stored
+                if arch == "llama":
+                    q[key] = unpermute_rope_rows(q[key], args.n_head)
+                    k[key] = unpermute_rope_rows(k[key], args.n_local_heads)
+                state[key] = torch.cat([q[key], k[key], v[key]])
     name = name or Path(gguf_path).stem
-    save_checkpoint(
-        out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), {"gguf": Path(gguf_path).name}
-    )
+    source = {"gguf": Path(gguf_path).name, **({"kept": "Q4_1 blocks"} if keep_blocks else {})}
+    quantization = GGUF_BLOCKS.to_dict() if keep_blocks else None
+    save_checkpoint(out_dir, name, args, state, lambda d: tokenizer_files_from_gguf(reader, d), source, quantization)
     return Path(out_dir)
 
 

@@ -24,7 +24,9 @@ head multiplies by it, the lookup dequantizes only the looked-up rows. Quantizin
 float copy beside a quantized head would cost 113 MB, more than int8's whole decoder. int4 leaves them in
 int8 because the head is the most sensitive matrix: at 4 bits (g=32) it cost SmolLM2 6% perplexity and
 top-1 agreement with float32 fell from 98% to 80% (256 essay tokens), to save 7 MB (21 MB with float32
-scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md.
+scales and zeros against 28.5 MB). Sizes and quality: bench/results/weights_cpu.md. A checkpoint holding a GGUF's
+own Q4_1 blocks (kvlab/gguf_blocks.py) is no quantization of ours: its entry pins x in float32 and leaves the
+embedding and head float, so that it computes with the float32 checkpoint's weights.
 
 Kernels: int8 and int4 in a CPU float32 decode step take kvlab's native matrix-vector products (kvlab.kernels),
 which keep the inputs in float32 and widen the codes exactly; int4's reads the checkpoint's codes as they are.
@@ -48,6 +50,7 @@ from torch import Tensor
 from kvlab import kernels
 
 MODES = ("int8", "int4")
+EMBEDDINGS = ("int8", "float")
 GROUPSIZES = (32, 64, 128)
 DEFAULT_GROUPSIZE = 32  # SmolLM2's GGUF is Q4_1, in groups of 32: g=128 costs it 52% perplexity
 
@@ -78,10 +81,15 @@ FUSED = {
 
 @dataclass(frozen=True)
 class Quantization:
-    """A checkpoint's "quantization" entry: the mode, and for int4 the group size."""
+    """A checkpoint's "quantization" entry: the mode, for int4 the group size, and two choices that a checkpoint
+    holding a GGUF's own Q4_1 blocks (kvlab/gguf_blocks.py) pins: `x_bits`, the bits int4 products round x to
+    (None: KVLAB_INT4_X's, kernels.int4_x_bits), and `embedding`, int8 per row (the default) or "float" (the
+    embedding and LM head left in the model's dtype)."""
 
     mode: str
     groupsize: int | None = None
+    x_bits: int | None = None
+    embedding: str = "int8"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,13 +98,25 @@ class Quantization:
             raise ValueError(f"int4 group size must be one of {', '.join(map(str, GROUPSIZES))}, got {self.groupsize}")
         if self.mode == "int8" and self.groupsize is not None:
             raise ValueError("int8 is quantized per output channel and takes no group size; group sizes are for int4")
+        if self.mode == "int8" and self.x_bits is not None:
+            raise ValueError("int8 products take x as it is; x_bits are for int4")
+        if self.x_bits not in (None, *kernels.INT4_X_BITS.values()):
+            valid = ", ".join(map(str, kernels.INT4_X_BITS.values()))
+            raise ValueError(f"int4 x_bits must be one of {valid}, got {self.x_bits}")
+        if self.embedding not in EMBEDDINGS:
+            raise ValueError(f"unknown embedding {self.embedding!r}; valid: {', '.join(EMBEDDINGS)}")
 
     @classmethod
     def from_dict(cls, d: dict) -> Quantization:
-        return cls(d["mode"], d.get("groupsize"))
+        return cls(d["mode"], d.get("groupsize"), d.get("x_bits"), d.get("embedding", "int8"))
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "groupsize": self.groupsize}
+        d = {"mode": self.mode, "groupsize": self.groupsize}
+        if self.x_bits is not None:
+            d["x_bits"] = self.x_bits
+        if self.embedding != "int8":
+            d["embedding"] = self.embedding
+        return d
 
 
 INT8 = Quantization("int8")
@@ -209,14 +229,19 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x W^T + bias, W in 4-bit codes with a (scale, zero) per group of `groupsize` inputs.
 
-    `x_bits` (KVLAB_INT4_X, read at construction): the native kernel rounds x per block of 32 inputs to
+    `x_bits` (None: KVLAB_INT4_X's, read at construction): the native kernel rounds x per block of 32 inputs to
     int16 (16, the default: each input within 2^-16 of its block's max |x|) or to int8 (8: llama.cpp's Q4 x
     Q8_0 numerics), and multiplies integers; or keeps x in float32 (32), so only float32 summation rounds."""
 
     mode = "int4"
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, groupsize: int = DEFAULT_GROUPSIZE
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        groupsize: int = DEFAULT_GROUPSIZE,
+        x_bits: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
@@ -232,18 +257,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("tiled_scales", None, persistent=False)  # scales
         self.register_buffer("tiled_offsets", None, persistent=False)  # and offsets
         self.kernel: Kernel | None = None
-        self.x_bits = kernels.int4_x_bits()
+        self.x_bits = x_bits or kernels.int4_x_bits()
 
     def prepare(self, kernel: Kernel | None) -> None:
         """Set up the kernels for the weight's device, once. With kvlab's native kernels (a float32 CPU
-        model), the plain codes stay: with x in float32 or int8, decode steps take the native kernel and larger
-        inputs dequantize. With x in int16 (the default) every product reads the codes tiled 16 rows at a time
-        (kernels.tile_rows), whose products sum 16 rows per vector: 1.8x faster than the plain layout's in the
-        step (docs/results/decode_cpu.md), and in a prefill 2.3x faster than dequantize-then-matmul at 512 rows (282
-        against 121 GFLOP/s on 2 Zen 4 cores); the plain codes are then dropped (`codes()` untiles them where asked).
-        Otherwise repack for torch's fused kernel; the plain codes, scales and zeros are then dropped unless
-        large inputs still need them. torch's kernels take whole tiles of 16 output rows; other shapes keep
-        dequantize-then-matmul."""
+        model), the plain codes stay: with x in float32 every product takes the native kernel (a prompt's rows
+        dequantize the weight panel by panel: the float32 model's product, bit for bit), with x in int8 decode
+        steps do and larger inputs dequantize. With x in int16 (the default) every product reads the codes
+        tiled 16 rows at a time (kernels.tile_rows), whose products sum 16 rows per vector: 1.8x faster than
+        the plain layout's in the step (docs/results/decode_cpu.md), and in a prefill 2.3x faster than
+        dequantize-then-matmul at 512 rows (282 against 121 GFLOP/s on 2 Zen 4 cores); the plain codes are then
+        dropped (`codes()` untiles them where asked). Otherwise repack for torch's fused kernel; the plain
+        codes, scales and zeros are then dropped unless large inputs still need them. torch's kernels take
+        whole tiles of 16 output rows; other shapes keep dequantize-then-matmul."""
         if self.tiled is not None:  # prepared already: the plain codes are gone
             return
         if (
@@ -292,7 +318,8 @@ class Int4Linear(nn.Module):
         tiled = self.tiled_operands()
         if tiled is not None and kernels.takes_weight(x, tiled[0], any_rows=True):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
-        if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets):
+        any_rows = self.x_bits == 32  # x in float32: a prompt's rows run the panel product too
+        if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets, any_rows=any_rows):
             return torch.ops.kvlab.linear_int4(
                 x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits
             )
@@ -306,8 +333,8 @@ class Int4Linear(nn.Module):
                 .view(*x.shape[:-1], self.out_features)
                 .to(x.dtype)
             )
-        else:
-            y = F.linear(x, self.dequantize())
+        else:  # the float model's product on the dequantized weights (kvlab's native one on a float32 CPU)
+            return kernels.linear(x, self.dequantize(), self.bias)
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> Tensor:
@@ -323,15 +350,15 @@ class Int4Linear(nn.Module):
             and kernels.takes_weight(x, gate_tiled[0], up_tiled[0], any_rows=True)
         ):
             return torch.ops.kvlab.gated_int4_tiled(x, *gate_tiled, *up_tiled, self.out_features, self.groupsize)
-        if (
-            isinstance(up, Int4Linear)
-            and self.offsets is not None
-            and up.offsets is not None
-            and self.groupsize == up.groupsize
-            and kernels.takes_weight(x, self.scales, self.offsets, up.scales, up.offsets)
-        ):
-            gate_operands, up_operands = (self.codes(), self.scales, self.offsets), (up.codes(), up.scales, up.offsets)
-            return torch.ops.kvlab.gated_int4(x, *gate_operands, *up_operands, self.groupsize, self.x_bits)
+        if isinstance(up, Int4Linear) and self.offsets is not None and up.offsets is not None:
+            plain = (self.codes(), self.scales, self.offsets), (up.codes(), up.scales, up.offsets)
+            any_rows = self.x_bits == 32  # x in float32: a prompt's rows run the panel product too
+            if self.groupsize == up.groupsize and kernels.takes_weight(
+                x, *plain[0][1:], *plain[1][1:], any_rows=any_rows
+            ):
+                return torch.ops.kvlab.gated_int4(x, *plain[0], *plain[1], self.groupsize, self.x_bits)
+            if self.bias is None and up.bias is None:  # a prompt's rows: the float model's product, as forward's
+                return kernels.gated(x, self.dequantize(), up.dequantize())
         return F.silu(self(x)) * up(x)
 
 

