@@ -36,6 +36,7 @@ from kvlab.config import CacheSpec, model_scored
 from kvlab.diagnostics import AttentionLossProbe
 from kvlab.generation import Generation, summarize
 from kvlab.model import Transformer
+from kvlab.reconstruction import with_reference_answers
 from kvlab.recording import RecordedPrefill, reads_recorded_queries
 from kvlab.sampling import GREEDY, Sampling, sample
 from kvlab.slot_counts import plan_layer_budgets, share_over_model
@@ -104,6 +105,7 @@ def prepare_caches(
     decode_step: Callable[..., Tensor],
     recorded: RecordedPrefill | None,
     attention_loss: bool,
+    reference_answers: Sequence[Sequence[int]] | None = None,
 ) -> Prepared:
     """Record the prefill where the caches' plan needs it (a layer budget, a model-scored compressor, a global ranking),
     then build the caches and give them their scores."""
@@ -127,6 +129,8 @@ def prepare_caches(
     continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
     if any(c.needs_reference for c in scored_by_model):
         continuations = reference_continuations(model, prompts, batch, max_new_tokens, decode_step, recorded)
+    if any(getattr(c, "answer", None) == "reference" for c in scored_by_model):
+        continuations = with_reference_answers(continuations, reference_answers)
     caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
     if scored_by_model:
         recorded.score_with_model(model, caches, [min(n, chunk) for n in prefilled], continuations, spec.repeat)
@@ -317,6 +321,7 @@ def generate(
     recorded: RecordedPrefill | None = None,
     decoded_prompt_tokens: Sequence[int] | None = None,
     chunk_step: Callable[..., Tensor] = prefill_chunk_step,
+    reference_answers: Sequence[Sequence[int]] | None = None,
 ) -> Generation:
     """Generate for a batch of prompts of any lengths (right-padded; each row has its own positions)
     through the caches `spec` describes (default: a full cache).
@@ -333,12 +338,15 @@ def generate(
     recorded and replayed into caches sized by the plan. Passing `recorded` (a `RecordedPrefill` of
     this batch) reuses its prefill instead of running `prefill_step`: sweeps share one prefill between
     cache configs. With `spec.prefill_chunk` shorter than the prompt, the prompt is prefilled in chunks, each
-    later one through `chunk_step`, compressing between them (chunked.py); `recorded` is not used then."""
+    later one through `chunk_step`, compressing between them (chunked.py); `recorded` is not used then.
+    `reference_answers` (per prompt, token ids): what the oracle steered by the right answer reads (eval.py's)."""
     cfg = model.config
     spec = spec or CacheSpec.full(cfg.n_layer)
     batch = pad_batch(model, prompts, max_new_tokens, spec, decoded_prompt_tokens, on_token is not None, max_seq_length)
     t0 = time.perf_counter()
-    ready = prepare_caches(model, prompts, batch, max_new_tokens, spec, decode_step, recorded, attention_loss)
+    ready = prepare_caches(
+        model, prompts, batch, max_new_tokens, spec, decode_step, recorded, attention_loss, reference_answers
+    )
     out = prefill_batch(model, batch, max_new_tokens, spec, ready, sampling, decode_step, prefill_step, chunk_step)
     sync(out.device)
     prefill_seconds = time.perf_counter() - t0

@@ -350,6 +350,7 @@ class Evaluator:
                 decoded_prompt_tokens=[len(e.input_ids) - e.question_start for e in padded]
                 if job.query_agnostic
                 else None,
+                reference_answers=[self.tokenizer.encode(" " + ", ".join(e.answers)) for e in padded],
             )
             seconds = (time.perf_counter() - t0) / len(batch)
             held = rows_held(self.model).tolist()

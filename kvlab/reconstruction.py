@@ -7,6 +7,7 @@ the recorded prefill is replayed into the caches (`engine.generate`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 from kvlab import kernels
 from kvlab.attention import attention_mask, grouped_attention, prefill_attention
 from kvlab.model import Transformer
-from kvlab.options import integer
+from kvlab.options import choice, integer
 from kvlab.prompt_compression import PromptCompressor
 from kvlab.scores import chunk_attention, merged_attention
 from kvlab.tokenizer import Tokenizer
@@ -26,6 +27,7 @@ KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
 KVZIP_LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 KVZIP_HINT = 8  # a later chunk's request ends with the previous chunk's last tokens
 KVZIP_SINKS = 4  # the first prompt tokens, in every pass's softmax (and always kept by the cache's global_tokens)
+ORACLE_ANSWERS = ("generated", "reference")
 
 
 @dataclass(frozen=True)
@@ -155,14 +157,41 @@ class KVzip(ModelScored):
 
 class Oracle(ModelScored):
     """An upper bound for research, not a method: a key's score is the attention it receives, summed,
-    from every token a full cache run decodes after the prefill (the rest of the prompt, then its greedy
-    answer). It shows how far a method is from the best selection of that many tokens."""
+    from every token after the prefill: the rest of the prompt, then an answer: the full cache's greedy one
+    (`oracle_answer` generated: the engine runs a full cache first), which bounds how closely a method can follow
+    the full cache, or the reference answer an evaluation gives (reference: eval.py's gold answers), which
+    bounds the task's score: the keys the right answer reads."""
 
     reduce = "sum"
-    needs_reference = True  # the engine runs a full cache first, for the continuation
+    options = (
+        choice(
+            "oracle_answer",
+            ORACLE_ANSWERS,
+            "generated",
+            "oracle: whose answer's attention scores the prompt: the full cache's greedy one (generated), or each "
+            "example's reference answer (reference: eval.py gives them)",
+            param="answer",
+        ),
+    )
+
+    def __init__(self, answer: str = "generated") -> None:
+        self.options[0].validate(answer)
+        self.answer = answer
+        self.needs_reference = answer == "generated"
 
     def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
         return [Pass(continuation)] if continuation else []  # nothing decoded after the prompt: every score stays 0
+
+
+def with_reference_answers(continuations: list[list[int]], answers: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """Each prompt's tokens after its prefill, then its reference answer: what the oracle steered by the right
+    answer (oracle_answer reference) scores the prompt by."""
+    if answers is None or len(answers) != len(continuations):
+        raise ValueError(
+            "oracle_answer reference scores the prompt by each prompt's reference answer, which eval.py gives and "
+            "generate.py has not; use oracle_answer generated"
+        )
+    return [c + list(a) for c, a in zip(continuations, answers, strict=True)]
 
 
 class AttentionProbe(nn.Module):

@@ -37,7 +37,8 @@ from kvlab.strategies import CACHE_STRATEGIES
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
 
 # kvpress's leaderboard presses, by the shipped config that runs each here, best known first; then SnapKV as its paper
-# ran it, the oracles (uniform budgets, KVzip's model-wide ranking, Ada-KV's split) and a recallable cache.
+# ran it, the oracles (uniform budgets, KVzip's model-wide ranking, Ada-KV's split; steered by the reference answer)
+# and a recallable cache.
 METHODS = (
     "kvzip",
     "ada_expected_attention",
@@ -55,6 +56,7 @@ METHODS = (
     "oracle",
     "oracle_global",
     "oracle_adakv",
+    "configs/eval/oracle_reference.yaml",
     "quest",
 )
 RATIOS = ("0.25", "0.5", "0.75", "0.875")

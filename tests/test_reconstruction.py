@@ -221,3 +221,26 @@ def test_a_recording_for_kvzip_keeps_no_queries_and_one_in_chunks_holds_the_cach
             else {**load_cache_config("kvzip"), "key_channel_pruning": 0.5}
         )
         assert reads_recorded_queries(cache_spec(settings, 2)) is True
+
+
+def test_the_reference_steered_oracle_reads_the_given_answers(tiny_model):
+    """oracle_answer reference scores the prompt by the rest of the prompt and each prompt's reference answer: given
+    the full cache's own greedy answer (the generated oracle's continuation: its first max_new_tokens - 1 tokens), it
+    keeps what the generated oracle keeps, token for token; other answers steer it elsewhere; without answers
+    (generate.py's case) it is one error naming the setting."""
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 33)]
+    settings = {"cache_strategy": "recent_global", "prompt_compression_strategy": "oracle", "compression_ratio": 0.75}
+    generated = cache_spec({**settings, "recent_window": 1}, 2)
+    reference = cache_spec({**settings, "recent_window": 1, "oracle_answer": "reference"}, 2)
+    decoded = [4, 6]
+    full = cache_spec({"cache_strategy": "full"}, 2)
+    greedy = generate(tiny_model, prompts, 6, full, decoded_prompt_tokens=decoded).tokens
+    want = generate(tiny_model, prompts, 6, generated, decoded_prompt_tokens=decoded).tokens
+    steered = [t[:5] for t in greedy]
+    got = generate(tiny_model, prompts, 6, reference, decoded_prompt_tokens=decoded, reference_answers=steered)
+    assert got.tokens == want
+    others = [[(t + 17) % 64 for t in answer] for answer in steered]
+    moved = generate(tiny_model, prompts, 6, reference, decoded_prompt_tokens=decoded, reference_answers=others)
+    assert moved.tokens != want
+    with pytest.raises(ValueError, match="oracle_answer reference scores the prompt by each prompt's reference"):
+        generate(tiny_model, prompts, 6, reference, decoded_prompt_tokens=decoded)
