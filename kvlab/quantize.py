@@ -269,7 +269,7 @@ class Int4Linear(nn.Module):
         dequantize-then-matmul at 512 rows (282 against 121 GFLOP/s on 2 Zen 4 cores); the plain codes are then
         dropped (`codes()` untiles them where asked). Otherwise repack for torch's fused kernel; the plain
         codes, scales and zeros are then dropped unless large inputs still need them. torch's kernels take
-        whole tiles of 16 output rows; other shapes keep dequantize-then-matmul."""
+        whole tiles of 16 output rows; other shapes, and x in float32, keep dequantize-then-matmul."""
         if self.tiled is not None:  # prepared already: the plain codes are gone
             return
         if (
@@ -285,6 +285,8 @@ class Int4Linear(nn.Module):
                 self.weight = None
             self.kernel = None
             return
+        if self.x_bits == 32:  # x in float32 everywhere: torch's fused kernels take bfloat16 x
+            kernel = None
         if self.packed is None and kernel is not None and self.out_features % 16 == 0:
             if self.weight.device.type == "cuda":
                 inner_k_tiles = next(t for t in (8, 4, 2) if self.padded_in % (16 * t) == 0)

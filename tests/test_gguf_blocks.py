@@ -145,3 +145,17 @@ def test_quantize_script_keeps_a_ggufs_blocks_and_refuses_mixed_flags(tmp_path, 
             quantize.main(argv)
         err = capsys.readouterr().err
         assert exit_info.value.code == 1 and err.count("\n") == 1 and message in err, err
+
+
+def test_without_native_kernels_the_blocks_still_multiply_in_float32(float_and_blocks, monkeypatch):
+    """On torch's kernels (no native build) x stays float32 too: each product dequantizes the weight (torch's fused
+    int4 kernels would round x to bfloat16), so a prompt's logits are the float32 checkpoint's to summation order."""
+    float_model, _, blocks_dir = float_and_blocks
+    monkeypatch.setattr(kernels, "NATIVE", False)
+    monkeypatch.setattr(kernels, "REASON", "KVLAB_KERNELS=torch")
+    blocks_model = load_checkpoint(blocks_dir)[0]
+    assert all(m.packed is None for m in blocks_model.modules() if isinstance(m, Int4Linear))
+    ids = torch.tensor([[1, 50, 300, 7000, 12, 9, 400, 33, 21, 5, 600, 42]])
+    with torch.no_grad():
+        want, got = logits(float_model, ids, 0), logits(blocks_model, ids, 0)
+    assert_reordered_close(got[0], want[0], terms=128, chain=2 * 5 + 1)
