@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -172,7 +173,7 @@ def memory_child(prompt_file: str, new_tokens: int, settings: dict, checkpoint: 
     print(json.dumps({**parts, "rest": after - runtime - weights - kv, "peak": peak}))
 
 
-def memory_row(prompt_file: str, new_tokens: int, settings: dict, checkpoint_flags: list[str] = ()) -> dict:
+def memory_row(prompt_file: str, new_tokens: int, settings: dict, checkpoint_flags: Sequence[str] = ()) -> dict:
     command = [
         sys.executable,
         __file__,

@@ -129,7 +129,7 @@ def prepare_caches(
     continuations = [list(p[n:]) for p, n in zip(prompts, prefilled, strict=True)]
     if any(c.needs_reference for c in scored_by_model):
         continuations = reference_continuations(model, prompts, batch, max_new_tokens, decode_step, recorded)
-    if any(getattr(c, "answer", None) == "reference" for c in scored_by_model):
+    if any(c.needs_reference_answers for c in scored_by_model):
         continuations = with_reference_answers(continuations, reference_answers)
     caches = build_caches(model, spec, lengths, max_new_tokens, batch.max_seq_length, budgets, prefilled)
     if scored_by_model:

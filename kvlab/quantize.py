@@ -302,9 +302,18 @@ class Int4Linear(nn.Module):
             raise ValueError("this int4 Linear kept only the kernel's packed codes; it cannot dequantize")
         self.kernel = kernel if self.packed is not None else None
 
+    @property
+    def any_rows(self) -> bool:
+        """Whether the plain-codes native kernel takes a prompt's rows too: with x in float32 (its panel product)."""
+        return self.x_bits == 32
+
     def codes(self) -> Tensor:
         """The plain codes [out_features, padded_in // 2]: kept, or untiled from the tiled ones."""
         return self.weight if self.weight is not None else kernels.untile_int4(self.tiled, self.out_features)
+
+    def plain_operands(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The plain codes, scales and offsets that the native kernel with x in float32 or int8 reads."""
+        return self.codes(), self.scales, self.offsets
 
     def tiled_operands(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """The tiled codes, scales and offsets that the int16-x native kernel reads, where prepare() made them
@@ -320,11 +329,8 @@ class Int4Linear(nn.Module):
         tiled = self.tiled_operands()
         if tiled is not None and kernels.takes_weight(x, tiled[0], any_rows=True):
             return torch.ops.kvlab.linear_int4_tiled(x, *tiled, self.out_features, self.groupsize, self.bias)
-        any_rows = self.x_bits == 32  # x in float32: a prompt's rows run the panel product too
-        if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets, any_rows=any_rows):
-            return torch.ops.kvlab.linear_int4(
-                x, self.codes(), self.scales, self.offsets, self.groupsize, self.bias, self.x_bits
-            )
+        if self.offsets is not None and kernels.takes_weight(x, self.scales, self.offsets, any_rows=self.any_rows):
+            return torch.ops.kvlab.linear_int4(x, *self.plain_operands(), self.groupsize, self.bias, self.x_bits)
         if takes(self.kernel, x, self.in_features):
             padded = F.pad(x.reshape(-1, self.in_features), (0, self.padded_in - self.in_features)).to(
                 self.kernel.dtype
@@ -353,12 +359,10 @@ class Int4Linear(nn.Module):
         ):
             return torch.ops.kvlab.gated_int4_tiled(x, *gate_tiled, *up_tiled, self.out_features, self.groupsize)
         if isinstance(up, Int4Linear) and self.offsets is not None and up.offsets is not None:
-            plain = (self.codes(), self.scales, self.offsets), (up.codes(), up.scales, up.offsets)
-            any_rows = self.x_bits == 32  # x in float32: a prompt's rows run the panel product too
-            if self.groupsize == up.groupsize and kernels.takes_weight(
-                x, *plain[0][1:], *plain[1][1:], any_rows=any_rows
-            ):
-                return torch.ops.kvlab.gated_int4(x, *plain[0], *plain[1], self.groupsize, self.x_bits)
+            groups = (self.scales, self.offsets, up.scales, up.offsets)
+            if self.groupsize == up.groupsize and kernels.takes_weight(x, *groups, any_rows=self.any_rows):
+                operands = (*self.plain_operands(), *up.plain_operands())
+                return torch.ops.kvlab.gated_int4(x, *operands, self.groupsize, self.x_bits)
             if self.bias is None and up.bias is None:  # a prompt's rows: the float model's product, as forward's
                 return kernels.gated(x, self.dequantize(), up.dequantize())
         return F.silu(self(x)) * up(x)

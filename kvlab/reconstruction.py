@@ -84,6 +84,7 @@ class ModelScored(PromptCompressor):
 
     needs_model = True
     needs_reference = False  # True: `queries` reads the continuation of a full cache run
+    needs_reference_answers = False  # True: `queries` reads the prompt's reference answer (the caller's)
     reduce = "max"  # how the attention of the queries to a key is combined: "max" or "sum"
 
     def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
@@ -177,7 +178,7 @@ class Oracle(ModelScored):
     def __init__(self, answer: str = "generated") -> None:
         self.options[0].validate(answer)
         self.answer = answer
-        self.needs_reference = answer == "generated"
+        self.needs_reference, self.needs_reference_answers = answer == "generated", answer == "reference"
 
     def queries(self, prompt: list[int], continuation: list[int], request: RepeatRequest | None) -> list[Pass]:
         return [Pass(continuation)] if continuation else []  # nothing decoded after the prompt: every score stays 0
