@@ -26,7 +26,18 @@ import statistics
 import sys
 import tempfile
 
-from common import RESULTS, bench_parser, decode_rate, load_bench, machine, parse_bench_args, row, table, write_results
+from common import (
+    RESULTS,
+    WEIGHTS,
+    bench_parser,
+    decode_rate,
+    load_bench,
+    machine,
+    parse_bench_args,
+    row,
+    table,
+    write_results,
+)
 from kvlab.config import cache_spec
 from kvlab.config_files import load_cache_config, resolve_settings
 from kvlab.engine import compile_decode_step, generate
@@ -38,7 +49,7 @@ RATIOS = [0.5, 0.75, 0.875]
 
 
 def build_parser():
-    p = bench_parser(__doc__)
+    p = bench_parser(__doc__, weights=True)
     p.add_argument("--methods", nargs="+", default=METHODS, help=f"configs of configs/ (default: {' '.join(METHODS)})")
     p.add_argument(
         "--ratios", nargs="+", type=float, default=RATIOS, help="compression ratios (default: 0.5 0.75 0.875)"
@@ -123,8 +134,13 @@ def decode_cells(bench, args) -> dict:
             "same_tokens": same,
         }
         print(length, results[str(length)], file=sys.stderr)
-    settings = ("decode_method", "decode_ratio", "decode_tokens", "repeats", "compile")
-    return {"lengths": results, **{name: getattr(args, name) for name in settings}}
+    settings = ("decode_method", "decode_ratio", "decode_tokens", "repeats", "compile", "weights")
+    return {"lengths": results, "machine": machine(bench.device), **{name: getattr(args, name) for name in settings}}
+
+
+def decode_key(weights: str) -> str:
+    """The JSON key of the decode part run on these weights: "decode" for the float checkpoint."""
+    return "decode" if weights == "float" else f"decode_{weights}"
 
 
 def longdoc_rows(bench, tokens: int) -> dict:
@@ -154,6 +170,7 @@ def longdoc_rows(bench, tokens: int) -> dict:
             "plain_peak_rss_mb": plain["peak_rss_mb"],
             "tokens": tokens,
             "flags": run["flags"],
+            "machine": machine(bench.device),
         }
         for key, run in forms.items()
     }
@@ -170,17 +187,6 @@ def markdown(results: dict) -> list[str]:
             mib = [f"{cell[k]:.1f}" for k in ("full_mib", "dense_mib", "compact_mib")]
             shares = [f"{cell[k]:.3f}" for k in ("dense_over_full", "bytes_held_over_full", "target")]
             rows.append(row(method, ratio, *mib, *shares, "yes" if cell["same_tokens"] else "**no**"))
-    decode = results["decode"]
-    timed = [
-        row(
-            length,
-            f"{d['dense_tok_s']:.1f}",
-            f"{d['compact_tok_s']:.1f}",
-            f"{d['ratio']:.2f}x",
-            "yes" if d["same_tokens"] else "**no**",
-        )
-        for length, d in decode["lengths"].items()
-    ]
     docs = [(key, results[key]) for key in LONGDOC_FORMS if key in results]
     longdoc = [
         row(
@@ -206,22 +212,42 @@ def markdown(results: dict) -> list[str]:
             "| same tokens",
             rows,
         ),
-        f"Decode of {decode['decode_method']} at {decode['decode_ratio']}, "
-        f"{'compiled' if decode['compile'] else 'eager'}, {decode['decode_tokens']} tokens, median of "
-        f"{decode['repeats']} runs (each run's first step, which compiles, left out):"
-        "",
-        *table("prompt tokens | dense tok/s | compact tok/s | compact / dense | same tokens", timed),
+        *[line for weights in WEIGHTS if decode_key(weights) in results for line in decode_lines(results, weights)],
         f"KVzip (the model-wide ranking) at 1,024 slots on bench_longdoc.py's {doc['tokens']}-token document, "
-        "float16 cache, a process per row, its peak its own VmHWM; the full cache (generate.py's defaults): prefill "
-        f"{doc['plain_prefill_s']:.1f} s, peak {doc['plain_peak_rss_mb']:.0f} MB:",
+        f"float16 cache, a process per row, its peak its own VmHWM, {doc.get('machine', results['machine'])}; the "
+        f"full cache (generate.py's defaults): prefill {doc['plain_prefill_s']:.1f} s, peak "
+        f"{doc['plain_peak_rss_mb']:.0f} MB:",
         "",
         *table("kvzip | prefill s | / full prefill | peak RSS MB | bytes / full | answer right", longdoc),
     ]
 
 
+def decode_lines(results: dict, weights: str) -> list[str]:
+    """The decode part run on `weights`: what ran, then its table."""
+    decode = results[decode_key(weights)]
+    timed = [
+        row(
+            length,
+            f"{d['dense_tok_s']:.1f}",
+            f"{d['compact_tok_s']:.1f}",
+            f"{d['ratio']:.2f}x",
+            "yes" if d["same_tokens"] else "**no**",
+        )
+        for length, d in decode["lengths"].items()
+    ]
+    return [
+        f"Decode of {decode['decode_method']} at {decode['decode_ratio']}, {weights} weights, "
+        f"{'compiled' if decode['compile'] else 'eager'}, {decode['decode_tokens']} tokens, median of "
+        f"{decode['repeats']} runs (each run's first step, which compiles, left out), "
+        f"{decode.get('machine', results['machine'])}:",
+        "",
+        *table("prompt tokens | dense tok/s | compact tok/s | compact / dense | same tokens", timed),
+    ]
+
+
 def main() -> None:
     args = parse_bench_args(build_parser(), "real_bytes")
-    bench = load_bench(args.device, args.dtype)
+    bench = load_bench(args.device, args.dtype, args.weights)
     out = args.out or RESULTS / f"real_bytes_{bench.device.type}.md"
     kept = out.with_suffix(".json")
     results = json.loads(kept.read_text()) if kept.is_file() else {}  # bench_fixed_memory.py's cells live here too
@@ -231,7 +257,7 @@ def main() -> None:
     if "bytes" in args.parts:
         results.update(bytes_cells(bench, args), methods=args.methods)
     if "decode" in args.parts:
-        results["decode"] = decode_cells(bench, args)
+        results[decode_key(args.weights)] = decode_cells(bench, args)
     if "longdoc" in args.parts:
         results.update(longdoc_rows(bench, args.longdoc_tokens))
     write_results(markdown(results), out, "real_bytes", bench.device, results=results)

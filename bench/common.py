@@ -19,10 +19,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvlab import kernels
 from kvlab.checkpoint import load_checkpoint
 from kvlab.cli import resolve_device_dtype
 from kvlab.config import CacheSpec, cache_spec
-from kvlab.convert import default_checkpoint
+from kvlab.convert import blocks_checkpoint, default_checkpoint
 from kvlab.engine import sync
 from kvlab.generation import Generation
 from kvlab.model import Transformer
@@ -31,7 +32,9 @@ from kvlab.quantized_model import quantize_model
 from kvlab.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-QUANTIZATIONS = {"int8": Quantization("int8"), "int4": Quantization("int4", 32)}  # --weights
+QUANTIZATIONS = {"int8": Quantization("int8"), "int4": Quantization("int4", 32)}  # --weights, quantized in memory
+KEPT_BLOCKS = "q4_1"  # --weights: the shipped GGUF's Q4_1 blocks as they are (scripts/quantize.py --mode gguf)
+WEIGHTS = ["float", *QUANTIZATIONS, KEPT_BLOCKS]  # --weights' choices
 T = TypeVar("T")
 
 
@@ -65,8 +68,9 @@ def bench_parser(doc: str, dtype: bool = True, weights: bool = False) -> argpars
         p.add_argument(
             "--weights",
             default="float",
-            choices=["float", *QUANTIZATIONS],
-            help="the model's weights: as loaded, or quantized in memory as scripts/quantize.py would (default: float)",
+            choices=WEIGHTS,
+            help="the model's weights: as loaded, quantized in memory as scripts/quantize.py would, or q4_1: the "
+            "checkpoint keeping the shipped GGUF's Q4_1 blocks (the float32 weights' values) (default: float)",
         )
     return p
 
@@ -104,19 +108,22 @@ class Bench:
 
 
 def load_bench(device_name: str, dtype_name: str, weights: str = "float") -> Bench:
-    """The default checkpoint, its weights quantized in memory for `weights` "int8" or "int4" (g=32)."""
+    """The default checkpoint, its weights quantized in memory for `weights` "int8" or "int4" (g=32); "q4_1": the
+    checkpoint of the shipped Q4_1 blocks."""
     device, dtype = resolve_device_dtype(device_name, dtype_name)
-    model, tokenizer, config = load_checkpoint(default_checkpoint(), device, dtype)
-    if weights != "float":
+    checkpoint = blocks_checkpoint() if weights == KEPT_BLOCKS else default_checkpoint()
+    model, tokenizer, config = load_checkpoint(checkpoint, device, dtype)
+    if weights in QUANTIZATIONS:
         quantize_model(model, QUANTIZATIONS[weights])
     return Bench(device, dtype, model, tokenizer, config, tokenizer.encode(bench_text()))
 
 
 def machine(device: torch.device, cpu: str | None = None) -> str:
-    """The GPU's name, or the CPU's (`cpu`, else the processor's) and torch's thread count."""
+    """The GPU's name, or the CPU's (`cpu`, else the processor's), torch's thread count and which kernels run (their
+    instruction set: two CPUs of one name may differ)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{cpu or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {kernels.path()}"
 
 
 def decode_rate(result: Generation) -> float:

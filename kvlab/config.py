@@ -55,7 +55,8 @@ GENERAL_OPTIONS = (
         (int, float),
         "a fraction in [0, 1)",
         "kvpress's protocol, instead of max_cache_length: remove this share of each prompt's tokens at prefill "
-        "and keep every token decoded after it (evicting strategies that rank the prompt)",
+        "and keep every token decoded after it (evicting strategies that rank the prompt; for duo_attention, as "
+        "kvpress's DuoAttentionPress: the share of KV heads that stream, replacing duo_retrieval)",
         check=lambda v: 0 <= v < 1,
         default_help="unset",
     ),
@@ -166,6 +167,10 @@ def cache_spec(
     budget_options = layer_budget_options(settings, planner, strategies, lengths)
     repeat = repeat_request(tokenizer) if model_scored(strategies, options) else None
     ratio = settings.get("compression_ratio")
+    if ratio is not None and {s for s in strategies if s != "full"} == {"duo_attention"}:
+        # kvpress's protocol for DuoAttentionPress: the ratio is the share of KV heads that stream
+        options["duo_retrieval"] = check_value("duo_retrieval", 1 - float(ratio))
+        ratio = None
     if ratio is not None:
         check_ratio(ratio, strategies, lengths, planner, "max_cache_length" in settings)
     first_token = bool(settings.get("compress_first_token", False))

@@ -199,9 +199,9 @@ class AttentionProbe(nn.Module):
     """Stands in for a layer's cache: holds one sequence's prompt keys/values [1, H_kv, T, D], appends each
     pass's own as its parts run, and keeps the attention each prompt key receives (max or sum over the passes).
     It attends itself: where kvlab's native prefill attention runs, that gives the output and each query's
-    log-sum-exp, and only the probabilities a score reads are formed from them (KVzip's: the sinks, the window
-    and the pass's own keys; the oracle's: the prompt's), never the whole [heads, queries, keys] softmax;
-    elsewhere torch's explicit softmax is observed whole."""
+    log-sum-exp, and only the scores a score reads are formed from them (KVzip's: the sinks' and the window's,
+    its own keys' share from the kernel's log-sum-exp over them; the oracle's: the prompt's probabilities), never
+    the whole [heads, queries, keys] softmax; elsewhere torch's explicit softmax is observed whole."""
 
     needs_attention, needs_tokens, attends_itself = True, False, True
 
@@ -234,33 +234,42 @@ class AttentionProbe(nn.Module):
             )
             self.observe(probs)
             return y
-        y, lse, key_pos = self.split_attention(input_pos, k, v, q)
+        y, lse, own_lse = self.split_attention(input_pos, k, v, q)
         skip = self.first_counted(q.shape[2])
         if skip is None:
             return y
-        q, lse, query_pos, T = q[:, :, skip:], lse[:, :, skip:], input_pos[:, skip:], self.k.shape[2]
+        q, lse, own_lse = q[:, :, skip:], lse[:, :, skip:], own_lse[:, :, skip:]
         if self.counted.window is None:
             self.receive(key_probabilities(q, self.k, lse))
-            return y
-        start, end = self.counted.window
-        sinks, window = (
-            key_probabilities(q, self.k[:, :, a:b], lse) for a, b in ((0, min(KVZIP_SINKS, start)), (start, end))
-        )
-        own = key_probabilities(q, self.own_k, lse, key_pos[:, T:], query_pos)
-        self.receive_in_scope(sinks, window, own)
+        else:
+            self.receive_window(q, own_lse)
         return y
 
     def split_attention(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The output, log-sum-exps and key positions of the queries over the prompt (every key seen) and the pass's own
-        keys (causal), by the native kernel over each, merged by their log-sum-exps: the prompt's keys are read in
-        place, never copied beside the pass's (a long document's every layer, every part)."""
+        """The output and log-sum-exps of the queries over the prompt (every key seen) and the pass's own keys
+        (causal), by the native kernel over each, merged by their log-sum-exps; and the log-sum-exps over the own
+        keys alone. The prompt's keys are read in place, never copied beside the pass's (a long document's every
+        layer, every part)."""
         self.append(input_pos, k, v)
         T = self.k.shape[2]
         prompt = prefill_attention(q, self.k, self.v, self.key_pos[:, :T], input_pos)
-        y, lse = merged_attention(
-            *prompt, *prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos)
-        )
-        return y.to(q.dtype), lse, self.key_pos
+        own = prefill_attention(q, self.own_k, self.own_v, self.key_pos[:, T:], input_pos)
+        y, lse = merged_attention(*prompt, *own)
+        return y.to(q.dtype), lse, own[1]
+
+    def receive_window(self, q: Tensor, own_lse: Tensor) -> None:
+        """KVzip's scope from the native kernel's log-sum-exps: a window key receives e^(s - L) from each counted
+        query of q [1, H, n, D], L the query's log-sum-exp over the sinks, the window and the pass's own keys
+        (own_lse [1, H, n], the kernel's: the own keys' probabilities are never formed). With reduce max, e^x
+        increasing, the largest s - L is found first and only [H_kv, window] exponentials are taken."""
+        start, end = self.counted.window
+        sinks, window = (key_logits(q, self.k[:, :, a:b]) for a, b in ((0, min(KVZIP_SINKS, start)), (start, end)))
+        scope = torch.stack([sinks.logsumexp(-1), window.logsumexp(-1), own_lse.view_as(window[..., 0])]).logsumexp(0)
+        scaled = window.sub_(scope[..., None])
+        if self.reduce == "max":
+            self.receive_largest(scaled.amax(dim=3).amax(dim=2).exp_(), start, end)
+        else:
+            self.receive(scaled.exp_(), start, end)
 
     def observe(self, probs: Tensor) -> None:
         """A part's probabilities [1, H_kv, group, queries, T + own keys], torch's."""
@@ -289,24 +298,29 @@ class AttentionProbe(nn.Module):
     def receive(self, probs: Tensor, start: int = 0, end: int | None = None) -> None:
         """Prompt keys start..end received probs [1, H_kv, group, counted queries, end - start]."""
         if self.reduce == "max":  # in turn: 8x faster than dim=(2, 3) on CPU
-            self.scores[..., start:end] = torch.maximum(self.scores[..., start:end], probs.amax(dim=3).amax(dim=2))
+            self.receive_largest(probs.amax(dim=3).amax(dim=2), start, end)
         else:
             self.scores[..., start:end] += probs.sum(dim=(2, 3))
 
+    def receive_largest(self, largest: Tensor, start: int, end: int | None) -> None:
+        """Prompt keys start..end received at most largest [1, H_kv, end - start] from this part's queries."""
+        self.scores[..., start:end] = torch.maximum(self.scores[..., start:end], largest)
 
-def key_probabilities(
-    q: Tensor, k: Tensor, lse: Tensor, key_pos: Tensor | None = None, query_pos: Tensor | None = None
-) -> Tensor:
-    """[B, H_kv, group, n, S]: the attention queries q [B, H, n, D] pay keys k [B, H_kv, S, D] in a softmax whose
-    log-sum-exp is lse [B, H, n] (float32): exp(q.k / sqrt(D) - lse). With positions (key_pos [B, S], query_pos
-    [B, n]), zero where a key follows its query."""
+
+def key_probabilities(q: Tensor, k: Tensor, lse: Tensor) -> Tensor:
+    """[B, H_kv, group, n, S]: the attention queries q [B, H, n, D] pay keys k [B, H_kv, S, D] (all before them) in a
+    softmax whose log-sum-exp is lse [B, H, n] (float32): exp(q.k / sqrt(D) - lse)."""
+    logits = key_logits(q, k)
+    return logits.sub_(lse.view_as(logits[..., 0])[..., None]).exp_()
+
+
+def key_logits(q: Tensor, k: Tensor) -> Tensor:
+    """[B, H_kv, group, n, S] float32: the scaled scores q.k / sqrt(D) of queries q [B, H, n, D] for keys k
+    [B, H_kv, S, D], the query heads grouped by the KV head they share."""
     B, H, n, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     logits = (q.float() * (1.0 / math.sqrt(D))).reshape(B, n_kv, H // n_kv * n, D) @ k.float().transpose(-1, -2)
-    probs = logits.sub_(lse.reshape(B, n_kv, -1, 1)).exp_().view(B, n_kv, H // n_kv, n, S)
-    if key_pos is not None:
-        probs.masked_fill_(~attention_mask(key_pos, query_pos)[:, :, None], 0.0)
-    return probs
+    return logits.view(B, n_kv, H // n_kv, n, S)
 
 
 PROBS_BYTES = 2**27  # a pass runs in parts whose attention probabilities take at most this (128 MB) per layer

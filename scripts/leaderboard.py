@@ -36,9 +36,9 @@ from kvlab.strategies import CACHE_STRATEGIES
 
 EVAL = Path(__file__).resolve().parent.parent / "eval.py"
 
-# kvpress's leaderboard presses, by the shipped config that runs each here, best known first; then SnapKV as its paper
-# ran it, the oracles (uniform budgets, KVzip's model-wide ranking, Ada-KV's split; steered by the reference answer)
-# and a recallable cache.
+# kvpress's leaderboard presses, by the shipped config that runs each here, best known first (DuoAttention's ratio: the
+# share of heads that stream, as kvpress sets it); then SnapKV as its paper ran it, the oracles (uniform budgets,
+# KVzip's model-wide ranking, Ada-KV's split; steered by the reference answer) and a recallable cache.
 METHODS = (
     "kvzip",
     "ada_expected_attention",
@@ -52,6 +52,7 @@ METHODS = (
     "recent_global",
     "l2",
     "random",
+    "duo_attention",
     "snapkv_paper",
     "oracle",
     "oracle_global",

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import spec_for
 from kvlab.build import make_caches
 from kvlab.cache import FullCache
+from kvlab.config import cache_spec
 from kvlab.duo import calibrate, mixed_attention, read_gates, retrieval_heads, streaming_mask, write_gates
 from kvlab.engine import compile_decode_step, generate
 
@@ -157,3 +158,17 @@ def test_gates_files_and_settings_are_checked(tmp_path, gates_file, tiny_model):
         {"heads retrieval": 1, "heads streaming": 1},
         {"heads retrieval": 0, "heads streaming": 2},
     ]
+
+
+@pytest.mark.parametrize("ratio, retrieval", [(0.75, 0.25), (0.5, 0.5), (0.0, 1.0)])
+def test_compression_ratio_is_the_share_of_streaming_heads(tiny_model, gates_file, ratio, retrieval):
+    """kvpress's protocol for DuoAttentionPress (head_compression_ratio = the compression ratio): a ratio replaces
+    duo_retrieval, whatever the config says, with 1 - ratio, and sizes nothing else."""
+    settings = dict(duo_gates=gates_file, global_tokens=2, recent_window=3, duo_retrieval=0.5)
+    spec = cache_spec({"cache_strategy": "duo_attention", "compression_ratio": ratio, **settings}, 2)
+    assert spec.compression_ratio is None and spec.options["duo_retrieval"] == retrieval
+    prompts = [[3, 9, 27, 17, 51, 25, 11, 33, 5, 40, 2, 6]]
+    direct = spec_for(tiny_model, "duo_attention", 1.0, **{**settings, "duo_retrieval": retrieval})
+    assert generate(tiny_model, prompts, 12, spec).tokens == generate(tiny_model, prompts, 12, direct).tokens
+    streaming = sum(layer.attention.kv_cache.stats()["heads streaming"] for layer in tiny_model.layers)
+    assert streaming == round(ratio * GATES.numel())

@@ -5,7 +5,7 @@
 // static cache and every compressed cache's slots alike. Keys and values are float32, float16 or bfloat16
 // (16-bit caches: half the bytes, widened to float32 as they load); the arithmetic is float32.
 //
-// Each (sequence, KV head, run of kChunk slots) is one task: the query heads sharing the KV head read
+// Each (sequence, KV head, run of kChunk slots it holds) is one task: the query heads sharing the KV head read
 // each key and value row once. A task keeps its rows' maximum score, sum of exponentials and weighted
 // sum of values (flash-decoding's partials); one pass merges the tasks' partials.
 #include <torch/library.h>
@@ -22,10 +22,11 @@ struct HeadSlots {
 };
 
 // y [B, H, T, D] for q [B, H, T, D] float32 over the slots `head_slots(b, h)` of each of the H_kv KV heads of
-// k and v ([rows, D] after the head's first row, float32, float16 or bfloat16, both alike); `chunks` tasks of
-// kChunk slots per KV head, a task past the head's slots left empty. A query that sees no slot gets zeros.
+// k and v ([rows, D] after the head's first row, float32, float16 or bfloat16, both alike). The tasks are each head's
+// runs of kChunk slots, only as many as it holds, shared evenly by the threads (a compact store's heads hold
+// uneven counts: split by head, one thread would get the long ones). A query that sees no slot gets zeros.
 template <typename HeadSlotsOf>
-static at::Tensor attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query_pos, int64_t Hkv, int64_t chunks,
+static at::Tensor attend_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query_pos, int64_t Hkv,
                                HeadSlotsOf head_slots) {
   const bool kv_dtype = k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf || k.scalar_type() == at::kBFloat16;
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_dtype && v.scalar_type() == k.scalar_type(), "kvlab attention takes float32 q, and k and v of one of float32, float16, bfloat16");
@@ -35,26 +36,33 @@ static at::Tensor attend_heads(const at::Tensor& q, const at::Tensor& k, const a
               "kvlab attention: query_pos must be int64 [B, T], got ", query_pos.sizes());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), qp = query_pos.contiguous();
   const int64_t G = H / Hkv, R = G * T;
-  at::Tensor m = at::full({B, Hkv, chunks, R}, kNegInf, q.options()), l = at::zeros_like(m), acc = at::zeros({B, Hkv, chunks, R, D}, q.options());
+  std::vector<HeadSlots> slots;
+  std::vector<int64_t> first{0}, task_head;  // head i's tasks are first[i] .. first[i + 1] - 1
+  for (int64_t head = 0; head < B * Hkv; ++head) {
+    slots.push_back(head_slots(head / Hkv, head % Hkv));
+    first.push_back(first.back() + (slots.back().count + kChunk - 1) / kChunk);
+    task_head.resize(first.back(), head);
+  }
+  const int64_t tasks = first.back();
+  at::Tensor m = at::full({tasks, R}, kNegInf, q.options()), l = at::zeros_like(m), acc = at::zeros({tasks, R, D}, q.options());
   const std::vector<int64_t> row_pos = row_positions(qp, R);
   const Isa isa = kernel_isa();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   auto run = [&](const auto* keys, const auto* values) {  // float, at::Half or at::BFloat16
-    at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
-        const int64_t b = task / (Hkv * chunks), h = task / chunks % Hkv, j0 = task % chunks * kChunk, head = b * Hkv + h;
-        const HeadSlots slots = head_slots(b, h);
-        const int64_t n = std::min(kChunk, slots.count - j0), row = (slots.first_row + j0) * D;
-        if (n <= 0) continue;
-        attend_chunk(isa, qc.data_ptr<float>() + head * R * D, keys + row, values + row, slots.positions + j0, row_pos.data() + b * R, R, n, D, scale,
-                     m.data_ptr<float>() + task * R, l.data_ptr<float>() + task * R, acc.data_ptr<float>() + task * R * D);
+        const int64_t head = task_head[task], j0 = (task - first[head]) * kChunk;
+        const HeadSlots& own = slots[head];
+        const int64_t n = std::min(kChunk, own.count - j0), row = (own.first_row + j0) * D;
+        attend_chunk(isa, qc.data_ptr<float>() + head * R * D, keys + row, values + row, own.positions + j0, row_pos.data() + head / Hkv * R, R, n, D,
+                     scale, m.data_ptr<float>() + task * R, l.data_ptr<float>() + task * R, acc.data_ptr<float>() + task * R * D);
       }
     });
   };
   if (kc.scalar_type() == at::kHalf) run(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
   if (kc.scalar_type() == at::kBFloat16) run(kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>());
   if (kc.scalar_type() == at::kFloat) run(kc.data_ptr<float>(), vc.data_ptr<float>());
-  return merge(m, l, acc).view({B, H, T, D});
+  return merge_runs(m, l, acc, first, R, D).view({B, H, T, D});
 }
 
 // y [B, H, T, D] for q [B, H, T, D] float32, k and v [B, H_kv, S, D] float32, float16 or bfloat16 (both alike), key_pos
@@ -68,7 +76,7 @@ at::Tensor attend_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "kvlab::attend_fp32: key_pos must be int64 [B, S] or [B, H_kv, S], got ", key_pos.sizes());
   const at::Tensor kp = key_pos.contiguous();
   const int64_t* pos = kp.data_ptr<int64_t>();
-  return attend_heads(q, k, v, query_pos, Hkv, (S + kChunk - 1) / kChunk, [&](int64_t b, int64_t h) {
+  return attend_heads(q, k, v, query_pos, Hkv, [&](int64_t b, int64_t h) {
     return HeadSlots{(b * Hkv + h) * S, S, pos + (per_head ? b * Hkv + h : b) * S};
   });
 }
@@ -88,7 +96,7 @@ at::Tensor attend_ragged(const at::Tensor& q, const at::Tensor& k, const at::Ten
   for (int64_t i = 0; i < B * Hkv; ++i)
     TORCH_CHECK(first[i] >= 0 && count[i] >= 0 && count[i] <= S && first[i] + count[i] <= N, "kvlab::attend_ragged: head ", i, " holds rows ", first[i], " + ",
                 count[i], " of ", N, " (at most ", S, ")");
-  return attend_heads(q, k, v, query_pos, Hkv, (S + kChunk - 1) / kChunk, [&](int64_t b, int64_t h) {
+  return attend_heads(q, k, v, query_pos, Hkv, [&](int64_t b, int64_t h) {
     const int64_t head = b * Hkv + h;
     return HeadSlots{first[head], count[head], pos + head * S};
   });

@@ -322,21 +322,21 @@ static std::vector<int64_t> row_positions(const at::Tensor& query_pos, int64_t R
   return row_pos;
 }
 
-// Each row's output from its tasks' partials m, l [..., chunks, R] and acc [..., chunks, R, D]:
-// y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M = max_c m_c -> [..., R, D].
-static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc) {
-  const int64_t chunks = m.size(2), R = m.size(3), D = acc.size(4), heads = m.numel() / (chunks * R);
-  at::Tensor y = at::empty({m.size(0), m.size(1), R, D}, acc.options());
+// Each row's output from its head's tasks' partials: head i's are tasks first[i] .. first[i + 1] - 1 of m, l [tasks, R]
+// and acc [tasks, R, D]: y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M = max_c m_c -> [heads, R, D].
+static at::Tensor merge_runs(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc, const std::vector<int64_t>& first, int64_t R, int64_t D) {
+  const int64_t heads = static_cast<int64_t>(first.size()) - 1;
+  at::Tensor y = at::empty({heads, R, D}, acc.options());
   const float *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>(), *ap = acc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t r = 0; r < R; ++r) {
       float M = kNegInf, L = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, mp[(h * chunks + c) * R + r]);
+      for (int64_t c = first[h]; c < first[h + 1]; ++c) M = std::max(M, mp[c * R + r]);
       float* out = yp + (h * R + r) * D;
       std::fill(out, out + D, 0.f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t i = (h * chunks + c) * R + r;
+      for (int64_t c = first[h]; c < first[h + 1]; ++c) {
+        const int64_t i = c * R + r;
         const float w = M == kNegInf ? 0.f : std::exp(mp[i] - M);
         L += w * lp[i];
         for (int64_t d = 0; d < D; ++d) out[d] += w * ap[i * D + d];
@@ -345,6 +345,14 @@ static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tens
         for (int64_t d = 0; d < D; ++d) out[d] /= L;  // else no slot seen: zeros
     }
   return y;
+}
+
+// merge_runs for partials m, l [..., chunks, R] and acc [..., chunks, R, D]: every head `chunks` tasks -> [..., R, D].
+static at::Tensor merge(const at::Tensor& m, const at::Tensor& l, const at::Tensor& acc) {
+  const int64_t chunks = m.size(2), R = m.size(3), heads = m.numel() / (chunks * R);
+  std::vector<int64_t> first(heads + 1);
+  for (int64_t h = 0; h <= heads; ++h) first[h] = h * chunks;
+  return merge_runs(m, l, acc, first, R, acc.size(4)).view({m.size(0), m.size(1), R, acc.size(4)});
 }
 
 }  // namespace kvlab
