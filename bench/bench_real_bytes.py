@@ -214,7 +214,7 @@ def markdown(results: dict) -> list[str]:
         ),
         *[line for weights in WEIGHTS if decode_key(weights) in results for line in decode_lines(results, weights)],
         f"KVzip (the model-wide ranking) at 1,024 slots on bench_longdoc.py's {doc['tokens']}-token document, "
-        f"float16 cache, a process per row, its peak its own VmHWM, {doc.get('machine', results['machine'])}; the "
+        f"float16 cache, a process per row, its peak its own VmHWM, {doc['machine']}; the "
         f"full cache (generate.py's defaults): prefill {doc['plain_prefill_s']:.1f} s, peak "
         f"{doc['plain_peak_rss_mb']:.0f} MB:",
         "",
@@ -239,7 +239,7 @@ def decode_lines(results: dict, weights: str) -> list[str]:
         f"Decode of {decode['decode_method']} at {decode['decode_ratio']}, {weights} weights, "
         f"{'compiled' if decode['compile'] else 'eager'}, {decode['decode_tokens']} tokens, median of "
         f"{decode['repeats']} runs (each run's first step, which compiles, left out), "
-        f"{decode.get('machine', results['machine'])}:",
+        f"{decode['machine']}:",
         "",
         *table("prompt tokens | dense tok/s | compact tok/s | compact / dense | same tokens", timed),
     ]
