@@ -251,11 +251,9 @@ def main() -> None:
     out = args.out or RESULTS / f"real_bytes_{bench.device.type}.md"
     kept = out.with_suffix(".json")
     results = json.loads(kept.read_text()) if kept.is_file() else {}  # bench_fixed_memory.py's cells live here too
-    results.update(
-        machine=machine(bench.device), prompt_tokens=args.tokens, new_tokens=args.new_tokens, dtype=bench.dtype_name
-    )
-    if "bytes" in args.parts:
-        results.update(bytes_cells(bench, args), methods=args.methods)
+    if "bytes" in args.parts:  # the settings of the bytes rows, which the other parts leave as they were
+        results.update(bytes_cells(bench, args), methods=args.methods, machine=machine(bench.device))
+        results.update(prompt_tokens=args.tokens, new_tokens=args.new_tokens, dtype=bench.dtype_name)
     if "decode" in args.parts:
         results[decode_key(args.weights)] = decode_cells(bench, args)
     if "longdoc" in args.parts:

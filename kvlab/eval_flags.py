@@ -12,7 +12,9 @@ from kvlab.results import FULL
 
 def add_sweep_flags(p: ArgumentParser) -> None:
     """What a sweep runs: tasks, cache configs and sizes, and the protocol."""
-    p.add_argument("--tasks", nargs="+", required=True, help="task names, families (ruler, longbench, book) or all")
+    p.add_argument(
+        "--tasks", nargs="+", required=True, help="task names, families (ruler, needle, longbench, book) or all"
+    )
     p.add_argument(
         "--cache_config",
         nargs="+",

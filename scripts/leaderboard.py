@@ -146,36 +146,41 @@ def sweep_args(args: argparse.Namespace, query_agnostic: bool) -> list[str]:
 SUMMARY_COLUMNS = ("config", "size", "query_agnostic", "context_length", "value")
 
 
-def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[dict[str, Any]]:
-    """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished, for
-    `methods` and the full cache (an out_dir may also hold ablations and cache-size runs)."""
-    names = {FULL, *(Path(m).stem for m in methods)}
-    scores: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+def summary_rows(summary: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """eval.py's summary.csv as rows, refused in one line when it lacks one of `columns`."""
     with summary.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in SUMMARY_COLUMNS if c not in (reader.fieldnames or [])]
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(
                 f"{summary}: no column(s) {', '.join(missing)}; rerun the sweeps (or eval.py on --out_dir) to "
                 "rewrite it"
             )
-        for r in reader:
-            chunked = r.get("prefill_chunk")  # kvpress's protocol prefills at once
-            if (
-                int(r["context_length"]) != context_length
-                or r["config"] not in names
-                or chunked
-                or not (r["size"] == FULL or r["size"].startswith("ratio"))
-            ):
-                continue
-            ratio = "0" if r["size"] == FULL else r["size"].removeprefix("ratio")
-            modes = (
-                list(MODES)
-                if r["size"] == FULL
-                else ["query_agnostic" if r["query_agnostic"] == "True" else "query_aware"]
-            )
-            for mode in modes:  # the full cache is both protocols' reference
-                scores[mode, r["config"], ratio].append(float(r["value"]))
+        return list(reader)
+
+
+def protocol_cell(row: dict[str, str]) -> tuple[str, list[str]] | None:
+    """A summary.csv row's ratio ("0": the full cache) and the protocols it counts in (the full cache is both
+    protocols' reference), or None for a row kvpress's protocol does not rank (a chunked prefill, a cache size)."""
+    if row.get("prefill_chunk") or not (row["size"] == FULL or row["size"].startswith("ratio")):
+        return None
+    if row["size"] == FULL:
+        return "0", list(MODES)
+    return row["size"].removeprefix("ratio"), ["query_agnostic" if row["query_agnostic"] == "True" else "query_aware"]
+
+
+def leaderboard(summary: Path, context_length: int, methods: list[str]) -> list[dict[str, Any]]:
+    """Rows (mode, method, ratio, score, tasks): the mean score over the RULER tasks each run finished, for
+    `methods` and the full cache (an out_dir may also hold ablations and cache-size runs)."""
+    names = {FULL, *(Path(m).stem for m in methods)}
+    scores: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for r in summary_rows(summary, SUMMARY_COLUMNS):
+        cell = protocol_cell(r)
+        if int(r["context_length"]) != context_length or r["config"] not in names or cell is None:
+            continue
+        ratio, modes = cell
+        for mode in modes:
+            scores[mode, r["config"], ratio].append(float(r["value"]))
     return [
         dict(mode=m, method=c, ratio=float(x), score=sum(v) / len(v), tasks=len(v))
         for (m, c, x), v in sorted(scores.items())
@@ -277,7 +282,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(args: argparse.Namespace) -> None:
+def swept_summary(args: argparse.Namespace) -> Path:
+    """Each protocol's sweep run (resumed) unless --table_only, then the summary.csv eval.py wrote in --out_dir."""
     if not args.table_only:
         for mode in args.modes:
             if subprocess.run(sweep_command(args, MODES[mode])).returncode:
@@ -285,6 +291,11 @@ def run(args: argparse.Namespace) -> None:
     summary = args.out_dir / "summary.csv"
     if not summary.is_file():
         raise ValueError(f"no {summary}: run the sweeps first (drop --table_only)")
+    return summary
+
+
+def run(args: argparse.Namespace) -> None:
+    summary = swept_summary(args)
     rows = leaderboard(summary, args.context_length, args.methods)
     if all(r["method"] == FULL for r in rows):
         raise ValueError(

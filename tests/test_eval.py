@@ -98,7 +98,7 @@ def test_pg19_reads_a_directory_and_explains_how_to_get_it_offline(tmp_path, mon
 
 def test_unknown_task_lists_families_and_tasks():
     with pytest.raises(
-        ValueError, match=r"unknown task 'nope'; choose task names, a family \(book, longbench, ruler\) or all"
+        ValueError, match=r"unknown task 'nope'; choose task names, a family \(book, longbench, needle, ruler\) or all"
     ):
         resolve_tasks(["nope"])
     assert [t.name for t in resolve_tasks(["book"])] == ["book_shakespeare", "book_kjv", "pg19"]

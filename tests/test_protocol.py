@@ -414,6 +414,59 @@ def test_leaderboard_averages_tasks_per_method_ratio_and_protocol(tmp_path, monk
     assert leaderboard.sweep_command(args, False) == launched
 
 
+def test_needle_heatmap_draws_each_method_by_depth_and_ratio_beside_the_full_cache(tmp_path, monkeypatch):
+    """The needle grid from a summary.csv: a method's score per (protocol, ratio, depth), the full cache under ratio
+    0 of both protocols, other tasks, lengths, cache sizes and chunked runs left out; one picture per method and
+    protocol, named by the context length, its cells the scores down the depths and across the ratios."""
+    import matplotlib.figure
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import needle_heatmap
+
+    rows = [
+        ("full", "full", False, "", "needle_depth_0", 8192, 100.0),
+        ("full", "full", False, "", "needle_depth_50", 8192, 50.0),
+        ("snapkv", "ratio0.5", True, "", "needle_depth_0", 8192, 0.0),
+        ("snapkv", "ratio0.5", True, "", "needle_depth_50", 8192, 100.0),
+        ("snapkv", "ratio0.875", True, "", "needle_depth_0", 8192, 0.0),
+        ("snapkv", "ratio0.5", False, "", "needle_depth_50", 8192, 25.0),
+        ("snapkv", "ratio0.5", True, "4096", "needle_depth_0", 8192, 99.0),  # chunked: not kvpress's protocol
+        ("snapkv", "0.5", True, "", "needle_depth_0", 8192, 99.0),  # a cache size
+        ("snapkv", "ratio0.5", True, "", "needle_depth_0", 4096, 99.0),  # another length
+        ("snapkv", "ratio0.5", True, "", "niah_single_2", 8192, 99.0),  # another task
+        ("kvzip", "ratio0.5", True, "", "needle_depth_0", 8192, 99.0),  # not in --methods
+    ]
+    with (tmp_path / "summary.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["config", "size", "query_agnostic", "prefill_chunk", "task", "context_length", "value"])
+        writer.writerows(rows)
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: figures.append((fig, path)))
+    argv = ["--table_only", "--out_dir", str(tmp_path), "--methods", "snapkv", "--depths", "0", "50"]
+    needle_heatmap.main([*argv, "--modes", "query_agnostic", "query_aware", "--figures_dir", str(tmp_path / "f")])
+    assert json.loads((tmp_path / "needle.json").read_text()) == {
+        "full": {m: {"0": {"0": 100.0, "50": 50.0}} for m in ("query_agnostic", "query_aware")},
+        "snapkv": {
+            "query_agnostic": {"0.5": {"0": 0.0, "50": 100.0}, "0.875": {"0": 0.0}},
+            "query_aware": {"0.5": {"50": 25.0}},
+        },
+    }
+    table = (tmp_path / "needle.md").read_text()
+    assert "| full | 0 | 100 | 50 | 75 |\n| snapkv | 0.5 | 0 | 100 | 50 |\n| snapkv | 0.875 | 0 |  | 0 |\n" in table
+    assert "| snapkv | 0.5 |  | 25 | 25 |" in table
+    names = [path.name for _, path in figures]
+    assert names == [
+        "needle_8k_full.png",
+        "needle_8k_snapkv.png",
+        "needle_8k_full_query_aware.png",
+        "needle_8k_snapkv_query_aware.png",
+    ]
+    cells = [[t.get_text() for t in fig.axes[0].texts] for fig, _ in figures]
+    assert cells[1] == ["100", "0", "0", "50", "100", ""]  # depth 0: full, 0.5, 0.875; then depth 50
+    with pytest.raises(SystemExit):
+        needle_heatmap.main([*argv[:-2], "--depths", "5"])
+
+
 def test_leaderboard_details_pair_each_cell_with_the_full_cache_and_the_other_protocol(tmp_path, monkeypatch):
     """leaderboard_details.md from the records: a method's gap to the full cache and query-aware minus
     query-agnostic, each the mean paired difference +- its standard error over the examples both ran; scores per

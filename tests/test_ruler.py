@@ -11,6 +11,8 @@ import pytest
 from kvlab.convert import default_checkpoint
 from kvlab.tasks import Example
 from kvlab.tasks.haystack import qa_data
+from kvlab.tasks.needle import DEPTHS
+from kvlab.tasks.needle import TASKS as NEEDLE_TASKS
 from kvlab.tasks.ruler import TASKS
 from kvlab.tasks.ruler_base import needle_digits, string_match_all, string_match_part
 from kvlab.tasks.sizing import ContextTooShortError
@@ -140,6 +142,30 @@ def test_niah_needles_are_where_info_says(tokenizer, generated, name):
             assert text.count("Some special magic") == (not single)  # RULER's singular wording for one answer
             assert ("mentioned in the provided text is" in text) == single
             assert text.endswith("mentioned in the provided text " + ("is" if single else "are"))
+
+
+def test_needle_grid_puts_its_one_needle_at_its_depth(tokenizer):
+    """needle_depth_<d>: niah_single_2's prompt filling the budget, its one needle d% of the way through the
+    essays (the first sentence at 0, after the last at 100), a new needle and key in every example."""
+    assert (
+        list(NEEDLE_TASKS) == [f"needle_depth_{d}" for d in range(0, 101, 10)] == [f"needle_depth_{d}" for d in DEPTHS]
+    )
+    assert {t.family for t in NEEDLE_TASKS.values()} == {"needle"}
+    positions = []
+    for d in (0, 50, 100):
+        examples = NEEDLE_TASKS[f"needle_depth_{d}"].examples(tokenizer, 2, context_length=2048)
+        assert examples[0].answers != examples[1].answers
+        for example in examples:
+            assert_fills_budget(tokenizer, "niah_single_2", example, 2048)
+            (needle,) = example.info["needles"]
+            assert needle["depth"] == d / 100 and example.answers == [needle["text"].split(" is: ")[1].rstrip(".")]
+            assert tokenizer.decode(example.input_ids[needle["token_position"] :]).lstrip().startswith(needle["text"])
+            question = example.question_start
+            assert tokenizer.decode(example.input_ids[question:]).startswith("\nWhat is the special magic number")
+            positions.append(needle["token_position"] / question)
+    assert positions[0] < 0.05 and abs(positions[2] - 0.5) < 0.05 and positions[4] > 0.95, positions
+    with pytest.raises(ValueError, match="needle depth 101 is not a percentage of the haystack; choose 0 to 100"):
+        type(NEEDLE_TASKS["needle_depth_0"])(101)
 
 
 def test_niah_multiquery_asks_for_every_queried_key(generated, tokenizer):

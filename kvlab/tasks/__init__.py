@@ -1,4 +1,4 @@
-"""Evaluation tasks, by name and by family (`eval.py --tasks niah_single_2 ruler book`).
+"""Evaluation tasks, by name and by family (`eval.py --tasks niah_single_2 ruler needle book`).
 
 Two kinds:
 - a `GenerationTask` yields `Example`s (a prompt as token ids, reference answers, a generation
@@ -13,7 +13,7 @@ their common examples.
 
 from __future__ import annotations
 
-from kvlab.tasks import book, longbench, ruler
+from kvlab.tasks import book, longbench, needle, ruler
 from kvlab.tasks.base import Document, Example, GenerationTask, PerplexityTask, render_prompt
 
 __all__ = ["Document", "Example", "GenerationTask", "PerplexityTask", "all_tasks", "render_prompt", "resolve_tasks"]
@@ -21,11 +21,11 @@ __all__ = ["Document", "Example", "GenerationTask", "PerplexityTask", "all_tasks
 
 def all_tasks() -> dict[str, GenerationTask | PerplexityTask]:
     """Every task by name."""
-    return {**ruler.TASKS, **longbench.TASKS, **book.TASKS}
+    return {**ruler.TASKS, **needle.TASKS, **longbench.TASKS, **book.TASKS}
 
 
 def resolve_tasks(names: list[str]) -> list[GenerationTask | PerplexityTask]:
-    """Task names, family names (ruler, longbench, book) or `all`, in the order given, without repeats."""
+    """Task names, family names (ruler, needle, longbench, book) or `all`, in the order given, without repeats."""
     tasks = all_tasks()
     families = sorted({t.family for t in tasks.values()})
     chosen: dict[str, GenerationTask | PerplexityTask] = {}

@@ -82,7 +82,8 @@ VT_ICL_TOKENS = 470  # RULER builds its one-shot vt example for a 500-token cont
 
 class NeedleInAHaystack(RulerTask):
     """niah_*: needles "One of the special magic numbers for <key> is: <value>." hidden in a haystack of
-    essays, noise, or distractor needles; the question asks for the values of `num_queries` keys."""
+    essays, noise, or distractor needles; the question asks for the values of `num_queries` keys. The needles go
+    at RULER's depths, or every one at `depth` percent (the needle grid's tasks: kvlab/tasks/needle.py)."""
 
     max_new_tokens = 128
     question = "\nWhat "  # "What are all the ..." or, for one answer, "What is the ..."
@@ -96,8 +97,11 @@ class NeedleInAHaystack(RulerTask):
         num_keys: int = 1,
         num_values: int = 1,
         num_queries: int = 1,
+        depth: int | None = None,
     ) -> None:
         super().__init__(name)
+        if depth is not None and not 0 <= depth <= 100:
+            raise ValueError(f"needle depth {depth} is not a percentage of the haystack; choose 0 to 100")
         if haystack not in ("noise", "essay", "needle"):
             raise ValueError(f"unknown haystack {haystack!r}; choose noise, essay or needle")
         if {key_type, value_type} - {"words", "numbers", "uuids"}:
@@ -106,6 +110,7 @@ class NeedleInAHaystack(RulerTask):
             )
         self.haystack, self.key_type, self.value_type = haystack, key_type, value_type
         self.num_keys, self.num_values, self.num_queries = max(num_keys, num_queries), num_values, num_queries
+        self.depth = depth  # every needle at this depth (percent), else at RULER's depths drawn per example
 
     def generate(self, budget: Budget, rng: random.Random, index: int) -> tuple[list[int], list[str], dict[str, Any]]:
         keys = distinct(lambda: random_item(rng, self.key_type), self.num_keys)
@@ -116,7 +121,7 @@ class NeedleInAHaystack(RulerTask):
             for v in vs
         ]
         rng.shuffle(needles)
-        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        depths = [self.depth] * len(needles) if self.depth is not None else sorted(rng.sample(DEPTHS, len(needles)))
         queried = rng.sample(range(self.num_keys), self.num_queries)
         queries = [keys[i] for i in queried]
         answers = [v for i in queried for v in values[i]]

@@ -18,11 +18,6 @@
 
 namespace kvlab {
 
-// Unrolls a loop over a micro-kernel's rows. GCC keeps an array of accumulators in registers only when every loop
-// indexing it is unrolled; otherwise it also stores each one to the stack after every multiply-add (12 stores a k on
-// AVX2, 28 on AVX-512: the AVX2 product at a third of the FMA units' rate on a Zen 2).
-#define KVLAB_ROWS_UNROLLED _Pragma("GCC unroll 16")
-
 constexpr int64_t kPanel = 32;     // weight rows per panel: two AVX-512 vectors of float32
 constexpr int64_t kGemmRows = 9;  // rows of x past a decode step's (kvlab.kernels.MAX_ROWS): a prompt's or a chunk's
 

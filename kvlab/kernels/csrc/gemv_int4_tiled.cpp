@@ -128,45 +128,50 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni"))) static void tile
   }
 }
 
-// The AVX2 twin: each chunk's two 32-byte halves (rows 0-7, 8-15) as above, vpmaddwd and an add per pair.
+// The AVX2 twin, a tile's rows 0-7 (each chunk's first 32 bytes) then rows 8-15, so that only one half's
+// accumulators are live (AVX2 has 16 registers): per chunk, its nibbles widened to four vectors of 16-bit lanes,
+// pair-multiplied (vpmaddwd) with each row of x's input pairs into one int32 sum per row of x, the same exact
+// integers the VNNI path sums; a row of x's block total is then converted and scaled as there.
 template <int MB>
 __attribute__((target("avx2,fma,f16c"))) static void tiles_avx2(const QuantizedInput<int16_t>& in, const TiledInt4& w, float* y, int64_t m, int64_t t0, int64_t t1) {
   const int64_t blocks = w.Kp / 32;
   const __m256i low_nibble = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
   for (int64_t t = t0; t < t1; ++t) {
-    __m256 acc[MB][2];
-    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const uint8_t* codes = w.codes + t * blocks * kTileBlockBytes;
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[4], hi[4];
+    const int64_t rows = std::min(kTile, w.N - t * kTile);
+    for (int h = 0; h < 2 && 8 * h < rows; ++h) {
+      __m256 acc[MB];
+      KVLAB_ROWS_UNROLLED
+      for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m256i sum[MB];
+        KVLAB_ROWS_UNROLLED
+        for (int i = 0; i < MB; ++i) sum[i] = zero;
+#pragma GCC unroll 1  // a chunk at a time: four chunks' nibbles at once would not fit the registers
         for (int c = 0; c < 4; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kTileBlockBytes + 64 * c + 32 * h));
-          lo[c] = _mm256_and_si256(v, low_nibble);
-          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+          const __m256i lo = _mm256_and_si256(v, low_nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+          const __m256i nibbles[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero), _mm256_unpacklo_epi8(hi, zero),
+                                      _mm256_unpackhi_epi8(hi, zero)};
+          KVLAB_ROWS_UNROLLED
+          for (int i = 0; i < MB; ++i) {
+            const int32_t* pairs = reinterpret_cast<const int32_t*>(in.codes.data() + (m + i) * w.Kp + 32 * b) + 4 * c;
+            KVLAB_ROWS_UNROLLED
+            for (int j = 0; j < 4; ++j) sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(nibbles[j], _mm256_set1_epi32(pairs[j])));
+          }
         }
         const __m256 scale = load8(w.scales + (t * w.G + 32 * b / w.groupsize) * kTile + 8 * h);
-        for (int i = 0; i < MB; ++i) {
-          const int32_t* pairs = reinterpret_cast<const int32_t*>(in.codes.data() + (m + i) * w.Kp + 32 * b);
-          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c) {
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo[c], zero), _mm256_set1_epi32(pairs[4 * c])));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo[c], zero), _mm256_set1_epi32(pairs[4 * c + 1])));
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi[c], zero), _mm256_set1_epi32(pairs[4 * c + 2])));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi[c], zero), _mm256_set1_epi32(pairs[4 * c + 3])));
-          }
-          const __m256 step = _mm256_set1_ps(in.steps[(m + i) * blocks + b]);
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(scale, step), acc[i][h]);
-        }
+        KVLAB_ROWS_UNROLLED
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_mul_ps(scale, _mm256_set1_ps(in.steps[(m + i) * blocks + b])), acc[i]);
       }
-    for (int i = 0; i < MB; ++i) {
-      float out[kTile];
-      for (int h = 0; h < 2; ++h) {
+      const __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      KVLAB_ROWS_UNROLLED
+      for (int i = 0; i < MB; ++i) {
         for (int64_t g = 0; g < w.G; ++g)
-          acc[i][h] = _mm256_fmadd_ps(load8(w.offsets + (t * w.G + g) * kTile + 8 * h), _mm256_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i][h]);
-        _mm256_storeu_ps(out + 8 * h, acc[i][h]);
+          acc[i] = _mm256_fmadd_ps(load8(w.offsets + (t * w.G + g) * kTile + 8 * h), _mm256_set1_ps(in.group_sums[(m + i) * w.G + g]), acc[i]);
+        _mm256_maskstore_ps(y + (m + i) * w.N + t * kTile + 8 * h, kept, acc[i]);
       }
-      std::copy(out, out + std::min(kTile, w.N - t * kTile), y + (m + i) * w.N + t * kTile);
     }
   }
 }

@@ -85,34 +85,40 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni"))) static void tile
   }
 }
 
-// The AVX2 twin: each pair's 32 bytes as two halves (rows 0-7, 8-15), vpmaddwd and an add per pair and row of x.
+// The AVX2 twin: a tile's rows 0-7 (each pair's first 16 bytes) then rows 8-15, so that only one half's accumulators
+// are live (AVX2 has 16 registers), vpmaddwd and an add per pair and row of x.
 template <int MB>
 __attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<int16_t>& in, const Int8Rows& w, const int8_t* codes, float* y,
                                                             int64_t m, int64_t n0, int64_t tiles) {
   const int64_t blocks = w.Kp / 32;
   for (int64_t t = 0; t < tiles; ++t) {
-    __m256 acc[MB][2];
-    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int h = 0; h < 2; ++h) {
+    const int64_t n = n0 + t * kRowsPerTile, rows = std::min(kRowsPerTile, w.N - n);
+    for (int h = 0; h < 2 && 8 * h < rows; ++h) {
+      __m256 acc[MB];
+      KVLAB_ROWS_UNROLLED
+      for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* block = codes + (t * blocks + b) * kTileBlock + 16 * h;
         __m256i sums[MB];
+        KVLAB_ROWS_UNROLLED
         for (int i = 0; i < MB; ++i) sums[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // a few pairs at a time: every pair's widened codes at once would not fit the registers
         for (int p = 0; p < 16; ++p) {
           const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * p)));
+          KVLAB_ROWS_UNROLLED
           for (int i = 0; i < MB; ++i) {
             const int32_t* x_pairs = reinterpret_cast<const int32_t*>(in.codes.data() + (m + i) * w.Kp + 32 * b);
             sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(pairs, _mm256_set1_epi32(x_pairs[p])));
           }
         }
+        KVLAB_ROWS_UNROLLED
         for (int i = 0; i < MB; ++i)
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(in.steps[(m + i) * blocks + b]), acc[i][h]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(in.steps[(m + i) * blocks + b]), acc[i]);
       }
-    const int64_t n = n0 + t * kRowsPerTile, rows = std::min(kRowsPerTile, w.N - n);
-    for (int i = 0; i < MB; ++i) {
-      float out[kRowsPerTile];
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + 8 * h, acc[i][h]);
-      for (int64_t r = 0; r < rows; ++r) y[(m + i) * w.N + n + r] = out[r] * w.scales[n + r];
+      const __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 scale = _mm256_maskload_ps(w.scales + n + 8 * h, kept);
+      KVLAB_ROWS_UNROLLED
+      for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + (m + i) * w.N + n + 8 * h, kept, _mm256_mul_ps(acc[i], scale));
     }
   }
 }

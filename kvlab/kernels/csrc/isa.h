@@ -102,6 +102,11 @@ __attribute__((target("avx512f"))) inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// Unrolls a loop over a micro-kernel's rows. GCC keeps an array of accumulators in registers only when every loop
+// indexing it is unrolled; otherwise it also stores each one to the stack after every multiply-add (gemm.h's panel:
+// 12 stores a k on AVX2, 28 on AVX-512; the AVX2 product at a third of the FMA units' rate on a Zen 2).
+#define KVLAB_ROWS_UNROLLED _Pragma("GCC unroll 16")
+
 // Asks for the cache lines `kStreamAhead` bytes past [p, p + bytes) into L2: a weight stream read straight
 // through runs ahead of the hardware prefetcher this way (decode's float32 products on a Zen 4: 22-28 GB/s
 // without, 25-31 with; 2-32 KB ahead measured alike). A line past the weight's end is only a hint: never a fault.
