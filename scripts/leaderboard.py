@@ -69,6 +69,22 @@ def checked_ratio(text: str) -> str:
     return text
 
 
+def add_eval_flags(p: ArgumentParser) -> None:
+    """The flags passed through to eval.py's sweeps, and how many processes run them."""
+    for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
+        p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
+    p.add_argument("--compile", action="store_true", help="passed to eval.py")
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        help="run each sweep as N processes sharing its batches (eval.py under `python -m kvlab.launch "
+        "--standalone`), each with "
+        "its share of the cores or one GPU each; on a 2-core CPU, 2 processes took 0.87x the time of one, with "
+        "the same predictions (docs/scaling.md) (default: 1)",
+    )
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -100,18 +116,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--table_only", action="store_true", help="only (re)write the table and plot from the runs already in --out_dir"
     )
-    for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
-        p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
-    p.add_argument("--compile", action="store_true", help="passed to eval.py")
-    p.add_argument(
-        "--processes",
-        type=positive_int,
-        default=1,
-        help="run each sweep as N processes sharing its batches (eval.py under `python -m kvlab.launch "
-        "--standalone`), each with "
-        "its share of the cores or one GPU each; on a 2-core CPU, 2 processes took 0.87x the time of one, with "
-        "the same predictions (docs/scaling.md) (default: 1)",
-    )
+    add_eval_flags(p)
     return p
 
 

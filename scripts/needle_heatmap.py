@@ -18,7 +18,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from leaderboard import SUMMARY_COLUMNS, checked_ratio, protocol_cell, summary_rows, swept_summary  # on the path
+from leaderboard import (  # scripts/ is on the path
+    SUMMARY_COLUMNS,
+    add_eval_flags,
+    checked_ratio,
+    protocol_cell,
+    summary_rows,
+    swept_summary,
+)
 
 from kvlab.cli import ArgumentParser, positive_int, run_cli
 from kvlab.jobs import PROTOCOLS as MODES
@@ -70,12 +77,7 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--figures_dir", type=Path, default=None, help="where the pictures go (default: --out_dir)")
     p.add_argument("--table_only", action="store_true", help="only (re)write the tables and pictures from --out_dir")
-    for flag in ("--checkpoint_path", "--device", "--dtype", "--batch_size"):
-        p.add_argument(flag, default=None, help=f"passed to eval.py {flag} (default: eval.py's)")
-    p.add_argument("--compile", action="store_true", help="passed to eval.py")
-    p.add_argument(
-        "--processes", type=positive_int, default=1, help="eval.py processes sharing the batches (default: 1)"
-    )
+    add_eval_flags(p)
     return p
 
 
@@ -86,12 +88,11 @@ def grid(summary: Path, context_length: int, methods: list[str], depths: list[in
     tasks = {f"needle_depth_{d}": d for d in depths}
     out: Grid = defaultdict(lambda: defaultdict(dict))
     for r in summary_rows(summary, (*SUMMARY_COLUMNS, "task")):
-        cell = protocol_cell(r)
         if r["config"] not in names or r["task"] not in tasks or int(r["context_length"]) != context_length:
             continue
-        if cell is not None:
-            for mode in cell[1]:
-                out[r["config"]][mode].setdefault(cell[0], {})[tasks[r["task"]]] = float(r["value"])
+        ratio, modes = protocol_cell(r) or ("", [])
+        for mode in modes:
+            out[r["config"]][mode].setdefault(ratio, {})[tasks[r["task"]]] = float(r["value"])
     return {m: dict(v) for m, v in out.items()}
 
 
@@ -136,7 +137,7 @@ def plot(table: Grid, method: str, mode: str, depths: list[int], path: Path) -> 
     import matplotlib.pyplot as plt
     import numpy as np
 
-    ratios = columns(table, method, mode) if method != FULL else ["0"]
+    ratios = columns(table, method, mode)
     values = np.array([[cell(table, method, mode, x, d) for x in ratios] for d in depths], dtype=float)
     fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(ratios), 0.5 * len(depths) + 1.4))
     image = ax.imshow(values, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(
             f"{summary} holds no needle_depth_* run of --methods at --context_length {args.context_length}"
         )
-    (args.out_dir / "needle.md").write_text(markdown(table, methods, args.depths))
+    text = markdown(table, methods, args.depths)
+    (args.out_dir / "needle.md").write_text(text)
     (args.out_dir / "needle.json").write_text(json.dumps(table, indent=1) + "\n")
     figures = args.figures_dir or args.out_dir
     figures.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
         for method in [FULL, *methods]:
             if method in table:
                 plot(table, method, mode, args.depths, figures / picture_name(args.context_length, method, mode))
-    print(markdown(table, methods, args.depths), end="")
+    print(text, end="")
 
 
 def picture_name(context_length: int, method: str, mode: str) -> str:
