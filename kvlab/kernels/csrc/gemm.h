@@ -99,9 +99,8 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t K, c
       acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
     }
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int32_t real = static_cast<int32_t>(std::min<int64_t>(16, cols - half));
-  const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(real), lane), high = _mm256_cmpgt_epi32(_mm256_set1_epi32(real - 8), lane);
+  const int64_t real = cols - half;
+  const __m256i low = first_lanes8(real), high = first_lanes8(real - 8);
   KVLAB_ROWS_UNROLLED
   for (int i = 0; i < MR; ++i) {
     _mm256_maskstore_ps(y + i * N + half, low, acc[i][0]);

@@ -115,7 +115,7 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const QuantizedInput<
         for (int i = 0; i < MB; ++i)
           acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(in.steps[(m + i) * blocks + b]), acc[i]);
       }
-      const __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i kept = first_lanes8(rows - 8 * h);
       const __m256 scale = _mm256_maskload_ps(w.scales + n + 8 * h, kept);
       KVLAB_ROWS_UNROLLED
       for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + (m + i) * w.N + n + 8 * h, kept, _mm256_mul_ps(acc[i], scale));

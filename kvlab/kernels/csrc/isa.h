@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -100,6 +101,11 @@ __attribute__((target("avx512f"))) inline __m512 load16(const at::Half* p) {
 }
 __attribute__((target("avx512f"))) inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// A mask of the first n of 8 float lanes (none for n <= 0, all from 8), for _mm256_maskload_ps / _mm256_maskstore_ps.
+__attribute__((target("avx2"))) inline __m256i first_lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // Unrolls a loop over a micro-kernel's rows. GCC keeps an array of accumulators in registers only when every loop
