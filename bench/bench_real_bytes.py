@@ -180,14 +180,39 @@ LONGDOC_FORMS = {"kvzip_longdoc": [], "kvzip_longdoc_one_shot": ["--prefill_chun
 
 
 def markdown(results: dict) -> list[str]:
-    """The tables, from the results (so a rerun of some parts rebuilds all of them)."""
+    """The tables of the parts the results hold (so a rerun of some parts rebuilds all of them)."""
+    decode = [line for weights in WEIGHTS if decode_key(weights) in results for line in decode_lines(results, weights)]
+    return ["# Bytes held by uneven budgets", "", *bytes_lines(results), *decode, *longdoc_lines(results)]
+
+
+def bytes_lines(results: dict) -> list[str]:
+    """The bytes part: what ran, then its table; nothing when it has not run."""
+    if "methods" not in results:
+        return []
     rows = []
     for method in results["methods"]:
         for ratio, cell in results[method].items():
             mib = [f"{cell[k]:.1f}" for k in ("full_mib", "dense_mib", "compact_mib")]
             shares = [f"{cell[k]:.3f}" for k in ("dense_over_full", "bytes_held_over_full", "target")]
             rows.append(row(method, ratio, *mib, *shares, "yes" if cell["same_tokens"] else "**no**"))
+    return [
+        f"{results['machine']}; {results['dtype']}; a {results['prompt_tokens']}-token prompt, "
+        f"{results['new_tokens']} new tokens, "
+        "kvpress's compression ratio (every decoded token kept). `python bench/bench_real_bytes.py`.",
+        "",
+        *table(
+            "method | ratio | full MiB | dense MiB | compact MiB | dense / full | compact / full | target "
+            "| same tokens",
+            rows,
+        ),
+    ]
+
+
+def longdoc_lines(results: dict) -> list[str]:
+    """The long-document part: its setting, then a row per recording form; nothing when it has not run."""
     docs = [(key, results[key]) for key in LONGDOC_FORMS if key in results]
+    if not docs:
+        return []
     longdoc = [
         row(
             "recorded in chunks of 512 (default)" if key == "kvzip_longdoc" else "recorded at once",
@@ -201,18 +226,6 @@ def markdown(results: dict) -> list[str]:
     ]
     doc = docs[0][1]
     return [
-        "# Bytes held by uneven budgets",
-        "",
-        f"{results['machine']}; {results['dtype']}; a {results['prompt_tokens']}-token prompt, "
-        f"{results['new_tokens']} new tokens, "
-        "kvpress's compression ratio (every decoded token kept). `python bench/bench_real_bytes.py`.",
-        "",
-        *table(
-            "method | ratio | full MiB | dense MiB | compact MiB | dense / full | compact / full | target "
-            "| same tokens",
-            rows,
-        ),
-        *[line for weights in WEIGHTS if decode_key(weights) in results for line in decode_lines(results, weights)],
         f"KVzip (the model-wide ranking) at 1,024 slots on bench_longdoc.py's {doc['tokens']}-token document, "
         f"float16 cache, a process per row, its peak its own VmHWM, {doc['machine']}; the "
         f"full cache (generate.py's defaults): prefill {doc['plain_prefill_s']:.1f} s, peak "
