@@ -64,7 +64,12 @@ def add_example_flags(p: ArgumentParser) -> None:
         help="examples per task (the same seeded ones for every run; nested as n grows) (default: 20)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated examples (default: 0)")
-    p.add_argument("--batch_size", type=positive_int, default=4, help="examples decoded together (default: 4)")
+    p.add_argument(
+        "--batch_size",
+        type=positive_int,
+        default=4,
+        help="examples decoded together; a task with fewer examples per process decodes that many (default: 4)",
+    )
     p.add_argument(
         "--ppl_prompt_tokens",
         type=int,

@@ -52,7 +52,6 @@ def open_out_dir(jobs: list[Job], args: argparse.Namespace, stack: contextlib.Ex
     Returns the examples already done."""
     if args.out_dir.exists() and not args.out_dir.is_dir():
         raise ValueError(f"--out_dir {args.out_dir} is a file, not a directory; choose a directory")
-    # checks the checkpoint name, context lengths and each run's key before anything is written
     done = prepare_runs(jobs, args)
     stack.enter_context(locked_out_dir(args.out_dir))
     return done
@@ -91,8 +90,7 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
         args.ppl_prompt_tokens,
         ModelArgs.from_dict(config["model"]).block_size,
     )
-    done = 0
-    records = {}
+    done, records = 0, {}
     for job in jobs:
         config_dir = job.config_dir(args.out_dir, model_name)
         records.setdefault(config_dir, read_config_records(config_dir))
@@ -137,6 +135,7 @@ class Group:
     examples: list[Any]  # Examples, or a perplexity task's Documents
     runs: list[tuple[Job, CacheSpec]]  # each job with its cache spec
     done: dict[Job, dict[str, dict[str, Any]]]  # each job's finished examples by id, from every rank's file
+    width: int  # a batch's rows, the same in every batch so shapes stay static: --batch_size, or a rank's share if less
 
     def todo(self) -> list[Any]:
         """The examples some job still misses, in order."""
@@ -215,7 +214,7 @@ class Evaluator:
             self.prepare([job for group in groups for job, _ in group.runs])
         parallel.barrier()  # the run directories exist, and every rank has read what was done, before any rank appends
         index, count = self.shard
-        units = [(group, batch) for group in groups for batch in batches(group.todo(), self.args.batch_size)]
+        units = [(group, batch) for group in groups for batch in batches(group.todo(), group.width)]
         for group, batch in tqdm(units[index::count], desc="sweep", unit="batch", disable=not lead):
             if isinstance(group.task, PerplexityTask):
                 self.score_documents(group, batch)
@@ -300,6 +299,7 @@ class Evaluator:
             examples,
             runs,
             {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs},
+            min(self.args.batch_size, -(-len(examples) // self.shard[1])),
         )
 
     def prepare(self, jobs: list[Job]) -> None:
@@ -332,7 +332,7 @@ class Evaluator:
         contexts = [e.question_start if agnostic else len(e.input_ids) - 1 for e in group.examples]
         questions = [len(e.input_ids) - c for e, c in zip(group.examples, contexts, strict=True)]
         max_seq_length = min(max(contexts) + max(questions) + max_new, self.model.config.block_size)
-        padded = batch + batch[-1:] * (args.batch_size - len(batch))  # a constant batch size keeps shapes static
+        padded = batch + batch[-1:] * (group.width - len(batch))
         # one prefill per protocol: the whole prompt, or the context alone
         shared = {False: RecordedPrefill(), True: RecordedPrefill()}
         for job, spec in group.pending(batch):
@@ -377,7 +377,7 @@ class Evaluator:
 
     def score_documents(self, group: Group, batch: list[Any]) -> None:
         """Score a batch of a perplexity task's documents for every run still missing one of them."""
-        padded = batch + batch[-1:] * (self.args.batch_size - len(batch))
+        padded = batch + batch[-1:] * (group.width - len(batch))
         for job, spec in group.pending(batch):
             t0 = time.perf_counter()
             losses, held = document_nll(

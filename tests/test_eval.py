@@ -195,9 +195,8 @@ def test_sweep_writes_results_summaries_and_resumes_after_a_kill(tmp_path, monke
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
-    use_echo_task(monkeypatch)
-    args = ["--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "5"]
+def counted_generate_rows(monkeypatch) -> list[int]:
+    """The rows of every batch eval.py decodes from now on, in order (generate still runs)."""
     calls = []
     original = evaluate.generate
     monkeypatch.setattr(
@@ -205,6 +204,13 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
         "generate",
         lambda model, prompts, *a, **k: calls.append(len(prompts)) or original(model, prompts, *a, **k),
     )
+    return calls
+
+
+def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
+    use_echo_task(monkeypatch)
+    args = ["--tasks", "echo", "--cache_config", "heavy_hitter", "--cache_sizes", "0.9", "--num_samples", "5"]
+    calls = counted_generate_rows(monkeypatch)
     run_eval(tmp_path, *args)
     config_dir = tmp_path / f"{M}/heavy_hitter"
     records = job_records(config_dir, "0.9", "echo@64")
@@ -218,6 +224,21 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     assert calls == [2, 2, 2, 2] and len(lines) == 7 and task_metrics(config_dir, "0.9", "echo@64")["n"] == 7
     run_eval(tmp_path, *args)  # fewer again: nothing to compute, metrics over the first five
     assert calls == [2, 2, 2, 2] and task_metrics(config_dir, "0.9", "echo@64")["value"] == metrics["value"]
+
+
+def test_a_task_with_fewer_examples_than_a_batch_decodes_no_copies(tmp_path, monkeypatch, smollm):
+    """The batch is as wide as a rank's share of the task when that is less than --batch_size: one example
+    decodes one row (not --batch_size copies of it), and every batch of the task keeps that width."""
+    use_echo_task(monkeypatch)
+    calls = counted_generate_rows(monkeypatch)
+    run_eval(tmp_path, "--tasks", "echo", "--cache_config", "full", "--num_samples", "1")
+    assert calls == [1]
+    # two ranks share three examples: batches of two, whatever --batch_size allows
+    evaluator = evaluate.Evaluator.__new__(evaluate.Evaluator)
+    flags = ["--tasks", "echo", "--num_samples", "3", "--batch_size", "4", "--out_dir", str(tmp_path)]
+    evaluator.args, evaluator.shard, evaluator.writes = kv_eval.build_parser().parse_args(flags), (0, 2), False
+    evaluator.tasks, evaluator.tokenizer = {"echo": EchoTask()}, smollm[1]
+    assert evaluator.group("echo", 64, []).width == 2
 
 
 @pytest.mark.slow
