@@ -11,8 +11,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +23,6 @@ from tqdm import tqdm
 from kvlab import parallel
 from kvlab.checkpoint import load_checkpoint, read_config
 from kvlab.cli import USER_ERRORS, resolve_device_dtype
-from kvlab.config import CacheSpec
 from kvlab.convert import default_checkpoint
 from kvlab.engine import compile_decode_step, decode_one_token, generate
 from kvlab.jobs import Job, check_key, checked_model_name, checkpoint_dir, job_spec, run_key, write_run_args
@@ -40,6 +38,7 @@ from kvlab.results import (
     rewrite_complete_lines,
     write_runs,
 )
+from kvlab.sweep_groups import Group, batch_width, summarize_job
 from kvlab.tasks import GenerationTask, PerplexityTask, resolve_tasks
 from kvlab.tasks.longbench import set_data_dir as set_longbench_dir
 from kvlab.tasks.sizing import ContextTooShortError, minimum_context_length
@@ -97,53 +96,6 @@ def prepare_runs(jobs: list[Job], args: argparse.Namespace) -> int:
         check_key(config_dir, job.run(), run_key(job, args, model_name, checkpoint), records[config_dir])
         done += len(records[config_dir].get((job.run(), job.stem()), {}))
     return done
-
-
-def batches(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def summarize_job(task: GenerationTask | PerplexityTask, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A task's metrics from its examples: mean score (x100) and needle digits (%), or perplexity over all scored
-    tokens."""
-    metrics: dict[str, Any] = dict(
-        metric=task.metric, n=len(records), compression=sum(r["compression"] for r in records) / len(records)
-    )
-    if isinstance(task, PerplexityTask):
-        metrics["value"] = math.exp(sum(r["nll_sum"] for r in records) / sum(r["tokens"] for r in records))
-        metrics["checkpoints"] = {
-            c: sum(r["checkpoints"][c] for r in records) / len(records) for c in records[0]["checkpoints"]
-        }
-    else:
-        metrics["value"] = 100 * sum(r["score"] for r in records) / len(records)
-        if all("needle_digits" in r for r in records):  # RULER's numeric needles, in % as the score
-            metrics["needle_digits"] = 100 * sum(r["needle_digits"] for r in records) / len(records)
-    for key in ("attention_loss", "topb_recall"):  # with --attention_metrics
-        if all(key in r for r in records):
-            metrics[key] = sum(r[key] for r in records) / len(records)
-    metrics["seconds"] = sum(r["seconds"] for r in records)
-    return metrics
-
-
-@dataclass
-class Group:
-    """One task at one context length with all its (config, size) jobs: they share each batch of its
-    examples, and in generation tasks the batch's prefill."""
-
-    task: GenerationTask | PerplexityTask
-    examples: list[Any]  # Examples, or a perplexity task's Documents
-    runs: list[tuple[Job, CacheSpec]]  # each job with its cache spec
-    done: dict[Job, dict[str, dict[str, Any]]]  # each job's finished examples by id, from every rank's file
-    width: int  # a batch's rows, the same in every batch so shapes stay static: --batch_size, or a rank's share if less
-
-    def todo(self) -> list[Any]:
-        """The examples some job still misses, in order."""
-        return [e for e in self.examples if any(e.id not in self.done[job] for job, _ in self.runs)]
-
-    def pending(self, batch: list[Any]) -> list[tuple[Job, CacheSpec]]:
-        """The runs missing one of `batch`'s examples."""
-        return [(job, spec) for job, spec in self.runs if any(e.id not in self.done[job] for e in batch)]
 
 
 T = TypeVar("T")
@@ -214,7 +166,7 @@ class Evaluator:
             self.prepare([job for group in groups for job, _ in group.runs])
         parallel.barrier()  # the run directories exist, and every rank has read what was done, before any rank appends
         index, count = self.shard
-        units = [(group, batch) for group in groups for batch in batches(group.todo(), group.width)]
+        units = [(group, batch) for group in groups for batch in group.batches()]
         for group, batch in tqdm(units[index::count], desc="sweep", unit="batch", disable=not lead):
             if isinstance(group.task, PerplexityTask):
                 self.score_documents(group, batch)
@@ -299,7 +251,7 @@ class Evaluator:
             examples,
             runs,
             {job: dict(records[self.config_dir(job)].get((job.run(), job.stem()), {})) for job, _ in runs},
-            min(self.args.batch_size, -(-len(examples) // self.shard[1])),
+            batch_width(self.args.batch_size, len(examples), self.shard[1]),
         )
 
     def prepare(self, jobs: list[Job]) -> None:
@@ -332,7 +284,7 @@ class Evaluator:
         contexts = [e.question_start if agnostic else len(e.input_ids) - 1 for e in group.examples]
         questions = [len(e.input_ids) - c for e, c in zip(group.examples, contexts, strict=True)]
         max_seq_length = min(max(contexts) + max(questions) + max_new, self.model.config.block_size)
-        padded = batch + batch[-1:] * (group.width - len(batch))
+        padded = group.padded(batch)
         # one prefill per protocol: the whole prompt, or the context alone
         shared = {False: RecordedPrefill(), True: RecordedPrefill()}
         for job, spec in group.pending(batch):
@@ -377,7 +329,7 @@ class Evaluator:
 
     def score_documents(self, group: Group, batch: list[Any]) -> None:
         """Score a batch of a perplexity task's documents for every run still missing one of them."""
-        padded = batch + batch[-1:] * (group.width - len(batch))
+        padded = group.padded(batch)
         for job, spec in group.pending(batch):
             t0 = time.perf_counter()
             losses, held = document_nll(

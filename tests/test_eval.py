@@ -24,6 +24,7 @@ from kvlab.jobs import jobs_for
 from kvlab.prompt_compression import AttentionScores
 from kvlab.recording import PrefillRecorder
 from kvlab.results import RECORDS, config_dirs, read_config_records, read_records, read_runs, write_runs
+from kvlab.sweep_groups import batch_width
 from kvlab.tasks import Example, GenerationTask, resolve_tasks
 from kvlab.tasks.book import TASKS as BOOKS
 from kvlab.tasks.book import pg19_books
@@ -226,18 +227,17 @@ def test_generation_jobs_score_and_resume(tmp_path, monkeypatch):
     assert calls == [2, 2, 2, 2] and task_metrics(config_dir, "0.9", "echo@64")["value"] == metrics["value"]
 
 
-def test_a_task_with_fewer_examples_than_a_batch_decodes_no_copies(tmp_path, monkeypatch, smollm):
+def test_a_task_with_fewer_examples_than_a_batch_decodes_no_copies(tmp_path, monkeypatch):
     """The batch is as wide as a rank's share of the task when that is less than --batch_size: one example
     decodes one row (not --batch_size copies of it), and every batch of the task keeps that width."""
     use_echo_task(monkeypatch)
     calls = counted_generate_rows(monkeypatch)
     run_eval(tmp_path, "--tasks", "echo", "--cache_config", "full", "--num_samples", "1")
     assert calls == [1]
-    # two ranks share three examples: batches of two, whatever --batch_size allows
-    evaluator = evaluate.Evaluator.__new__(evaluate.Evaluator)
-    flags = ["--tasks", "echo", "--num_samples", "3", "--batch_size", "4", "--out_dir", str(tmp_path)]
-    evaluator.args, evaluator.shard, evaluator.writes = kv_eval.build_parser().parse_args(flags), (0, 2), False
-    evaluator.tasks, evaluator.tokenizer = {"echo": EchoTask()}, smollm[1]
+    # two ranks share three examples: batches of two, whatever --batch_size allows; eight fill batches of four
+    assert [batch_width(4, n, 2) for n in (1, 3, 8, 9)] == [1, 2, 4, 4] and batch_width(4, 3, 1) == 3
+    flags = ["--tasks", "echo", "--num_samples", "3", "--batch_size", "4", "--out_dir", str(tmp_path / "ranks")]
+    evaluator = evaluate.Evaluator(kv_eval.build_parser().parse_args(flags), "cpu", shard=(0, 2))
     assert evaluator.group("echo", 64, []).width == 2
 
 
