@@ -42,7 +42,7 @@ def decode_speed(
     )
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__, weights=True)
     p.add_argument(
         "--prompt_lengths", type=int, nargs="+", default=[512, 2048, 4096, 8000], help="prompt lengths in tokens"
@@ -53,7 +53,11 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point after a warm-up (default: 1)")
     p.add_argument("--eager", action="store_true", help="time the eager decode step instead of the compiled one")
-    args = parse_bench_args(p, "cache")
+    return parse_bench_args(p, "cache")
+
+
+def main() -> None:
+    args = parse_args()
 
     bench = load_bench(args.device, args.dtype, args.weights)
     device = bench.device

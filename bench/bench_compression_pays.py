@@ -1,4 +1,4 @@
-"""Does compression pay at decode? A compressed cache against kvlab's full cache, in one run (issue 31).
+"""Does compression pay at decode? A compressed cache against kvlab's full cache, in one run.
 
     python bench/bench_compression_pays.py                       # prompts of 2048 and 8000 tokens, ratios 0.5 and 0.875
     python bench/bench_compression_pays.py --strategy recent_global --new_tokens 64
@@ -47,7 +47,7 @@ def decode_run(bench, prompt: list[int], spec, new_tokens: int) -> Callable[[], 
     )
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__, dtype=False)
     p.add_argument(
         "--prompt_lengths",
@@ -73,7 +73,11 @@ def main() -> None:
         default=3,
         help="timed rounds of every point, after a warm-up; medians are reported (default: 3)",
     )
-    args = parse_bench_args(p, "compression_pays")
+    return parse_bench_args(p, "compression_pays")
+
+
+def main() -> None:
+    args = parse_args()
     kernels.load()
     bench = load_bench("cpu", "float32")
     bandwidth = read_bandwidth() * 1e9

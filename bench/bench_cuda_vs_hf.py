@@ -201,6 +201,29 @@ def profile(model: Transformer, step: CompiledStep, prompt: list[int], args: arg
     print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=80), flush=True)
 
 
+ROW_HEADER = (
+    "prompt tokens | kvlab tok/s | kvlab, coordinate descent tok/s | HF tok/s | kvlab / HF | kvlab GB/s "
+    "| HF GB/s | kvlab / copy bandwidth | GPT-Fast / its card | logits vs HF | same greedy tokens"
+)
+
+
+def table_row(r: dict, share: float, bandwidth: float, new_tokens: int) -> str:
+    """A prompt length's row: both sides' rates and bandwidths, GPT-Fast's share of its card, the logits' error."""
+    return row(
+        r["prompt"],
+        f"{r['kvlab']:.1f}",
+        f"{r['kvlab_coordinate_descent']:.1f}",
+        f"{r['hf']:.1f}",
+        f"{r['ratio']:.2f}x",
+        f"{r['kvlab_gb_s']:.0f}",
+        f"{r['hf_gb_s']:.0f}",
+        f"{r['kvlab_gb_s'] / bandwidth:.0%}",
+        f"{share:.0%}",
+        f"{r['logits_error']:.1e}",
+        f"{r['same_tokens']} of {new_tokens}",
+    )
+
+
 def report(
     args: argparse.Namespace, device: torch.device, model: Transformer, rows: list[dict], bandwidth: float
 ) -> None:
@@ -223,27 +246,7 @@ def report(
         f"GPT-Fast's published {GPT_FAST['model']} bf16 figure, {GPT_FAST['tok_s']} tok/s at "
         f"{GPT_FAST['gb_s']:.0f} GB/s on an {GPT_FAST['card']}, is {share:.0%} of that card's bandwidth.",
         "",
-        *table(
-            "prompt tokens | kvlab tok/s | kvlab, coordinate descent tok/s | HF tok/s | kvlab / HF | kvlab GB/s "
-            "| HF GB/s | kvlab / copy bandwidth | GPT-Fast / its card | logits vs HF | same greedy tokens",
-            (
-                row(
-                    r["prompt"],
-                    f"{r['kvlab']:.1f}",
-                    f"{r['kvlab_coordinate_descent']:.1f}",
-                    f"{r['hf']:.1f}",
-                    f"{r['ratio']:.2f}x",
-                    f"{r['kvlab_gb_s']:.0f}",
-                    f"{r['hf_gb_s']:.0f}",
-                    f"{r['kvlab_gb_s'] / bandwidth:.0%}",
-                    f"{share:.0%}",
-                    f"{r['logits_error']:.1e}",
-                    f"{r['same_tokens']} of {args.new_tokens}",
-                )
-                for r in rows
-            ),
-            align="---:",
-        ),
+        *table(ROW_HEADER, (table_row(r, share, bandwidth, args.new_tokens) for r in rows), align="---:"),
         "Warm-up (compile) seconds, kvlab: "
         + ", ".join(f"{r['prompt']}: {r['kvlab_warmup_s']:.0f}" for r in rows)
         + "; HF, all its runs: "

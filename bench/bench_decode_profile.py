@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, and which Inductor settings cut it (issue 16).
+"""Where a decode step's time goes, and which Inductor settings cut it.
 
     python bench/bench_decode_profile.py                  # CPU, float32, 512-token prompt
     python bench/bench_decode_profile.py --prompt_length 2048
@@ -132,7 +132,7 @@ def profile_step(model, device: torch.device, prompt: list[int], steps: int) -> 
     return dict(per_step), wall
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__, weights=True)
     p.add_argument("--prompt_length", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per timed run (default: 64)")
@@ -144,30 +144,25 @@ def main() -> None:
         choices=list(SETTINGS),
         help="Inductor settings to time (default: all)",
     )
-    args = parse_bench_args(p, "decode_profile")
-    kernels.load()
-    bench = load_bench(args.device, args.dtype, args.weights)
-    device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
+    return parse_bench_args(p, "decode_profile")
 
-    pass_seconds, bandwidth, weight_bytes = weight_floor(model, device, bench.dtype)
-    print(
-        f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth "
-        f"{bandwidth:.1f} GB/s",
-        flush=True,
-    )
-    eager = median_decode_rate(after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats))
-    rates = {}
+
+def time_settings(model, device: torch.device, prompt: list[int], args) -> tuple[float, float | None, dict[str, float]]:
+    """(eager tok/s, eager tok/s with row-major weights or None where not compared, compiled tok/s per setting)."""
+
+    def rate(step=None) -> float:
+        kwargs = {} if step is None else {"decode_step": step}
+        return median_decode_rate(
+            after_warmup(lambda: generate(model, [prompt], args.new_tokens, **kwargs), args.repeats)
+        )
+
+    eager = rate()
+    rates, row_major_eager = {}, None
     # native kernels read row-major weights only
-    compare_layouts = device.type == "cpu" and args.weights == "float" and not kernels.NATIVE
-    if compare_layouts:  # the weight layout lay_out_for_matvec chose at load, against the row-major one it replaced
-        with row_major_weights(model):
-            row_major_eager = median_decode_rate(
-                after_warmup(lambda: generate(model, [prompt], args.new_tokens), args.repeats)
-            )
-            step = compile_decode_step(device)
-            rates["default, row-major weights"] = median_decode_rate(
-                after_warmup(lambda: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats)
-            )
+    if device.type == "cpu" and args.weights == "float" and not kernels.NATIVE:
+        with row_major_weights(model):  # the layout lay_out_for_matvec chose at load, against the one it replaced
+            row_major_eager = rate()
+            rates["default, row-major weights"] = rate(compile_decode_step(device))
         print(
             f"row-major weights: eager {row_major_eager:.1f}, compiled {rates['default, row-major weights']:.1f} tok/s",
             flush=True,
@@ -176,15 +171,63 @@ def main() -> None:
         torch._dynamo.reset()
         step = compile_decode_step(device, decode_one_token, SETTINGS[name])
         t0 = time.perf_counter()
-        rates[name] = median_decode_rate(
-            after_warmup(lambda step=step: generate(model, [prompt], args.new_tokens, decode_step=step), args.repeats)
-        )
+        rates[name] = rate(step)
         print(f"{name}: {rates[name]:.1f} tok/s ({time.perf_counter() - t0:.0f} s with compilation)", flush=True)
+    return eager, row_major_eager, rates
 
+
+def rate_rows(eager: float, row_major_eager: float | None, rates: dict[str, float], pass_seconds: float) -> list[str]:
+    """The Inductor settings' table rows: tok/s, against the default compile and eager, ms per step, and the
+    share of the step spent in the weight pass."""
+    base = rates.get("default", eager)
+    named = [("eager", eager)]
+    if row_major_eager is not None:
+        named.append(("eager, row-major weights", row_major_eager))
+    return [
+        row(name, f"{r:.1f}", f"{r / base:.2f}x", f"{r / eager:.2f}x", f"{1e3 / r:.1f}", f"{pass_seconds * r:.0%}")
+        for name, r in [*named, *rates.items()]
+    ]
+
+
+def profile_rows(breakdown: dict[str, float], step_seconds: float) -> list[str]:
+    """The profiled step's table rows: each category, the time in no op, and the step's wall time."""
+    unaccounted = max(step_seconds - sum(breakdown.values()), 0)
+    return [
+        *(
+            row(k, f"{v * 1e3:.1f}", f"{v / step_seconds:.0%}")
+            for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
+        ),
+        row(
+            "not in any op (Python, dispatch, profiler)",
+            f"{unaccounted * 1e3:.1f}",
+            f"{unaccounted / step_seconds:.0%}",
+        ),
+        row("**step (wall, profiled)**", f"{step_seconds * 1e3:.1f}", "100%"),
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    kernels.load()
+    bench = load_bench(args.device, args.dtype, args.weights)
+    device, model, prompt = bench.device, bench.model, bench.ids[: args.prompt_length]
+    pass_seconds, bandwidth, weight_bytes = weight_floor(model, device, bench.dtype)
+    print(
+        f"weights {weight_bytes / 1e6:.0f} MB: a batch-1 pass {pass_seconds * 1e3:.1f} ms; read bandwidth "
+        f"{bandwidth:.1f} GB/s",
+        flush=True,
+    )
+    eager, row_major_eager, rates = time_settings(model, device, prompt, args)
     torch._dynamo.reset()
     breakdown, step_seconds = profile_step(model, device, prompt, 16)
-    accounted = sum(breakdown.values())
-    base = rates.get("default", eager)
+    floor = row(
+        f"{weight_bytes / 1e6:.0f} MB",
+        f"{pass_seconds * 1e3:.1f} ms",
+        f"{weight_bytes / pass_seconds / 1e9:.1f}",
+        f"{bandwidth:.1f} GB/s",
+        f"{weight_bytes / bandwidth / 1e6:.1f} ms",
+        f"{1 / pass_seconds:.1f}",
+    )
     lines = [
         f"# Decode step profile: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}"
         + ("" if args.weights == "float" else f", {args.weights} weights"),
@@ -197,75 +240,20 @@ def main() -> None:
         *table(
             "weights (Linear + LM head) | batch-1 pass over them | the pass's GB/s | read bandwidth (1 GiB sum) "
             "| weights / bandwidth | tok/s bound",
-            [
-                row(
-                    f"{weight_bytes / 1e6:.0f} MB",
-                    f"{pass_seconds * 1e3:.1f} ms",
-                    f"{weight_bytes / pass_seconds / 1e9:.1f}",
-                    f"{bandwidth:.1f} GB/s",
-                    f"{weight_bytes / bandwidth / 1e6:.1f} ms",
-                    f"{1 / pass_seconds:.1f}",
-                )
-            ],
+            [floor],
         ),
         "## Inductor settings (compiled decode)",
         "",
         *table(
             "setting | decode tok/s | / default compile | / eager | ms per step | share of step in the weight pass",
-            [
-                row(
-                    "eager",
-                    f"{eager:.1f}",
-                    f"{eager / base:.2f}x",
-                    "1.00x",
-                    f"{1e3 / eager:.1f}",
-                    f"{pass_seconds * eager:.0%}",
-                )
-            ]
-            + [
-                row(
-                    "eager, row-major weights",
-                    f"{r:.1f}",
-                    f"{r / base:.2f}x",
-                    f"{r / eager:.2f}x",
-                    f"{1e3 / r:.1f}",
-                    f"{pass_seconds * r:.0%}",
-                )
-                for r in ([row_major_eager] if compare_layouts else [])
-            ]
-            + [
-                row(
-                    name,
-                    f"{r:.1f}",
-                    f"{r / base:.2f}x",
-                    f"{r / eager:.2f}x",
-                    f"{1e3 / r:.1f}",
-                    f"{pass_seconds * r:.0%}",
-                )
-                for name, r in rates.items()
-            ],
+            rate_rows(eager, row_major_eager, rates, pass_seconds),
         ),
         "## Where the default compiled step's time goes (torch.profiler, self CPU time)",
         "",
-        *table(
-            "part | ms per step | share of the step",
-            [
-                row(k, f"{v * 1e3:.1f}", f"{v / step_seconds:.0%}")
-                for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
-            ]
-            + [
-                row(
-                    "not in any op (Python, dispatch, profiler)",
-                    f"{max(step_seconds - accounted, 0) * 1e3:.1f}",
-                    f"{max(step_seconds - accounted, 0) / step_seconds:.0%}",
-                )
-            ]
-            + [row("**step (wall, profiled)**", f"{step_seconds * 1e3:.1f}", "100%")],
-        ),
+        *table("part | ms per step | share of the step", profile_rows(breakdown, step_seconds)),
     ]
-    write_results(
-        lines, args.out, "decode_profile" if args.weights == "float" else f"decode_profile_{args.weights}", device
-    )
+    name = "decode_profile" if args.weights == "float" else f"decode_profile_{args.weights}"
+    write_results(lines, args.out, name, device)
 
 
 if __name__ == "__main__":

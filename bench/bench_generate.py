@@ -15,6 +15,7 @@ ratios (compiled / eager, kvlab / HF), not lone times.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 
@@ -55,7 +56,7 @@ def kernel_path(device: torch.device, mode: str) -> str:
     )
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__)
     p.add_argument(
         "--prompt_lengths",
@@ -78,25 +79,24 @@ def main() -> None:
         choices=list(QUANTIZATIONS),
         help="weight-only quantizations to time too (default: int8 int4; none: skip)",
     )
-    args = parse_bench_args(p, "generate")
+    return parse_bench_args(p, "generate")
 
-    bench = load_bench(args.device, args.dtype)
-    device, dtype = bench.device, bench.dtype
-    new_tokens = args.new_tokens or (256 if device.type == "cuda" else 64)
-    hf_model = None
-    if not args.no_hf:
-        import transformers
 
-        gguf = default_gguf_path()
-        hf_model = (
-            transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            )
-            .to(device, dtype)
-            .eval()
-        )
+def load_hf(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """HF transformers' model from the same GGUF (its own loader)."""
+    import transformers
 
-    compiled_step = compile_decode_step(device)
+    gguf = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.to(device, dtype).eval()
+
+
+def time_float(bench, hf_model, new_tokens: int, args) -> list[tuple]:
+    """Per prompt length: (tokens, prefill tok/s, HF prefill, eager decode, compiled decode, HF decode, seconds of
+    the compiled runs with their compilation); HF's are NaN without HF."""
+    compiled_step = compile_decode_step(bench.device)
     rows = []
     for n in args.prompt_lengths:
         prompt = bench.ids[:n]
@@ -104,10 +104,8 @@ def main() -> None:
         t0 = time.perf_counter()
         _, compiled_decode = time_kvlab(bench.model, prompt, new_tokens, compiled_step, args.repeats)
         compile_run_seconds = time.perf_counter() - t0
-        hf_prefill, hf_decode, _ = (
-            time_hf(hf_model, prompt, new_tokens, args.repeats)
-            if hf_model is not None
-            else (float("nan"), float("nan"))
+        hf_prefill, hf_decode = (
+            time_hf(hf_model, prompt, new_tokens, args.repeats)[:2] if hf_model is not None else (math.nan, math.nan)
         )
         rows.append((n, eager_prefill, hf_prefill, eager_decode, compiled_decode, hf_decode, compile_run_seconds))
         print(
@@ -115,12 +113,17 @@ def main() -> None:
             f"{eager_decode:.1f}, compiled {compiled_decode:.1f}, HF {hf_decode:.1f} tok/s",
             flush=True,
         )
+    return rows
 
+
+def time_quantized(bench, rows: list[tuple], new_tokens: int, args) -> list[tuple]:
+    """Per quantization and prompt length: (tokens, name, weight bytes, eager decode, compiled decode, the float
+    model's compiled decode, HF decode)."""
     quantized_rows = []
     for name in args.weights:
         torch._dynamo.reset()  # a fresh compile for each model
         model = quantize_model(copy.deepcopy(bench.model), QUANTIZATIONS[name])
-        step = compile_decode_step(device)
+        step = compile_decode_step(bench.device)
         for n, *_, compiled_float, hf_decode, _ in rows:
             _, eager_decode = time_kvlab(model, bench.ids[:n], new_tokens, decode_one_token, args.repeats)
             _, compiled_decode = time_kvlab(model, bench.ids[:n], new_tokens, step, args.repeats)
@@ -131,15 +134,19 @@ def main() -> None:
                 f"{name}, prompt {n}: decode eager {eager_decode:.1f}, compiled {compiled_decode:.1f} tok/s", flush=True
             )
         del model
+    return quantized_rows
 
-    kernels = ", ".join(f"{name} {kernel_path(device, QUANTIZATIONS[name].mode)}" for name in args.weights)
-    lines = [
-        f"# Generation throughput: {bench.config['name']} on {device.type} ({machine(device)}), {bench.dtype_name}",
+
+def float_lines(bench, rows: list[tuple], new_tokens: int, repeats: int, hf_version: str | None) -> list[str]:
+    """The report's header and float table."""
+    return [
+        f"# Generation throughput: {bench.config['name']} on {bench.device.type} ({machine(bench.device)}), "
+        f"{bench.dtype_name}",
         "",
-        f"torch {torch.__version__}; batch 1; greedy; {new_tokens} new tokens per run; median of {args.repeats} "
+        f"torch {torch.__version__}; batch 1; greedy; {new_tokens} new tokens per run; median of {repeats} "
         "runs after a warm-up run.",
         "Decode tokens/s exclude the first decode step (it compiles under `--compile`). HF: `transformers` "
-        + (f"{__import__('transformers').__version__} " if hf_model is not None else "")
+        + (f"{hf_version} " if hf_version else "")
         + "`generate` (dynamic cache, eager) on the same GGUF weights.",
         "",
         *table(
@@ -165,25 +172,44 @@ def main() -> None:
         + ", ".join(f"{n} tokens: {s:.0f} s" for n, *_, s in rows),
         "",
     ]
-    if quantized_rows:
-        lines += [
-            "## Weight-only quantization (same run)",
-            "",
-            "Decode with int8 (per channel) and int4 (g=32) weights, the tied embedding / LM head int8 in "
-            f"both; kernels: {kernels}.",
-            f"`/ HF`: against HF's {bench.dtype_name} decode above.",
-            "",
-            *table(
-                "prompt tokens | weights | weight MB | decode tok/s eager | decode tok/s compiled | compiled / "
-                "HF | compiled / compiled float",
-                (
-                    row(n, name, f"{mb / 1e6:.0f}", f"{ed:.1f}", f"{cd:.1f}", f"{cd / hd:.2f}x", f"{cd / cf:.2f}x")
-                    for n, name, mb, ed, cd, cf, hd in quantized_rows
-                ),
-                align="---:",
+
+
+def quantized_lines(bench, quantized_rows: list[tuple], names: list[str]) -> list[str]:
+    """The weight-only quantization table, or nothing where none was timed."""
+    if not quantized_rows:
+        return []
+    kernels = ", ".join(f"{name} {kernel_path(bench.device, QUANTIZATIONS[name].mode)}" for name in names)
+    return [
+        "## Weight-only quantization (same run)",
+        "",
+        "Decode with int8 (per channel) and int4 (g=32) weights, the tied embedding / LM head int8 in "
+        f"both; kernels: {kernels}.",
+        f"`/ HF`: against HF's {bench.dtype_name} decode above.",
+        "",
+        *table(
+            "prompt tokens | weights | weight MB | decode tok/s eager | decode tok/s compiled | compiled / "
+            "HF | compiled / compiled float",
+            (
+                row(n, name, f"{mb / 1e6:.0f}", f"{ed:.1f}", f"{cd:.1f}", f"{cd / hd:.2f}x", f"{cd / cf:.2f}x")
+                for n, name, mb, ed, cd, cf, hd in quantized_rows
             ),
-        ]
-    write_results(lines, args.out, "generate", device, show=False)
+            align="---:",
+        ),
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    bench = load_bench(args.device, args.dtype)
+    new_tokens = args.new_tokens or (256 if bench.device.type == "cuda" else 64)
+    hf_model = None if args.no_hf else load_hf(bench.device, bench.dtype)
+    rows = time_float(bench, hf_model, new_tokens, args)
+    quantized_rows = time_quantized(bench, rows, new_tokens, args)
+    hf_version = None if hf_model is None else __import__("transformers").__version__
+    lines = float_lines(bench, rows, new_tokens, args.repeats, hf_version) + quantized_lines(
+        bench, quantized_rows, args.weights
+    )
+    write_results(lines, args.out, "generate", bench.device, show=False)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""kvlab's native CPU kernels (kvlab/kernels) against torch's, in one run (issue 31).
+"""kvlab's native CPU kernels (kvlab/kernels) against torch's, in one run.
 
     python bench/bench_native_kernels.py                        # 512 and 2048-token prompts
     python bench/bench_native_kernels.py --prompt_lengths 512 --repeats 5
@@ -96,7 +96,7 @@ def native_against_torch(bench, weights: str, args) -> dict[int, tuple[float, fl
     return {n: (native[n][0], stock[n][0], native[n][1] == stock[n][1]) for n in args.prompt_lengths}
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__, dtype=False)
     p.add_argument(
         "--prompt_lengths",
@@ -109,26 +109,35 @@ def main() -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed runs per measurement; the median is reported (default: 3)"
     )
-    args = parse_bench_args(p, "native_kernels")
-    if not kernels.load():
-        raise SystemExit(f"error: the native kernels do not run here ({kernels.REASON})")
-    bench = load_bench("cpu", "float32")
-    bandwidth = read_bandwidth()
-    matvecs = matvec_rows(bench.model)
-    decode = {weights: native_against_torch(bench, weights, args) for weights in ("fp32", "int8", "int4")}
+    return parse_bench_args(p, "native_kernels")
+
+
+def record(decode: dict, matvecs: list[tuple], bandwidth: float) -> dict:
+    """The JSON record: decode tok/s per weights and prompt length, each product's times, and the machine."""
     results = {
         f"decode_{w}_{n}": {"native": nat, "torch": st, "ratio": nat / st}
         for w, rates in decode.items()
         for n, (nat, st, _) in rates.items()
     }
     results["matvec"] = {name: {"bytes": b, "native_ms": nm, "torch_ms": tm} for name, b, nm, tm in matvecs}
-    results |= {
+    return results | {
         "bandwidth_gbs": bandwidth,
         "isa": kernels.REASON,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "load": os.getloadavg(),
     }
-    results["load"] = os.getloadavg()
+
+
+def main() -> None:
+    args = parse_args()
+    if not kernels.load():
+        raise SystemExit(f"error: the native kernels do not run here ({kernels.REASON})")
+    bench = load_bench("cpu", "float32")
+    bandwidth = read_bandwidth()
+    matvecs = matvec_rows(bench.model)
+    decode = {weights: native_against_torch(bench, weights, args) for weights in ("fp32", "int8", "int4")}
+    results = record(decode, matvecs, bandwidth)
     lines = [
         f"# Native CPU kernels against torch's: {bench.config['name']}, float32 ({machine(bench.device)})",
         "",

@@ -67,7 +67,7 @@ def decode_rate(
     return median_decode_rate(runs), runs[0].tokens
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__)
     p.add_argument(
         "--prompt_lengths",
@@ -82,7 +82,11 @@ def main() -> None:
     )
     p.add_argument("--new_tokens", type=int, default=32, help="decoded tokens per run (default: 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point after a warm-up (default: 3)")
-    args = parse_bench_args(p, "paged_attention")
+    return parse_bench_args(p, "paged_attention")
+
+
+def main() -> None:
+    args = parse_args()
 
     bench = load_bench(args.device, args.dtype)
     torch._dynamo.config.cache_size_limit = 64

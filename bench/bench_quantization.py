@@ -70,7 +70,7 @@ def teacher_forced(model, ids: list[int], n_prompt: int, bits: int | None, axis:
     return torch.cat(steps).float()
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=1000, help="prompt tokens per sample (default: 1000)")
     p.add_argument(
@@ -83,20 +83,18 @@ def main() -> None:
         default=None,
         help="decoded tokens for the speed column (default: 32 on CPU, 256 on CUDA)",
     )
-    args = parse_bench_args(p, "quantization")
+    return parse_bench_args(p, "quantization")
 
-    bench = load_bench(args.device, args.dtype)
-    model, device, dtype = bench.model, bench.device, bench.dtype
-    torch._dynamo.config.cache_size_limit = 64
-    span = args.prompt_length + args.decode_length + 1
-    samples = [bench.ids[i * span : (i + 1) * span] for i in range(args.samples)]
 
+def measure_quality(model, samples: list[list[int]], prompt_length: int, device: torch.device) -> dict:
+    """Per storage setting, per sample: (next-token loss, max abs logit error against the unquantized cache, top-1
+    agreement with it), each sample's tokens after `prompt_length` teacher-forced through the cache."""
     quality = {s: [] for s in SETTINGS}
     for sample in samples:
-        targets = torch.tensor(sample[args.prompt_length + 1 :], device=device)
-        reference = teacher_forced(model, sample, args.prompt_length, None, None)
+        targets = torch.tensor(sample[prompt_length + 1 :], device=device)
+        reference = teacher_forced(model, sample, prompt_length, None, None)
         for bits, axis in SETTINGS:
-            logits = reference if bits is None else teacher_forced(model, sample, args.prompt_length, bits, axis)
+            logits = reference if bits is None else teacher_forced(model, sample, prompt_length, bits, axis)
             quality[bits, axis].append(
                 (
                     F.cross_entropy(logits, targets).item(),
@@ -105,6 +103,19 @@ def main() -> None:
                 )
             )
         print(f"sample done: full nll {quality[None, None][-1][0]:.4f}", file=sys.stderr)
+    return quality
+
+
+def main() -> None:
+    args = parse_args()
+
+    bench = load_bench(args.device, args.dtype)
+    model, device, dtype = bench.model, bench.device, bench.dtype
+    torch._dynamo.config.cache_size_limit = 64
+    span = args.prompt_length + args.decode_length + 1
+    samples = [bench.ids[i * span : (i + 1) * span] for i in range(args.samples)]
+
+    quality = measure_quality(model, samples, args.prompt_length, device)
 
     step = compile_decode_step(device)
     speed_tokens = args.speed_tokens or (256 if device.type == "cuda" else 32)

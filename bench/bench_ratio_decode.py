@@ -1,4 +1,4 @@
-"""What a leaderboard batch costs with and without the eviction score under a compression ratio (issue 17).
+"""What a leaderboard batch costs with and without the eviction score under a compression ratio.
 
     python bench/bench_ratio_decode.py                          # lagkv keydiff heavy_hitter, ratio 0.75, query-agnostic
     OMP_NUM_THREADS=1 python bench/bench_ratio_decode.py --strategies lagkv --repeats 3

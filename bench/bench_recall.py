@@ -42,7 +42,7 @@ def device_bytes(bench, host_spec, prompt, shared, timed) -> int:
     return sum(c.device_nbytes() for c in caches)
 
 
-def main() -> None:
+def parse_args():
     p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=4000, help="prompt tokens (default: 4000)")
     p.add_argument("--new_tokens", type=int, default=32, help="decoded tokens (default: 32)")
@@ -56,7 +56,11 @@ def main() -> None:
     p.add_argument(
         "--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="strategies to compare (default: all)"
     )
-    args = parse_bench_args(p, "recall")
+    return parse_bench_args(p, "recall")
+
+
+def main() -> None:
+    args = parse_args()
 
     bench = load_bench(args.device, args.dtype)
     model = bench.model

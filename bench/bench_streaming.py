@@ -85,7 +85,7 @@ def plot(curves: dict, path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parse_args():
     if len(sys.argv) == 3 and sys.argv[1] == "--run":
         print(json.dumps(run(*json.loads(sys.argv[2]))))
         return
@@ -96,7 +96,11 @@ def main() -> None:
     p.add_argument(
         "--long_tokens", type=int, default=100_000, help="tokens of the long keydiff run (default: 100000; 0 skips it)"
     )
-    args = parse_bench_args(p, "streaming")
+    return parse_bench_args(p, "streaming")
+
+
+def main() -> None:
+    args = parse_args()
     curves = {s: in_process(s, args.budget, args.chunk, args.tokens) for s in STRATEGIES}
     results = {"cpu": machine(torch.device("cpu")), "budget": args.budget, "chunk": args.chunk, "curves": curves}
     rows = [
