@@ -201,35 +201,9 @@ def spec_for(
     )
 
 
-def write_tiny_gguf(path, arch: str, q4_1: bool = False) -> None:
-    """A 2-layer float32 GGUF of `arch` with random weights (q/k/v biases for qwen2) and the shipped
-    model's tokenizer fields, which both loaders need; with `q4_1`, the layers' matrices in Q4_1 blocks (as the
-    shipped model's), the embedding in Q8_0."""
-    import gguf
-    import numpy as np
-
-    from kvlab.convert import default_gguf_path
-
-    fields = gguf.GGUFReader(default_gguf_path()).fields
-    dim, heads, kv_heads, ffn = 64, 4, 2, 128
-    head_dim, vocab = dim // heads, len(fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2)
-    w.add_context_length(256)
-    w.add_embedding_length(dim)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
-    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
-    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
-    rng = np.random.default_rng(0)
+def tiny_shapes(arch: str, vocab: int, dim: int, heads: int, kv_heads: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a 2-layer GGUF model of `arch` by its GGUF name, with its shape."""
+    head_dim = dim // heads
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
     for i in range(2):
         b = f"blk.{i}."
@@ -254,6 +228,39 @@ def write_tiny_gguf(path, arch: str, q4_1: bool = False) -> None:
             b + "ffn_up.weight": (ffn, dim),
             b + "ffn_down.weight": (dim, ffn),
         }
+    return shapes
+
+
+def write_tiny_gguf(path, arch: str, q4_1: bool = False) -> None:
+    """A 2-layer float32 GGUF of `arch` with random weights (q/k/v biases for qwen2) and the shipped
+    model's tokenizer fields, which both loaders need; with `q4_1`, the layers' matrices in Q4_1 blocks (as the
+    shipped model's), the embedding in Q8_0."""
+    import gguf
+    import numpy as np
+
+    from kvlab.convert import default_gguf_path
+
+    fields = gguf.GGUFReader(default_gguf_path()).fields
+    dim, heads, kv_heads, ffn = 64, 4, 2, 128
+    vocab = len(fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
+    w.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
+    rng = np.random.default_rng(0)
+    shapes = tiny_shapes(arch, vocab, dim, heads, kv_heads, ffn)
     for name, shape in shapes.items():
         values = (
             np.ones(shape, np.float32)

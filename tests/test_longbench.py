@@ -72,14 +72,10 @@ def write_jsonl(directory: Path, subset: str, records: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture
-def data_dir(tmp_path: Path) -> Path:
-    """Fixture files for six subsets: English QA, Chinese QA, classification, retrieval, counting, code."""
-    d = tmp_path / "longbench"
-    write_jsonl(
-        d,
-        "hotpotqa",
-        [
+def subset_records() -> dict[str, list[dict]]:
+    """The fixture's records per subset: English QA, Chinese QA, classification, retrieval, counting, code."""
+    return {
+        "hotpotqa": [
             record(
                 "hotpotqa",
                 i,
@@ -89,16 +85,10 @@ def data_dir(tmp_path: Path) -> Path:
             )
             for i in range(4)
         ],
-    )
-    write_jsonl(
-        d,
-        "multifieldqa_zh",
-        [record("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？", ["北京"], language="zh")],
-    )
-    write_jsonl(
-        d,
-        "trec",
-        [
+        "multifieldqa_zh": [
+            record("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？", ["北京"], language="zh")
+        ],
+        "trec": [
             record(
                 "trec",
                 i,
@@ -109,11 +99,7 @@ def data_dir(tmp_path: Path) -> Path:
             )
             for i in range(3)
         ],
-    )
-    write_jsonl(
-        d,
-        "passage_retrieval_en",
-        [
+        "passage_retrieval_en": [
             record(
                 "passage_retrieval_en",
                 0,
@@ -122,17 +108,19 @@ def data_dir(tmp_path: Path) -> Path:
                 ["Paragraph 2"],
             )
         ],
-    )
-    write_jsonl(
-        d,
-        "passage_count",
-        [record("passage_count", 0, "Paragraph 1: A.\n\nParagraph 2: B.\n\nParagraph 3: A.", "", ["2"])],
-    )
-    write_jsonl(
-        d,
-        "lcc",
-        [record("lcc", 0, "def add(a, b):\n    return a + b\n\nx = ", "", ["x = add(1, 2)"], language="python")],
-    )
+        "passage_count": [
+            record("passage_count", 0, "Paragraph 1: A.\n\nParagraph 2: B.\n\nParagraph 3: A.", "", ["2"])
+        ],
+        "lcc": [record("lcc", 0, "def add(a, b):\n    return a + b\n\nx = ", "", ["x = add(1, 2)"], language="python")],
+    }
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """Fixture files for six subsets: English QA, Chinese QA, classification, retrieval, counting, code."""
+    d = tmp_path / "longbench"
+    for subset, records in subset_records().items():
+        write_jsonl(d, subset, records)
     return d
 
 
