@@ -69,6 +69,20 @@ def torch_kernels(model: Transformer):
         lay_out_for_matvec(model)
 
 
+def one_line_error(capsys, exit_info) -> str:
+    """The command's stderr, checked to be exactly one `error:` line with a non-zero exit."""
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path, smollm_dir):
+    ckpt = tmp_path / "tiny"
+    write_tiny_checkpoint(ckpt, smollm_dir / "tokenizer.json")
+    return ckpt
+
+
 def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
     """A 1-layer kvlab checkpoint with the default model's tokenizer."""
     args = ModelArgs(
