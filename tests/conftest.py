@@ -83,6 +83,16 @@ def tiny_ckpt(tmp_path, smollm_dir):
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def essay(smollm):
+    """The Paul Graham essays in the default model's tokens."""
+    return smollm[1].encode(paul_graham_text())
+
+
+# a test that needs kvlab's native kernels built and loadable here
+native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
+
+
 def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
     """A 1-layer kvlab checkpoint with the default model's tokenizer."""
     args = ModelArgs(
