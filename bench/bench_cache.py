@@ -11,6 +11,8 @@ slots, so its speed should stay flat while the full cache slows with the prompt.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from common import (
@@ -42,7 +44,7 @@ def decode_speed(
     )
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__, weights=True)
     p.add_argument(
         "--prompt_lengths", type=int, nargs="+", default=[512, 2048, 4096, 8000], help="prompt lengths in tokens"

@@ -18,6 +18,7 @@ Writes bench/results/compression_pays_<device>.md and .json: {"<n>": {"<ratio>":
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,7 @@ def decode_run(bench, prompt: list[int], spec, new_tokens: int) -> Callable[[], 
     )
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument(
         "--prompt_lengths",

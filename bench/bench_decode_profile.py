@@ -21,6 +21,7 @@ Writes bench/results/decode_profile_<device>.md.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -132,7 +133,7 @@ def profile_step(model, device: torch.device, prompt: list[int], steps: int) -> 
     return dict(per_step), wall
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__, weights=True)
     p.add_argument("--prompt_length", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new_tokens", type=int, default=64, help="tokens decoded per timed run (default: 64)")

@@ -14,6 +14,7 @@ ratios (compiled / eager, kvlab / HF), not lone times.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 import statistics
@@ -56,7 +57,7 @@ def kernel_path(device: torch.device, mode: str) -> str:
     )
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument(
         "--prompt_lengths",

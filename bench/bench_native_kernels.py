@@ -19,6 +19,7 @@ tok/s, "ratio": native/torch}, "matvec": {...}, "bandwidth_gbs", "isa", "cpu", "
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import platform
@@ -96,7 +97,7 @@ def native_against_torch(bench, weights: str, args) -> dict[int, tuple[float, fl
     return {n: (native[n][0], stock[n][0], native[n][1] == stock[n][1]) for n in args.prompt_lengths}
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__, dtype=False)
     p.add_argument(
         "--prompt_lengths",

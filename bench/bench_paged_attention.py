@@ -67,7 +67,7 @@ def decode_rate(
     return median_decode_rate(runs), runs[0].tokens
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument(
         "--prompt_lengths",

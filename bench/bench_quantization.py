@@ -11,6 +11,7 @@ measured at every bit width; the default per bit width follows from this table. 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -70,7 +71,7 @@ def teacher_forced(model, ids: list[int], n_prompt: int, bits: int | None, axis:
     return torch.cat(steps).float()
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=1000, help="prompt tokens per sample (default: 1000)")
     p.add_argument(

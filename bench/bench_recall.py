@@ -15,6 +15,8 @@ fast_k, fast_v and their slot ids); for evicting caches, their whole (budget-siz
 
 from __future__ import annotations
 
+import argparse
+
 from common import bench_parser, decode_rate, load_bench, mean, parse_bench_args, report, table, write_results
 from kvlab.engine import generate
 from kvlab.recall import RecallableCache
@@ -42,7 +44,7 @@ def device_bytes(bench, host_spec, prompt, shared, timed) -> int:
     return sum(c.device_nbytes() for c in caches)
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--prompt_length", type=int, default=4000, help="prompt tokens (default: 4000)")
     p.add_argument("--new_tokens", type=int, default=32, help="decoded tokens (default: 32)")

@@ -16,6 +16,7 @@ Writes bench/results/streaming_cpu.md, .json and .png.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import resource
@@ -85,7 +86,7 @@ def plot(curves: dict, path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_args():
+def parse_args() -> argparse.Namespace:
     if len(sys.argv) == 3 and sys.argv[1] == "--run":
         print(json.dumps(run(*json.loads(sys.argv[2]))))
         return
