@@ -93,6 +93,12 @@ def essay(smollm):
 native = pytest.mark.skipif(not kernels.load(quiet=True), reason=f"needs kvlab's native kernels: {kernels.REASON}")
 
 
+def two_ranks(launcher: str) -> list[str]:
+    """The command that starts two local ranks under `launcher` (torch.distributed.run or kvlab.launch); the script
+    and its arguments follow."""
+    return [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2"]
+
+
 def write_tiny_checkpoint(out_dir, tokenizer_json) -> None:
     """A 1-layer kvlab checkpoint with the default model's tokenizer."""
     args = ModelArgs(

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, one_line_error
+from conftest import ROOT, one_line_error, two_ranks
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import convert_hf_checkpoint  # noqa: E402
@@ -278,17 +278,7 @@ def test_ctrl_c_while_torch_loads_is_one_line(command):
 def test_a_rank_failing_under_kvlab_launch_ends_with_its_error_and_one_line():
     """torchrun answers a rank's one-line error with its own traceback; kvlab.launch ends with the ranks' error and
     one line naming the rank and its status, which it exits with."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvlab.launch",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "generate.py",
-        "--max_new_tokens",
-        "-3",
-    ]
+    cmd = [*two_ranks("kvlab.launch"), "generate.py", "--max_new_tokens", "-3"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = done.stderr.splitlines()
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]

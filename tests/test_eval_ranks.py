@@ -7,13 +7,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from eval_helpers import KJV, M, job_records, jobs_under, run_eval, task_metrics, use_echo_task
 
-from conftest import ROOT
+from conftest import ROOT, two_ranks
 from kvlab import evaluate
 from kvlab.results import RECORDS, read_config_records, read_records
 
@@ -39,18 +38,7 @@ SWEEP += ["--context_lengths", "256", "--ppl_prompt_tokens", "240"]
 
 def torchrun_eval(out_dir, *args) -> subprocess.CompletedProcess:
     """eval.py under `torchrun --standalone --nproc_per_node 2` (gloo on the CPU, a free port per run)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "eval.py",
-        "--out_dir",
-        str(out_dir),
-        *args,
-    ]
+    command = [*two_ranks("torch.distributed.run"), "eval.py", "--out_dir", str(out_dir), *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

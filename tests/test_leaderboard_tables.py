@@ -11,7 +11,7 @@ import sys
 import matplotlib.figure
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, two_ranks
 
 SUMMARY_ROWS = [
     ("full", "full", False, "vt", 1024, 90.0),
@@ -122,16 +122,7 @@ def test_leaderboard_runs_eval_per_protocol_in_one_process_or_launched(leaderboa
     eval_py = str(ROOT / "eval.py")
     assert leaderboard.sweep_command(args, True) == [sys.executable, eval_py, *leaderboard.sweep_args(args, True)]
     args.processes = 2
-    launched = [
-        sys.executable,
-        "-m",
-        "kvlab.launch",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        eval_py,
-        *leaderboard.sweep_args(args, False),
-    ]
+    launched = [*two_ranks("kvlab.launch"), eval_py, *leaderboard.sweep_args(args, False)]
     assert leaderboard.sweep_command(args, False) == launched
 
 

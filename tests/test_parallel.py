@@ -13,7 +13,7 @@ import pytest
 import torch
 from tp_worker import SHORT_PROMPT, TINY_SETTINGS, per_head_slots
 
-from conftest import ROOT, torch_kernels
+from conftest import ROOT, torch_kernels, two_ranks
 from kvlab import parallel
 from kvlab.config import cache_spec
 from kvlab.config_files import load_cache_config
@@ -49,17 +49,7 @@ OTHERS = sorted(set(RECORDED["configs"]) - set(CORE) - {"random"})
 
 def torchrun(tmp_path, *args: str) -> list[dict]:
     """Run tests/tp_worker.py on 2 ranks; what each rank saw."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "tests/tp_worker.py"),
-        str(tmp_path),
-        *args,
-    ]
+    cmd = [*two_ranks("torch.distributed.run"), str(ROOT / "tests/tp_worker.py"), str(tmp_path), *args]
     # as recorded: conftest.torch_kernels
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "KVLAB_KERNELS": "torch"}
@@ -136,7 +126,7 @@ def test_torchrun_generate_prints_the_text_of_one_process():
     flags = ["generate.py", "--cache_strategy", "heavy_hitter", "--max_new_tokens", "24"]
     alone = subprocess.run([sys.executable, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     sharded = subprocess.run(
-        [sys.executable, "-m", "kvlab.launch", "--standalone", "--nproc_per_node", "2", *flags],
+        [*two_ranks("kvlab.launch"), *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
